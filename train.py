@@ -1,0 +1,202 @@
+"""Train and evaluate one data-parallel replica; every number reported is a global one.
+
+Each rank runs the same loop on its own shard. Nothing in the hot loop waits on the device:
+losses and counts accumulate as device tensors and are all-reduced (summed) once per epoch, so
+loss and accuracy are those of the whole data set, not of rank 0's shard. Epoch time is taken
+between two barriers around the training part only (validation is timed on its own), peak memory
+is the maximum over ranks, and throughput counts the images of all ranks.
+"""
+
+import contextlib
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from data import Loaders, validation_weights
+from distributed_utils import DistEnv
+from utils import log0
+
+
+@dataclass
+class Precision:
+    """How a step runs in low precision: autocast (DDP) and/or a loss scaler (fp16)."""
+    autocast_dtype: torch.dtype | None
+    scaler: "torch.amp.GradScaler | None"
+
+    def autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until this rank's queued device work is done, then for every other rank."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        # Linux: writing 5 to clear_refs resets the process's peak resident set (VmHWM).
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak since reset_peak_memory: CUDA allocator peak, or peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        match = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M)
+        if match:
+            return int(match.group(1)) * 1024
+    import resource  # no /proc: lifetime peak instead of per-epoch
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Exact bytes of parameters, gradients and optimizer state held by this rank.
+
+    Under FSDP, model.parameters() are this rank's flat shards, so this shrinks with sharding.
+    """
+    tensors = list(model.parameters())
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def all_reduce(values: list[float | torch.Tensor], device: torch.device,
+               op=dist.ReduceOp.SUM) -> list[float]:
+    """Reduce several scalars over ranks in one collective; returns Python floats."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+class Progress:
+    """Rank 0's progress: a redrawn bar on a terminal, a line every `every` steps in a log."""
+
+    def __init__(self, epoch: int, steps: int, every: int, enabled: bool):
+        self.epoch, self.steps, self.every, self.enabled = epoch, steps, every, enabled
+        self.tty = sys.stdout.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, step: int, loss: torch.Tensor) -> None:
+        done = step + 1
+        if not self.enabled or (done % self.every and done != self.steps):
+            return
+        ms = 1000 * (time.perf_counter() - self.start) / done
+        # .item() waits for the device: paid once every `every` steps, not every step.
+        text = f"epoch {self.epoch} step {done:>5}/{self.steps} loss {loss.item():.4f} {ms:.1f} ms/step"
+        if self.tty:
+            bar = "#" * (30 * done // self.steps)
+            print(f"\r[{bar:<30}] {text}", end="\n" if done == self.steps else "", flush=True)
+        else:
+            print(text, flush=True)
+
+
+def train_one_epoch(model: nn.Module, loaders: Loaders, optimizer: torch.optim.Optimizer,
+                    precision: Precision, env: DistEnv, epoch: int, print_every: int) -> dict:
+    model.train()
+    device = env.device
+    loss_sum = torch.zeros((), device=device)
+    seen = torch.zeros((), device=device)
+    progress = Progress(epoch, len(loaders.train), print_every, env.is_main)
+    data_wait = 0.0
+
+    synchronize(device)
+    start = time.perf_counter()
+    batches = iter(loaders.train)
+    for step in range(len(loaders.train)):
+        t0 = time.perf_counter()
+        images, labels = next(batches)
+        data_wait += time.perf_counter() - t0
+
+        optimizer.zero_grad(set_to_none=True)
+        with precision.autocast(device):
+            logits = model(images)
+        loss = F.cross_entropy(logits.float(), labels)
+        if precision.scaler is not None:
+            precision.scaler.scale(loss).backward()
+            precision.scaler.step(optimizer)
+            precision.scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
+        loss_sum += loss.detach() * len(labels)
+        seen += len(labels)
+        progress.update(step, loss)
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+
+    loss_sum, seen, data_wait_max = (*all_reduce([loss_sum, seen], device),
+                                     all_reduce([data_wait], device, dist.ReduceOp.MAX)[0])
+    return {"train_loss": loss_sum / max(seen, 1), "time": elapsed, "images": int(seen),
+            "data_wait": data_wait_max}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loaders: Loaders, precision: Precision, env: DistEnv) -> dict:
+    """Loss and accuracy over the whole validation set, each image counted exactly once."""
+    model.eval()
+    device = env.device
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device)
+    count = torch.zeros((), device=device)
+    offset = 0
+    synchronize(device)
+    start = time.perf_counter()
+    for images, labels in loaders.val:
+        with precision.autocast(device):
+            logits = model(images)
+        weights = validation_weights(offset, len(labels), env.rank, env.world_size,
+                                     loaders.val_size, device)
+        offset += len(labels)
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        loss_sum += (losses * weights).sum()
+        correct += ((logits.argmax(dim=1) == labels).float() * weights).sum()
+        count += weights.sum()
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
+    assert int(count) == loaders.val_size, (count, loaders.val_size)
+    return {"val_loss": loss_sum / count, "acc": 100.0 * correct / count,
+            "val_correct": int(correct), "val_time": elapsed}
+
+
+def run_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: Loaders,
+              precision: Precision, env: DistEnv, epoch: int, print_every: int) -> dict:
+    """One epoch of training and validation; the measurements of the `[METRIC]` line."""
+    loaders.train_sampler.set_epoch(epoch)  # a new shuffle, the same on every rank
+    reset_peak_memory(env.device)
+    train = train_one_epoch(model, loaders, optimizer, precision, env, epoch, print_every)
+    val = evaluate(model, loaders, precision, env)
+    peak, state = all_reduce([peak_memory_bytes(env.device), state_bytes(model, optimizer)],
+                             env.device, dist.ReduceOp.MAX)
+    if not math.isfinite(train["train_loss"]):
+        log0(f"warning: epoch {epoch} training loss is {train['train_loss']}")
+    return {
+        "epoch": epoch,
+        "time": train["time"],
+        "val_loss": val["val_loss"],
+        "acc": val["acc"],
+        "peak_mem": round(peak / 2**20),
+        "train_loss": train["train_loss"],
+        "val_time": val["val_time"],
+        "throughput": train["images"] / train["time"],
+        "data_wait": train["data_wait"],
+        "state_mem": int(state),
+    }

@@ -1,0 +1,95 @@
+"""Logging on rank 0 and the one `[METRIC]` line format, written and parsed here only.
+
+Every other file that prints a metric or reads a log goes through `format_metric` and
+`parse_metric`, so the training program, the collector and the tests cannot drift apart.
+
+The line starts with the course's five fields, in the course's order and units, so the
+course's published regex keeps matching; more `key=value` fields follow:
+
+    [METRIC] epoch=3 time=2.20 val_loss=1.0809 acc=61.43 peak_mem=91MB strategy=ddp world_size=4 ...
+"""
+
+import os
+import re
+import sys
+from typing import NoReturn
+
+# The course's regex, kept verbatim: the project's lines must always match it.
+COURSE_METRIC_RE = re.compile(
+    r"\[METRIC\] epoch=(\d+) time=([\d\.]+) val_loss=([\d\.]+) acc=([\d\.]+) peak_mem=(\d+)MB"
+)
+
+# (name, format) of the course's leading fields, in order. peak_mem is in MB with a unit suffix.
+COURSE_FIELDS = (
+    ("epoch", "{:d}"),
+    ("time", "{:.2f}"),
+    ("val_loss", "{:.4f}"),
+    ("acc", "{:.2f}"),
+    ("peak_mem", "{:d}MB"),
+)
+
+METRIC_TAG = "[METRIC]"
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_SRUN_PREFIX_RE = re.compile(r"^\s*\d+:\s?")  # `srun -l` writes "0: " before each line
+_FIELD_RE = re.compile(r"(\w+)=(\S+)")
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line on stderr, exit code 2, no traceback."""
+
+
+def is_rank_zero() -> bool:
+    # Read from the environment so it works before and after the process group exists.
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return os.environ[var] == "0"
+    return True
+
+
+def log0(*args, **kwargs) -> None:
+    """print() on rank 0 only, flushed so that interleaved srun output stays ordered."""
+    if is_rank_zero():
+        print(*args, **kwargs, flush=True)
+
+
+def format_value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value).replace(" ", "_")
+
+
+def format_metric(fields: dict) -> str:
+    """The `[METRIC]` line: course fields first (fixed formats), then the rest as given."""
+    head = [name + "=" + fmt.format(fields[name]) for name, fmt in COURSE_FIELDS]
+    course_names = {name for name, _ in COURSE_FIELDS}
+    tail = [f"{k}={format_value(v)}" for k, v in fields.items() if k not in course_names]
+    return " ".join([METRIC_TAG, *head, *tail])
+
+
+def _convert(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_metric(line: str) -> dict | None:
+    """Fields of a `[METRIC]` line as numbers or strings, or None if the line is not one.
+
+    Accepts the project's lines and the course's, also with an `srun -l` rank prefix and ANSI
+    colour codes. A line whose course fields are missing or cut off is not a metric line.
+    """
+    line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
+    if not line.startswith(METRIC_TAG) or not COURSE_METRIC_RE.match(line):
+        return None
+    fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(METRIC_TAG):])}
+    fields["peak_mem"] = int(str(fields["peak_mem"]).removesuffix("MB"))
+    return fields
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """End a command-line program with a one-line error."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
