@@ -11,7 +11,6 @@ install: $(STAMP)
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -r requirements.txt
 	touch $(STAMP)
 
