@@ -43,6 +43,10 @@ CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch"
 CACHE_FILE = "cifar10_uint8.pt"  # decoded tensors, beside the python batches
 CROP_PADDING = 4
+# Pixel amplitudes of the synthetic set's class pattern and noise: weak enough that the CNN
+# needs a few epochs (about 40% after one, 85% after four on 4,096 images), so a broken
+# training step shows.
+SYNTHETIC_SIGNAL, SYNTHETIC_NOISE = 4, 48
 
 
 @dataclass(frozen=True)
@@ -217,7 +221,7 @@ def make_synthetic(n_train: int, n_val: int, seed: int) -> tuple[Split, Split]:
         for start in range(0, n, 8192):  # chunks bound the float temporaries
             y = labels[start:start + 8192]
             noise = torch.randn(len(y), 3, 32, 32, generator=g)
-            pixels = 128 + 40 * prototypes[y] + 48 * noise
+            pixels = 128 + SYNTHETIC_SIGNAL * prototypes[y] + SYNTHETIC_NOISE * noise
             images[start:start + 8192] = pixels.round().clamp(0, 255).to(torch.uint8)
         return Split(images, labels)
 

@@ -155,7 +155,19 @@ def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer
     return torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
 
-def run(cfg: Config, env: distributed_utils.DistEnv) -> list[dict]:
+@dataclass
+class Job:
+    """Everything one rank trains with, resolved from the configuration."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loaders: data.Loaders
+    precision: Precision
+    identity: dict  # which run this is: the fields that follow the course's in [METRIC]
+    run_info: dict  # how it ran: the fields that close the [METRIC] line
+    resolved: dict  # the whole resolved configuration, for the [CONFIG] line
+
+
+def prepare(cfg: Config, env: distributed_utils.DistEnv) -> Job:
     spec = data.DATASETS[cfg.dataset]
     augment = spec.augment if cfg.augment is None else cfg.augment
     nodes = distributed_utils.num_nodes()
@@ -184,16 +196,22 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> list[dict]:
                 "steps_per_epoch": len(loaders.train),
                 "parameters": count_parameters(build_model(cfg.model)),
                 "torch": torch.__version__, **run_info}
-    log0("[CONFIG] " + " ".join(f"{k}={format_value(v)}" for k, v in resolved.items()))
+    return Job(model, optimizer, loaders, precision, identity, run_info, resolved)
 
+
+def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
+    """Train for cfg.epochs; returns the job (its trained model) and every epoch's metrics."""
+    job = prepare(cfg, env)
+    log0("[CONFIG] " + " ".join(f"{k}={format_value(v)}" for k, v in job.resolved.items()))
     history = []
     for epoch in range(1, cfg.epochs + 1):
-        metrics = run_epoch(model, optimizer, loaders, precision, env, epoch, cfg.print_every)
+        metrics = run_epoch(job.model, job.optimizer, job.loaders, job.precision, env, epoch,
+                            cfg.print_every)
         head = {k: metrics.pop(k) for k in ("epoch", "time", "val_loss", "acc", "peak_mem")}
-        line = {**head, **identity, **metrics, **run_info}
+        line = {**head, **job.identity, **metrics, **job.run_info}
         log0(format_metric(line))
         history.append(line)
-    return history
+    return job, history
 
 
 def main(argv=None) -> int:

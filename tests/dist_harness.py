@@ -1,0 +1,76 @@
+"""Run a function on N real gloo ranks (spawned processes) and collect what each returns.
+
+The ranks find each other the way torchrun's do: RANK/LOCAL_RANK/WORLD_SIZE and
+MASTER_ADDR/MASTER_PORT in the environment, read by distributed_utils.setup().
+"""
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+import torch
+
+import distributed_utils
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_bytes(value) -> bytes:
+    # Tensors sent through a queue as-is travel as shared memory that dies with this process.
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _worker(fn, rank, world_size, port, queue, args):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # as torchrun does: N ranks share 2 cores
+    try:
+        env = distributed_utils.setup(timeout_s=60)
+        try:
+            queue.put((rank, "ok", _to_bytes(fn(env, *args))))
+        finally:
+            distributed_utils.cleanup()
+    except BaseException as e:  # report every failure, including a UsageError, to the test
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 180) -> list:
+    """fn(env, *args) on every rank; returns the results by rank. Raises if any rank fails."""
+    outcomes = spawn_outcomes(fn, world_size, *args, timeout=timeout)
+    errors = [f"rank {r}: {value}" for r, (status, value) in enumerate(outcomes) if status != "ok"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [value for _, value in outcomes]
+
+
+def spawn_outcomes(fn, world_size: int, *args, timeout: float = 180) -> list[tuple[str, object]]:
+    """(status, value) for every rank: ('ok', result) or ('error', message)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                value = torch.load(io.BytesIO(value), weights_only=False)
+            results[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
