@@ -1,0 +1,197 @@
+"""Sharding, augmentation, exact validation and CIFAR-10 loading (files the tests write)."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import data
+from dist_harness import spawn, spawn_outcomes
+from main import Config, prepare
+from train import evaluate
+from utils import UsageError
+
+SPEC = data.DATASETS["synthetic"]
+
+
+def indexed_split(n: int) -> data.Split:
+    """Images whose first pixel encodes their index, so batches reveal what they contain."""
+    images = torch.zeros(n, 3, 32, 32, dtype=torch.uint8)
+    images[:, 0, 0, 0] = torch.arange(n) % 256
+    images[:, 1, 0, 0] = torch.arange(n) // 256
+    return data.Split(images, torch.arange(n) % 10)
+
+
+def seen_indices(loader, split) -> list[int]:
+    out = []
+    for images, _ in loader:
+        # Undo normalization to recover the encoded index.
+        raw = (images[:, :2, 0, 0] * torch.tensor(SPEC.std[:2]) + torch.tensor(SPEC.mean[:2]))
+        raw = (raw * 255).round().long()
+        out += (raw[:, 0] + 256 * raw[:, 1]).tolist()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tensor", "classic"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_sample_once_per_epoch_new_order_each_epoch(kind, world_size):
+    n, global_batch = 360, 24
+    split = indexed_split(n)
+    orders = []
+    for epoch in range(2):
+        per_rank = []
+        for rank in range(world_size):
+            loaders = data.build_loaders(split, split, SPEC, kind=kind, rank=rank,
+                                         world_size=world_size, global_batch=global_batch,
+                                         seed=3, augment=False, device=torch.device("cpu"),
+                                         num_workers=0)
+            loaders.train_sampler.set_epoch(epoch)
+            per_rank.append(seen_indices(loaders.train, split))
+        everything = sorted(i for r in per_rank for i in r)
+        assert everything == list(range(n)), "each sample exactly once across ranks"
+        assert all(len(r) == n // world_size for r in per_rank)
+        orders.append(per_rank[0])
+    assert orders[0] != orders[1], "a new order every epoch"
+
+
+def test_training_keeps_full_global_batches_only():
+    split = indexed_split(250)  # 10 full batches of 24, 10 images left over
+    loaders = data.build_loaders(split, split, SPEC, kind="tensor", rank=0, world_size=2,
+                                 global_batch=24, seed=0, augment=False,
+                                 device=torch.device("cpu"))
+    assert len(loaders.train) == 10
+    assert len(seen_indices(loaders.train, split)) == 10 * 12
+
+
+def test_random_crop_flip_takes_a_window_of_the_padded_image():
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+    out = data.random_crop_flip(images, gen)
+    assert out.shape == images.shape and out.dtype == torch.uint8
+    padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
+    flips, shifts = 0, set()
+    for i in range(len(images)):
+        windows = [((dy, dx), padded[i, :, dy:dy + 32, dx:dx + 32])
+                   for dy in range(9) for dx in range(9)]
+        matches = [(*shift, flip) for shift, w in windows for flip in (False, True)
+                   if torch.equal(out[i], w.flip(2) if flip else w)]
+        assert matches, f"image {i} is not a crop of its padded original"
+        flips += matches[0][2]
+        shifts.add(matches[0][:2])
+    assert 10 < flips < 54, "about half the images flipped"
+    assert len(shifts) > 20, "offsets vary over the 9x9 window"
+
+
+def test_tensor_path_normalizes_like_torchvision():
+    split = data.make_synthetic(8, 8, seed=1)[0]
+    norm = data.Normalize(SPEC, torch.device("cpu"))(split.images)
+    transform = data.classic_transform(SPEC, augment=False)
+    tv = torch.stack([transform(Image.fromarray(img.permute(1, 2, 0).numpy()))
+                      for img in split.images])
+    assert torch.allclose(norm, tv, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- exact validation
+
+VAL_CFG = dict(dataset="synthetic", train_samples=96, val_samples=1001, batch_size=48,
+               epochs=1, seed=11)
+
+
+def validate_initial_weights(env, cfg):
+    job = prepare(cfg, env)
+    return evaluate(job.model, job.loaders, job.precision, env)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_validation_is_exact_at_any_world_size(strategy):
+    cfg = Config(**VAL_CFG, strategy=strategy)
+    results = {ws: spawn(validate_initial_weights, ws, cfg)[0] for ws in (1, 2, 3)}
+    ref = results[1]
+    for ws, res in results.items():
+        assert res["val_correct"] == ref["val_correct"], ws
+        assert res["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), ws
+        assert res["acc"] == pytest.approx(ref["acc"], abs=1e-9), ws
+
+
+def test_validation_weights_mask_only_the_padding():
+    # 1,001 images on 3 ranks: the sampler pads to 1,002; rank 2's last position repeats.
+    w = [data.validation_weights(0, 334, r, 3, 1001, torch.device("cpu")) for r in range(3)]
+    assert [int(x.sum()) for x in w] == [334, 334, 333]
+    assert w[2][-1] == 0
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 files
+
+def write_cifar_dir(root, n_train_per_file=20, n_test=30, seed=0):
+    """A small data set in CIFAR-10's own python format."""
+    rng = np.random.default_rng(seed)
+    folder = root / data.CIFAR10_FOLDER
+    folder.mkdir(parents=True)
+    for name, n in [(f, n_train_per_file) for f in data.CIFAR10_TRAIN_FILES] + [
+            (data.CIFAR10_TEST_FILE, n_test)]:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, n).tolist(), b"batch_label": name.encode()}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    return folder
+
+
+def test_loads_any_directory_in_the_cifar10_python_format(tmp_path):
+    folder = write_cifar_dir(tmp_path)
+    train, val = data.load_cifar10(tmp_path, download=False)
+    assert train.images.shape == (100, 3, 32, 32) and val.images.shape == (30, 3, 32, 32)
+    with open(folder / "data_batch_2", "rb") as f:
+        second = pickle.load(f, encoding="bytes")
+    assert torch.equal(train.images[20:40].reshape(20, -1), torch.from_numpy(second[b"data"]))
+    assert train.labels[20:40].tolist() == second[b"labels"]
+    assert (tmp_path / data.CACHE_FILE).is_file()
+    # The cache is used, and rebuilt when a source file changes.
+    write_cifar_dir(tmp_path / "other", n_test=5)
+    (folder / "test_batch").write_bytes((tmp_path / "other" / data.CIFAR10_FOLDER /
+                                         "test_batch").read_bytes())
+    assert len(data.load_cifar10(tmp_path, download=False)[1]) == 5
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_cifar_file_is_a_clear_error(tmp_path, damage):
+    folder = write_cifar_dir(tmp_path)
+    path = folder / "data_batch_3"
+    blob = path.read_bytes()
+    path.write_bytes(blob[:len(blob) // 2] if damage == "truncate" else b"not a pickle")
+    with pytest.raises(UsageError, match="data_batch_3"):
+        data.load_cifar10(tmp_path, download=False)
+
+
+def test_missing_data_without_download_says_how_to_fetch(tmp_path):
+    with pytest.raises(UsageError, match="python data.py --download"):
+        data.load_cifar10(tmp_path / "nothing", download=False)
+
+
+def fake_download_then_load(env, root, fail):
+    def fake_download(data_dir):
+        (data_dir / f"downloaded_by_rank_{env.rank}").touch()
+        if fail:
+            raise ConnectionError("no route to host")
+        write_cifar_dir(data_dir)
+
+    data.download_cifar10 = fake_download  # the real one needs internet
+    train, val = data.load_cifar10(root, download=True)
+    return len(train), len(val)
+
+
+def test_rank0_alone_downloads_and_all_ranks_load(tmp_path):
+    results = spawn(fake_download_then_load, 3, tmp_path, False)
+    assert results == [(100, 30)] * 3
+    assert sorted(p.name for p in tmp_path.glob("downloaded_by_rank_*")) == ["downloaded_by_rank_0"]
+
+
+def test_failed_download_ends_every_rank_with_the_same_message(tmp_path):
+    outcomes = spawn_outcomes(fake_download_then_load, 2, tmp_path, True, timeout=60)
+    assert [status for status, _ in outcomes] == ["error", "error"]
+    first_lines = {msg.splitlines()[0] for _, msg in outcomes}
+    assert len(first_lines) == 1, first_lines
+    (line,) = first_lines
+    assert line.startswith("UsageError: downloading CIFAR-10") and "no route to host" in line
+    assert "python data.py --download --data-dir" in line
