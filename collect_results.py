@@ -1,0 +1,358 @@
+"""Collect the `[METRIC]` lines of every training log into one CSV, and print a summary.
+
+    python collect_results.py                          # logs/ -> results.csv, table on stdout
+    python collect_results.py --logs DIR --out FILE
+
+Reads the project's logs and the course's (`srun -l` rank prefixes, ANSI colours), through
+utils.parse_metric. Each log file is one run. Its identity (strategy, GPUs, nodes, job id)
+comes from the metric lines' own fields, else from the file name (`ddp_4gpu_1234.log`,
+`ddp_4gpu_15epochs.train.log`). A log that gives no trustworthy data (no metric lines, a line
+cut off, a run that died before its last epoch, binary data) is named with the reason and
+skipped. `X.err` beside `X.log` is that run's stderr: read for crashes, not for metrics.
+
+The summary table (markdown) goes to stdout; notes on skipped files go to stderr.
+"""
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from utils import COURSE_FIELDS, METRIC_TAG, UsageError, fail, parse_metric
+
+# The columns that name a run, first in the CSV; a run's rows are those of one log file.
+IDENTITY = ("strategy", "gpus", "nodes", "job_id")
+RUN_COLUMNS = ("log", *IDENTITY)
+COURSE_COLUMNS = tuple(name for name, _ in COURSE_FIELDS)  # epoch, time, val_loss, acc, peak_mem
+
+# Where each identity column is found in a project metric line (one rank per GPU).
+LINE_FIELD = {"strategy": "strategy", "gpus": "world_size", "nodes": "nodes", "job_id": "job_id"}
+
+# The sweep's names, `{strategy}_{gpus}gpu[_{nodes}node][_{jobid}].log`, and the course's,
+# `ddp_4gpu_15epochs.train.log` (where `_15epochs` is no job id).
+LOG_NAME_RE = re.compile(r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpus?"
+                         r"(?:_(?P<nodes>\d+)nodes?)?(?:_(?P<job_id>\d+))?(?=[._]|$)")
+
+# main.py's `[CONFIG] ... epochs=N ...` line says how many epochs a complete run has.
+CONFIG_TAG = "[CONFIG]"
+CONFIG_EPOCHS_RE = re.compile(r"\bepochs=(\d+)\b")
+
+# Lines that mean the program or its job died; after one, a Python exception line
+# (`RuntimeError: NCCL timeout`) says best why.
+CRASH_MARKERS = ("Traceback (most recent call last)", "srun: error:", "slurmstepd: error:",
+                 "CANCELLED AT", "DUE TO TIME LIMIT")
+EXCEPTION_RE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
+STDERR_SUFFIX = ".err"
+
+
+class Skip(Exception):
+    """Why a log gives no data: the file is reported with this reason and left out."""
+
+
+@dataclass
+class Scan:
+    """What one log says, line by line."""
+    metrics: list[dict] = field(default_factory=list)  # parsed [METRIC] lines, in order
+    expected_epochs: int | None = None  # from the last [CONFIG] line, when there is one
+    bad_metric_line: int | None = None  # number of a [METRIC] line that is cut off or malformed
+    crash_lines: list[str] = field(default_factory=list)  # signs of a crash after the last metric
+
+    @property
+    def crash(self) -> str | None:
+        """The line that says best why the run died, or None."""
+        exceptions = [line for line in self.crash_lines if EXCEPTION_RE.search(line)]
+        return (exceptions or self.crash_lines or [None])[0]
+
+
+@dataclass
+class Run:
+    log: str
+    identity: dict
+    epochs: list[dict]  # one metric line per epoch, in epoch order
+    notes: list[str]
+
+
+def scan_log(text: str) -> Scan:
+    scan = Scan()
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
+        fields = parse_metric(line)
+        if fields is not None:
+            scan.metrics.append(fields)
+            scan.crash_lines = []  # the run went on: a requeued job starts again after a crash
+        elif METRIC_TAG in line:
+            scan.bad_metric_line = scan.bad_metric_line or number
+        elif CONFIG_TAG in line and (match := CONFIG_EPOCHS_RE.search(line)):
+            scan.expected_epochs = int(match[1])
+        elif any(marker in line for marker in CRASH_MARKERS) or (
+                scan.crash_lines and EXCEPTION_RE.search(line)):
+            scan.crash_lines.append(line.strip()[:160])
+    # A last line without its newline was cut off mid-write: even if its course fields parse,
+    # the fields after them (strategy, world size...) may be cut short.
+    if lines and not text.endswith("\n") and METRIC_TAG in lines[-1]:
+        scan.bad_metric_line = scan.bad_metric_line or len(lines)
+    return scan
+
+
+def read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise Skip(f"unreadable ({e.strerror})") from None
+    if not data:
+        raise Skip("empty file")
+    if b"\0" in data:
+        raise Skip("binary data, not a text log")
+    return data.decode("utf-8", errors="replace")  # a stray bad byte must not lose the log
+
+
+def last_per_epoch(metrics: list[dict]) -> tuple[list[dict], list[int]]:
+    """One line per epoch, the last one logged (a requeued job re-runs epochs), and the repeats."""
+    by_epoch = {m["epoch"]: m for m in metrics}  # later lines replace earlier ones
+    repeated = sorted(e for e, n in Counter(m["epoch"] for m in metrics).items() if n > 1)
+    return [by_epoch[e] for e in sorted(by_epoch)], repeated
+
+
+def check_complete(scan: Scan, epochs: list[int]) -> list[str]:
+    """Raises Skip when the run's data cannot be trusted; returns notes on what is odd but kept."""
+    if scan.bad_metric_line:
+        raise Skip(f"truncated: [METRIC] line {scan.bad_metric_line} is cut off or malformed")
+    last, crash = epochs[-1], f" ({scan.crash})" if scan.crash else ""
+    if scan.expected_epochs and last < scan.expected_epochs:
+        raise Skip(f"incomplete: stopped after epoch {last} of {scan.expected_epochs}{crash}")
+    if scan.crash and not scan.expected_epochs:
+        raise Skip(f"crashed after epoch {last}{crash}")
+    notes = []
+    if scan.crash:
+        notes.append(f"all {last} epochs done, then it failed{crash}")
+    missing = sorted(set(range(epochs[0], last + 1)) - set(epochs))
+    if missing:
+        notes.append(f"no metric line for epoch(s) {', '.join(map(str, missing))}")
+    return notes
+
+
+def name_identity(log_name: str) -> dict:
+    match = LOG_NAME_RE.match(log_name)
+    if not match:
+        return {}
+    found = {k: v for k, v in match.groupdict().items() if v is not None}
+    for key in ("gpus", "nodes"):
+        if key in found:
+            found[key] = int(found[key])
+    return found
+
+
+def run_identity(metrics: list[dict], log_name: str) -> tuple[dict, list[str]]:
+    """Strategy, GPUs, nodes, job id: the metric lines' fields first, else the file name's."""
+    named, identity, notes = name_identity(log_name), {}, []
+    for key, line_field in LINE_FIELD.items():
+        values = {m[line_field] for m in metrics if line_field in m}
+        if len(values) > 1:
+            raise Skip(f"metric lines of more than one run ({line_field}: "
+                       f"{', '.join(sorted(map(str, values)))})")
+        if values:
+            identity[key] = values.pop()
+            if key in named and str(named[key]) != str(identity[key]):
+                notes.append(f"file name says {key} {named[key]}, metric lines say "
+                             f"{identity[key]}: using the metric lines")
+        else:
+            identity[key] = named.get(key)
+    if identity["strategy"] is None or identity["gpus"] is None:
+        raise Skip("unknown run: no strategy or world_size in its metric lines, and its name "
+                   "is not like {strategy}_{N}gpu_{jobid}.log")
+    if identity["job_id"] is not None:
+        identity["job_id"] = str(identity["job_id"])  # "1234" and "local" in one column
+    return identity, notes
+
+
+def read_run(path: Path, stderr: Path | None = None) -> Run:
+    """The run one log holds, or Skip with the reason it cannot be used."""
+    scan = scan_log(read_text(path))
+    if stderr is not None:
+        try:
+            scan.crash_lines += scan_log(read_text(stderr)).crash_lines
+        except Skip:
+            pass  # an empty or unreadable stderr says nothing about a crash
+    if not scan.metrics:
+        crash = f" ({scan.crash})" if scan.crash else ""
+        raise Skip(f"no [METRIC] lines{crash}")
+    epochs, repeated = last_per_epoch(scan.metrics)
+    notes = check_complete(scan, [m["epoch"] for m in epochs])
+    if repeated:
+        notes.append(f"epoch(s) {', '.join(map(str, repeated))} logged more than once "
+                     "(requeued?): kept the last")
+    identity, identity_notes = run_identity(epochs, path.name)
+    return Run(path.name, identity, epochs, notes + identity_notes)
+
+
+def log_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise UsageError(f"no logs folder {folder}")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise UsageError(f"no log files in {folder}")
+    return files
+
+
+def pair_stderr(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
+    """The logs to read, and for each the `X.err` beside it: its run's stderr, not a run."""
+    by_stem = {p.stem: p for p in files if p.suffix != STDERR_SUFFIX}
+    logs, stderr_of = [], {}
+    for p in files:
+        if p.suffix == STDERR_SUFFIX and p.stem in by_stem:
+            stderr_of[by_stem[p.stem]] = p
+        else:
+            logs.append(p)
+    return logs, stderr_of
+
+
+def collect(folder: Path, report: Callable[[str], None]) -> list[Run]:
+    """Every usable run in the folder; each skipped file and each oddity goes to report()."""
+    logs, stderr_of = pair_stderr(log_files(folder))
+    runs = []
+    for path in logs:
+        try:
+            run = read_run(path, stderr_of.get(path))
+        except Skip as e:
+            report(f"skipped {path.name}: {e}")
+            continue
+        for note in run.notes:
+            report(f"note {path.name}: {note}")
+        runs.append(run)
+    if not runs:
+        raise UsageError(f"no usable [METRIC] lines in any of the {len(logs)} files in {folder}")
+    return runs
+
+
+def results_frame(runs: list[Run]) -> pd.DataFrame:
+    """One row per run and epoch: the run's identity, the course's fields, then the others."""
+    rows = []
+    for run in runs:
+        for fields in run.epochs:
+            # strategy, nodes, job_id are identity columns already; world_size stays as logged
+            other = {k: v for k, v in fields.items() if k not in IDENTITY}
+            rows.append({"log": run.log, **run.identity, **other})
+    frame = pd.DataFrame(rows)  # columns in order of first appearance
+    leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
+    return frame[leading + [c for c in frame.columns if c not in leading]]
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """write(temp) beside path, then rename: a reader never sees half a file, a failure no file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temp)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+# ---- summary: one row per strategy and GPU count ----
+
+def with_run_columns(results: pd.DataFrame) -> pd.DataFrame:
+    """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown."""
+    missing = {c: pd.NA for c in RUN_COLUMNS if c not in results}
+    return results.assign(**missing) if missing else results
+
+
+def median_after_first(run: pd.DataFrame, column: str) -> float:
+    """Median over the epochs after the first, which carries the warm-up (one epoch: itself)."""
+    if column not in run:
+        return math.nan
+    steady = run[column].iloc[1:] if len(run) > 1 else run[column]
+    return steady.median()
+
+
+def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: final-epoch quality, steady epoch time and throughput, peak memory."""
+    rows = []
+    results = with_run_columns(results)
+    for key, run in results.groupby(list(RUN_COLUMNS), dropna=False, sort=False):
+        run = run.sort_values("epoch")
+        final = run.iloc[-1]
+        rows.append({**dict(zip(RUN_COLUMNS, key)), "epochs": final["epoch"],
+                     "val_loss": final["val_loss"], "acc": final["acc"],
+                     "time": median_after_first(run, "time"),
+                     "throughput": median_after_first(run, "throughput"),
+                     "peak_mem": run["peak_mem"].max()})
+    return pd.DataFrame(rows)
+
+
+def summarize(results: pd.DataFrame) -> pd.DataFrame:
+    """Per strategy and GPU count (medians over runs when it ran more than once), with speedup
+    and efficiency against the same strategy's 1-GPU steady epoch time."""
+    runs = run_summaries(results)
+    table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
+        nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
+        runs=("epochs", "size"), epochs=("epochs", "max"), val_loss=("val_loss", "median"),
+        acc=("acc", "median"), time=("time", "median"), throughput=("throughput", "median"),
+        peak_mem=("peak_mem", "max"))
+    one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
+    table["speedup"] = table["strategy"].map(one_gpu) / table["time"]
+    table["efficiency"] = 100 * table["speedup"] / table["gpus"]
+    return table.sort_values(["strategy", "gpus"], ignore_index=True)
+
+
+# (column, header, format) of the printed table.
+TABLE_COLUMNS = (
+    ("strategy", "strategy", "{}"), ("gpus", "GPUs", "{:d}"), ("nodes", "nodes", "{}"),
+    ("runs", "runs", "{:d}"), ("epochs", "epochs", "{:d}"),
+    ("val_loss", "final val loss", "{:.4f}"), ("acc", "final acc %", "{:.2f}"),
+    ("time", "epoch time s", "{:.2f}"), ("throughput", "images/s", "{:.0f}"),
+    ("peak_mem", "peak mem MB", "{:.0f}"), ("speedup", "speedup", "{:.2f}"),
+    ("efficiency", "efficiency", "{:.0f}%"),
+)
+
+
+def cell(value, fmt: str) -> str:
+    if pd.isna(value) or value == "":
+        return "n/a"
+    return fmt.format(int(value) if "d}" in fmt else value)
+
+
+def markdown_table(summary: pd.DataFrame) -> str:
+    lines = ["| " + " | ".join(header for _, header, _ in TABLE_COLUMNS) + " |",
+             "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in TABLE_COLUMNS) + "|"]
+    for _, row in summary.iterrows():
+        lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in TABLE_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--logs", type=Path, default=Path("logs"), help="folder of training logs")
+    p.add_argument("--out", type=Path, default=Path("results.csv"), help="CSV to write")
+    return p.parse_args(argv)
+
+
+def note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)  # stderr: stdout stays the table alone
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        runs = collect(args.logs, note)
+    except UsageError as e:
+        fail(str(e))
+    results = results_frame(runs)
+    try:
+        write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))
+    except OSError as e:
+        fail(f"cannot write {args.out}: {e.strerror or e}")
+    note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
+    print(markdown_table(summarize(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Plot how training scales with the GPU count: one PNG per question, one line per strategy.
+
+    python plot_results.py                           # results.csv -> plots/*.png
+    python plot_results.py --csv FILE --out-dir DIR
+
+Reads the CSV of collect_results.py, or the course's results_*.csv (`method,gpus,epoch,time,
+val_loss,acc,peak_mem`). The points are collect_results.summarize's, so the plots and the
+printed table agree: steady epoch time and throughput are medians of the epochs after the
+first, loss and accuracy are the final epoch's, peak memory is per GPU as measured. Prints the
+path of every PNG written, one per line.
+"""
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: batch nodes and CI have no display
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
+
+from collect_results import COURSE_COLUMNS, note, summarize, write_atomically  # noqa: E402
+from utils import UsageError, fail  # noqa: E402
+
+COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
+REQUIRED = ("strategy", "gpus", *COURSE_COLUMNS)
+NUMERIC = ("gpus", *COURSE_COLUMNS)
+IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
+
+
+class NotPlottable(Exception):
+    """The CSV lacks what one figure needs: that PNG is not written, the others are."""
+
+
+def read_results(path: Path) -> pd.DataFrame:
+    """The results, checked: the columns every figure needs, numbers where numbers belong."""
+    try:
+        results = pd.read_csv(path)
+    except FileNotFoundError:
+        raise UsageError(f"no results file {path} (run collect_results.py first)") from None
+    except pd.errors.EmptyDataError:
+        raise UsageError(f"{path} is empty") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{path} is not a CSV: {reason}") from None
+    results = results.rename(columns=COURSE_NAMES)
+    missing = [c for c in REQUIRED if c not in results]
+    if missing:
+        raise UsageError(f"{path} is not a results CSV: no column {', '.join(missing)}")
+    if results.empty:
+        raise UsageError(f"{path} has no rows")
+    for column in (*NUMERIC, "throughput"):
+        if column in results:
+            numbers = pd.to_numeric(results[column], errors="coerce")
+            if column != "throughput" and numbers.isna().any():
+                row = int(numbers.isna().idxmax()) + 2  # + header, 1-based
+                raise UsageError(f"{path} line {row}: {column} is not a number")
+            results[column] = numbers
+    if results["strategy"].isna().any():
+        raise UsageError(f"{path}: a row has no strategy")
+    if (results["gpus"] < 1).any():
+        raise UsageError(f"{path}: gpus must be at least 1")
+    return results
+
+
+def strategy_colors(summary: pd.DataFrame) -> dict:
+    """The same colour for a strategy in every figure."""
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {s: cycle[i % len(cycle)] for i, s in enumerate(sorted(summary["strategy"].unique()))}
+
+
+def log2_axis(ax, which: str, ticks) -> None:
+    """Log2 scale on the x or y axis, a tick at each count given, written as plain numbers."""
+    getattr(ax, f"set_{which}scale")("log", base=2)
+    axis = getattr(ax, f"{which}axis")
+    axis.set_ticks(sorted(set(ticks)))
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_locator(NullLocator())
+
+
+def log10_y_axis(ax) -> None:
+    """Log y axis labelled 0.5, 1, 2, 3 rather than 2x10^0: epoch times span about one decade."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}" if
+                                               leading_digit(value) in (2, 3, 5) else ""))
+
+
+def leading_digit(value: float) -> int:
+    return int(round(value / 10 ** math.floor(math.log10(value)), 6))
+
+
+def gpu_axis(ax, gpus) -> None:
+    log2_axis(ax, "x", gpus)
+    ax.set_xlabel("GPUs")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFrame:
+    """One line per strategy; returns the rows drawn."""
+    rows = summary.dropna(subset=[column])
+    if rows.empty:
+        raise NotPlottable(f"no {column} values")
+    colors = strategy_colors(summary)
+    for strategy, points in rows.groupby("strategy"):
+        ax.plot(points["gpus"], points[column], marker="o", color=colors[strategy],
+                label=strategy)
+    gpu_axis(ax, rows["gpus"])
+    ax.set_ylabel(ylabel)
+    return rows
+
+
+def plot_ideal_scaling(ax, summary: pd.DataFrame, column: str, exponent: int) -> None:
+    """Dashed ideal from each strategy's 1-GPU value: value * N**exponent (-1: time, 1: rate)."""
+    colors = strategy_colors(summary)
+    for strategy, points in summary.dropna(subset=[column]).groupby("strategy"):
+        base = points.loc[points["gpus"] == 1, column]
+        if not base.empty:
+            gpus = points["gpus"].sort_values()
+            ax.plot(gpus, base.iloc[0] * gpus.astype(float) ** exponent, color=colors[strategy],
+                    label=f"{strategy} ideal", **IDEAL_STYLE)
+
+
+def figure(panels: int = 1) -> tuple[Figure, list]:
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    return fig, list(axes[0])
+
+
+def plot_epoch_time(summary: pd.DataFrame) -> Figure:
+    fig, (ax,) = figure()
+    plot_lines(ax, summary, "time", "time per epoch (s), log scale")
+    plot_ideal_scaling(ax, summary, "time", -1)
+    log10_y_axis(ax)
+    ax.set_title("Training time per epoch (median after epoch 1) vs ideal 1/N")
+    ax.legend()
+    return fig
+
+
+def plot_quality(summary: pd.DataFrame) -> Figure:
+    fig, (loss_ax, acc_ax) = figure(2)
+    plot_lines(loss_ax, summary, "val_loss", "validation loss (final epoch)")
+    loss_ax.set_title("Validation loss")
+    plot_lines(acc_ax, summary, "acc", "validation accuracy (%, final epoch)")
+    acc_ax.set_title("Validation accuracy")
+    acc_ax.legend()
+    return fig
+
+
+def plot_peak_memory(summary: pd.DataFrame) -> Figure:
+    fig, (ax,) = figure()
+    # As measured: each rank's own peak, the largest over ranks. Not divided by the GPU count.
+    plot_lines(ax, summary, "peak_mem", "peak memory per GPU (MB, max over ranks)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Peak memory per GPU")
+    ax.legend()
+    return fig
+
+
+def plot_speedup(summary: pd.DataFrame) -> Figure:
+    if summary["speedup"].isna().all():
+        raise NotPlottable("no 1-GPU run to compare with")
+    fig, (speed_ax, eff_ax) = figure(2)
+    rows = plot_lines(speed_ax, summary, "speedup", "speedup over 1 GPU (x), log scale")
+    gpus = sorted(rows["gpus"].unique())
+    speed_ax.plot(gpus, gpus, color="black", label="ideal", **IDEAL_STYLE)
+    log2_axis(speed_ax, "y", gpus)  # log-log: the ideal is the diagonal
+    speed_ax.set_title("Speedup (1-GPU epoch time / N-GPU epoch time)")
+    speed_ax.legend()
+    plot_lines(eff_ax, summary, "efficiency", "parallel efficiency (%)")
+    eff_ax.axhline(100, color="black", label="ideal", **IDEAL_STYLE)
+    eff_ax.set_ylim(0, max(110, rows["efficiency"].max() * 1.1))
+    eff_ax.set_title("Efficiency (speedup / N)")
+    eff_ax.legend()
+    return fig
+
+
+def plot_throughput(summary: pd.DataFrame) -> Figure:
+    fig, (ax,) = figure()
+    plot_lines(ax, summary, "throughput", "throughput (images/s, all GPUs)")
+    plot_ideal_scaling(ax, summary, "throughput", 1)
+    ax.set_ylim(bottom=0)
+    ax.set_title("Training throughput (median after epoch 1) vs ideal N x")
+    ax.legend()
+    return fig
+
+
+FIGURES = {
+    "epoch_time.png": plot_epoch_time,
+    "val_loss_acc.png": plot_quality,
+    "peak_memory.png": plot_peak_memory,
+    "speedup_efficiency.png": plot_speedup,
+    "throughput.png": plot_throughput,
+}
+
+
+def save_png(fig: Figure, path: Path) -> None:
+    fig.tight_layout()
+    write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
+    plt.close(fig)
+
+
+def plot_all(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
+    written = []
+    for name, draw in FIGURES.items():
+        try:
+            fig = draw(summary)
+        except NotPlottable as e:
+            plt.close("all")
+            note(f"not written {name}: {e}")
+            continue
+        save_png(fig, out_dir / name)
+        written.append(out_dir / name)
+    return written
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--csv", type=Path, default=Path("results.csv"),
+                   help="collect_results.py's CSV, or the course's results_*.csv")
+    p.add_argument("--out-dir", type=Path, default=Path("plots"), help="folder for the PNGs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = summarize(read_results(args.csv))
+    except UsageError as e:
+        fail(str(e))
+    try:
+        written = plot_all(summary, args.out_dir)
+    except OSError as e:
+        fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
+    if not written:
+        fail(f"nothing to plot in {args.csv}")
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Collect the training logs into a CSV (summary table on stdout), then plot it.
+#
+#   ./plot_results.sh                                  # logs/ -> results.csv -> plots/*.png
+#   LOGS=old_logs OUT=old.csv PLOTS=old_plots ./plot_results.sh
+#
+# Works from any directory: the defaults are the repository's logs/, results.csv and plots/;
+# paths you give are taken from where you call it. Uses the repository's .venv when there is
+# one (or $PYTHON). Opens the PNGs only where there is a viewer and a display.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+    PYTHON=python3
+    [[ -x "$here/.venv/bin/python" ]] && PYTHON="$here/.venv/bin/python"
+fi
+logs="${LOGS:-$here/logs}"
+csv="${OUT:-$here/results.csv}"
+plots="${PLOTS:-$here/plots}"
+
+"$PYTHON" "$here/collect_results.py" --logs "$logs" --out "$csv"
+# plot_results.py prints each PNG it wrote, one per line.
+written="$("$PYTHON" "$here/plot_results.py" --csv "$csv" --out-dir "$plots")"
+
+echo
+echo "results: $csv"
+echo "plots:"
+sed 's/^/  /' <<<"$written"
+
+if command -v xdg-open >/dev/null 2>&1 && [[ -n "${DISPLAY:-}" ]]; then
+    while read -r png; do
+        xdg-open "$png" >/dev/null 2>&1 &
+    done <<<"$written"
+fi

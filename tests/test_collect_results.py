@@ -1,0 +1,281 @@
+"""collect_results.py: the course's real log and the project's logs parse; bad logs are named
+and skipped without leaking into other runs; the summary's arithmetic; the CLI's errors."""
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import collect_results
+from utils import format_metric
+
+REPO = Path(__file__).resolve().parents[1]
+COURSE_LOGS = REPO.parent / "shared" / "fixtures" / "alps-course-logs"
+COURSE_LOG = "ddp_4gpu_15epochs.train.log"
+needs_course_logs = pytest.mark.skipif(not COURSE_LOGS.is_dir(),
+                                       reason=f"course fixtures not found at {COURSE_LOGS}")
+
+
+def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **changes) -> dict:
+    """Every field main.py logs, in its order, with values the line's formats keep exactly."""
+    fields = {
+        "epoch": epoch, "time": 2.5, "val_loss": 1.5 - epoch / 8, "acc": 40.0 + epoch,
+        "peak_mem": 800, "strategy": strategy, "world_size": world_size, "nodes": 1,
+        "global_batch": 256, "local_batch": 256 // world_size, "train_loss": 2.25,
+        "val_time": 0.125, "throughput": 1000.0 * world_size, "data_wait": 0.0625,
+        "state_mem": 8856264, "precision": "fp32", "device": "cpu", "dataset": "synthetic",
+        "seed": 42, "job_id": "1234",
+    }
+    return {**fields, **changes}
+
+
+def log_text(metrics: list[dict], expected_epochs: int | None = None) -> str:
+    """A log as main.py writes it: a [CONFIG] line (only its epochs= matters here), progress
+    chatter, and one line per metric from utils.format_metric."""
+    lines = [f"[CONFIG] strategy=ddp epochs={expected_epochs or len(metrics)} seed=42"]
+    for fields in metrics:
+        lines += [f"epoch {fields['epoch']} step 2/2 loss 2.3 500.0 ms/step", format_metric(fields)]
+    return "\n".join(lines) + "\n"
+
+
+def write_log(path: Path, metrics: list[dict], expected_epochs: int | None = None,
+              tail: str = "") -> Path:
+    path.write_text(log_text(metrics, expected_epochs) + tail)
+    return path
+
+
+def run_log(folder: Path, name: str, epochs: int = 3, **changes) -> Path:
+    return write_log(folder / name, [metric_fields(e, **changes) for e in range(1, epochs + 1)])
+
+
+def collect(folder: Path) -> tuple[pd.DataFrame, list[str]]:
+    reports = []
+    runs = collect_results.collect(folder, reports.append)
+    return collect_results.results_frame(runs), reports
+
+
+def skip_reason(reports: list[str], name: str) -> str:
+    found = [r for r in reports if r.startswith(f"skipped {name}: ")]
+    assert found, f"{name} not reported as skipped in {reports}"
+    return found[0]
+
+
+# ---- the course's real log ----
+
+@needs_course_logs
+def test_course_log_parses(tmp_path):
+    results, reports = collect(COURSE_LOGS)
+    run = results[results["log"] == COURSE_LOG].set_index("epoch")
+    assert list(run.index) == list(range(1, 16))
+    assert set(run["strategy"]) == {"ddp"} and set(run["gpus"]) == {4}
+    assert run.loc[1, ["time", "val_loss", "acc", "peak_mem"]].tolist() == [4.09, 1.4294, 47.07, 91]
+    assert run.loc[15, ["time", "val_loss", "acc"]].tolist() == [2.20, 0.9722, 71.88]
+    # The other fixtures hold no metric lines: named, skipped, not fatal.
+    assert "no [METRIC] lines" in skip_reason(reports, "fsdp_1gpu.err")
+    assert set(results["log"]) == {COURSE_LOG}
+
+
+@needs_course_logs
+def test_course_log_summary():
+    results, _ = collect(COURSE_LOGS)
+    row = collect_results.summarize(results).iloc[0]
+    assert (row["strategy"], row["gpus"], row["epochs"]) == ("ddp", 4, 15)
+    assert row["time"] == pytest.approx(2.20)  # epoch 1 (4.09 s, warm-up) left out
+    assert (row["val_loss"], row["acc"], row["peak_mem"]) == (0.9722, 71.88, 91)
+    assert pd.isna(row["speedup"])  # no 1-GPU run to compare with
+
+
+# ---- the project's logs ----
+
+def test_project_log_keeps_every_field(tmp_path):
+    written = [metric_fields(e, strategy="fsdp", world_size=4, nodes=2, job_id="987")
+               for e in (1, 2)]
+    write_log(tmp_path / "fsdp_4gpu_987.log", written)
+    results, reports = collect(tmp_path)
+    assert reports == []
+    assert list(results.columns[:10]) == ["log", "strategy", "gpus", "nodes", "job_id",
+                                          "epoch", "time", "val_loss", "acc", "peak_mem"]
+    for fields, (_, row) in zip(written, results.iterrows()):
+        for key, value in fields.items():
+            assert row[key] == value, key
+        assert (row["log"], row["gpus"]) == ("fsdp_4gpu_987.log", 4)
+
+
+def test_identity_from_lines_wins_over_file_name(tmp_path):
+    run_log(tmp_path, "ddp_8gpu_1234.log", world_size=2)
+    results, reports = collect(tmp_path)
+    assert set(results["gpus"]) == {2}
+    assert any("file name says gpus 8, metric lines say 2" in r for r in reports)
+
+
+def test_course_format_identity_from_file_name(tmp_path):
+    course_line = "0: \x1b[0m[METRIC] epoch={} time=3.00 val_loss=1.0000 acc=50.00 peak_mem=90MB\n"
+    (tmp_path / "fsdp_2gpu_777.log").write_text("".join(course_line.format(e) for e in (1, 2)))
+    (tmp_path / "mystery.log").write_text(course_line.format(1))
+    results, reports = collect(tmp_path)
+    assert results[["strategy", "gpus", "job_id"]].drop_duplicates().values.tolist() == [
+        ["fsdp", 2, "777"]]
+    assert "unknown run" in skip_reason(reports, "mystery.log")
+
+
+def test_repeated_epoch_keeps_the_last(tmp_path):
+    # A preempted job, requeued into the same log (--open-mode=append), starts over.
+    first = log_text([metric_fields(e) for e in (1, 2)], expected_epochs=3)
+    preempted = "slurmstepd: error: *** JOB 1234 ON nid01 CANCELLED AT 12:00 DUE TO PREEMPTION\n"
+    rerun = log_text([metric_fields(e, acc=60.0 + e) for e in (1, 2, 3)])
+    (tmp_path / "ddp_1gpu_1234.log").write_text(first + preempted + rerun)
+    results, reports = collect(tmp_path)
+    assert results["epoch"].tolist() == [1, 2, 3]
+    assert results["acc"].tolist() == [61.0, 62.0, 63.0]
+    # The preemption came before the rerun's epochs: no crash to report.
+    assert len(reports) == 1
+    assert "epoch(s) 1, 2 logged more than once" in reports[0] and "kept the last" in reports[0]
+
+
+# ---- bad logs: named, skipped, nothing leaks ----
+
+def test_bad_logs_are_skipped_and_do_not_leak(tmp_path):
+    # Sorted names put each bad file right after a good one: the course's collector carried
+    # the previous file's line into the next.
+    run_log(tmp_path, "a_good_ddp_1gpu.log", acc=11.0, strategy="ddp", world_size=1)
+    (tmp_path / "b_no_metrics.log").write_text("[INFO] World size: 4\nsrun: job started\n")
+    cut = format_metric(metric_fields(3, acc=33.0))
+    write_log(tmp_path / "c_truncated.log", [metric_fields(e, acc=33.0) for e in (1, 2)],
+              tail=cut[: len(cut) // 3])  # killed mid-line
+    (tmp_path / "d_garbage.bin").write_bytes(bytes(range(256)) * 4)
+    write_log(tmp_path / "e_crashed.log", [metric_fields(1, acc=55.0)], expected_epochs=5,
+              tail="Traceback (most recent call last):\nRuntimeError: NCCL timeout\n")
+    (tmp_path / "f_empty.log").write_bytes(b"")
+    run_log(tmp_path, "g_good_fsdp_2gpu.log", acc=22.0, strategy="fsdp", world_size=2)
+
+    results, reports = collect(tmp_path)
+
+    assert "no [METRIC] lines" in skip_reason(reports, "b_no_metrics.log")
+    assert "truncated" in skip_reason(reports, "c_truncated.log")
+    assert "binary" in skip_reason(reports, "d_garbage.bin")
+    crashed = skip_reason(reports, "e_crashed.log")
+    assert "stopped after epoch 1 of 5 (RuntimeError: NCCL timeout)" in crashed
+    assert "empty" in skip_reason(reports, "f_empty.log")
+    by_log = results.groupby("log")
+    assert set(by_log.groups) == {"a_good_ddp_1gpu.log", "g_good_fsdp_2gpu.log"}
+    assert set(by_log.get_group("a_good_ddp_1gpu.log")["acc"]) == {11.0}
+    assert set(by_log.get_group("g_good_fsdp_2gpu.log")["acc"]) == {22.0}
+    assert by_log.size().tolist() == [3, 3]
+
+
+def test_cut_metric_line_that_still_matches_is_truncated(tmp_path):
+    # Cut after the course fields: the course regex matches, but strategy and the rest are gone.
+    line = format_metric(metric_fields(1))
+    (tmp_path / "ddp_1gpu_1.log").write_text(line[: line.index("strategy=") + len("strategy=d")])
+    run_log(tmp_path, "ddp_2gpu_2.log", world_size=2)
+    results, reports = collect(tmp_path)
+    assert "truncated" in skip_reason(reports, "ddp_1gpu_1.log")
+    assert set(results["log"]) == {"ddp_2gpu_2.log"}
+
+
+def test_stderr_beside_a_log_reports_its_crash(tmp_path):
+    run_log(tmp_path, "ddp_1gpu_1.log")
+    (tmp_path / "ddp_1gpu_1.err").write_text("UserWarning: fine\n")
+    course_line = "[METRIC] epoch=1 time=3.00 val_loss=1.0000 acc=50.00 peak_mem=90MB\n"
+    (tmp_path / "ddp_2gpu_2.log").write_text(course_line)  # no [CONFIG]: length unknown
+    (tmp_path / "ddp_2gpu_2.err").write_text("srun: error: nid01: task 1: Exited with code 1\n")
+    results, reports = collect(tmp_path)
+    assert "crashed after epoch 1 (srun: error:" in skip_reason(reports, "ddp_2gpu_2.log")
+    assert set(results["log"]) == {"ddp_1gpu_1.log"}
+    assert not any("ddp_1gpu_1.err" in r for r in reports)  # a run's stderr, not a run
+
+
+# ---- summary ----
+
+def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame:
+    rows = [{"log": f"{s}_{g}gpu.log", "strategy": s, "gpus": g, "nodes": 1, "job_id": "1",
+             "epoch": e, "time": t, "val_loss": 1.0 / e, "acc": 50.0 + e, "peak_mem": 100 * g,
+             "throughput": 1000.0 * g / t}
+            for (s, g), times in times_by_run.items() for e, t in enumerate(times, 1)]
+    return pd.DataFrame(rows)
+
+
+def test_speedup_and_efficiency():
+    summary = collect_results.summarize(runs_frame({
+        ("ddp", 1): [30.0, 8.0, 7.0, 9.0],  # epoch 1 is warm-up: steady time = median(8, 7, 9)
+        ("ddp", 4): [12.0, 2.0, 2.0, 2.5],
+        ("ddp", 8): [12.0, 2.0, 2.0, 2.0],
+        ("fsdp", 2): [9.0, 5.0],             # no 1-GPU fsdp run: no speedup
+    })).set_index(["strategy", "gpus"])
+    assert summary.loc[("ddp", 1), "time"] == 8.0
+    assert summary.loc[("ddp", 4), ["speedup", "efficiency"]].tolist() == [4.0, 100.0]
+    assert summary.loc[("ddp", 8), ["speedup", "efficiency"]].tolist() == [4.0, 50.0]
+    assert (summary.loc[("ddp", 4), "val_loss"], summary.loc[("ddp", 4), "acc"]) == (0.25, 54.0)
+    assert pd.isna(summary.loc[("fsdp", 2), "speedup"])
+
+    table = collect_results.markdown_table(summary.reset_index())
+    ddp4 = next(line for line in table.splitlines() if line.startswith("| ddp | 4 |"))
+    assert "| 2.00 |" in ddp4 and "| 4.00 | 100% |" in ddp4
+    fsdp2 = next(line for line in table.splitlines() if line.startswith("| fsdp | 2 |"))
+    assert fsdp2.endswith("| n/a | n/a |")
+
+
+def test_one_epoch_run_uses_its_only_epoch():
+    summary = collect_results.summarize(runs_frame({("ddp", 1): [6.0]}))
+    assert summary.loc[0, "time"] == 6.0
+
+
+def test_repeated_configuration_takes_medians():
+    results = runs_frame({("ddp", 1): [9.0, 8.0]})
+    again = results.assign(log="ddp_1gpu_again.log", time=[9.0, 10.0])
+    summary = collect_results.summarize(pd.concat([results, again]))
+    assert summary.loc[0, ["runs", "time"]].tolist() == [2, 9.0]
+
+
+# ---- command line ----
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    try:
+        code = collect_results.main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no_metrics"])
+def test_cli_errors_are_one_line(tmp_path, capsys, case):
+    logs = tmp_path / "logs"
+    if case != "missing":
+        logs.mkdir()
+        (logs / ".gitkeep").touch()  # hidden files are not logs
+    if case == "no_metrics":
+        (logs / "ddp_1gpu_1.log").write_text("[INFO] nothing here\n")
+    code, out, err = run_main(capsys, "--logs", logs, "--out", tmp_path / "r.csv")
+    assert code != 0 and out == ""
+    assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err
+    assert not (tmp_path / "r.csv").exists()
+
+
+def test_cli_writes_csv_and_prints_summary(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run_log(logs, "ddp_1gpu_1.log", world_size=1, time=8.0)
+    run_log(logs, "ddp_4gpu_2.log", world_size=4, time=2.0)
+    out_csv = tmp_path / "out" / "results.csv"
+    code, out, err = run_main(capsys, "--logs", logs, "--out", out_csv)
+    assert code == 0
+    assert len(pd.read_csv(out_csv)) == 6
+    assert [p.name for p in out_csv.parent.iterdir()] == ["results.csv"]  # no temp file left
+    assert "| ddp | 4 | 1 | 1 | 3 |" in out and "| 4.00 | 100% |" in out
+    assert "wrote" in err
+
+
+def test_csv_write_is_atomic(tmp_path, monkeypatch):
+    target = tmp_path / "results.csv"
+    target.write_text("old\n")
+
+    def crash(temp: Path) -> None:
+        temp.write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        collect_results.write_atomically(target, crash)
+    assert target.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["results.csv"]

@@ -1,0 +1,110 @@
+"""plot_results.py and plot_results.sh: every PNG from a small CSV, the course's CSV too; a bad
+CSV is one line of error; the shell script runs collect then plot from any directory."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import plot_results
+from test_collect_results import COURSE_LOGS, REPO, run_log, runs_frame
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+course_csv = COURSE_LOGS / "results_solution.csv"
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    try:
+        code = plot_results.main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_pngs(folder: Path, names) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names)  # no temp files left
+    for name in names:
+        assert (folder / name).read_bytes().startswith(PNG_MAGIC), name
+
+
+def test_every_png_from_a_small_csv(tmp_path, capsys):
+    csv = tmp_path / "results.csv"
+    runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0],
+                ("fsdp", 1): [10.0, 9.0], ("fsdp", 2): [6.0, 5.0]}).to_csv(csv, index=False)
+    code, out, _ = run_main(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
+    assert code == 0
+    assert_pngs(tmp_path / "plots", plot_results.FIGURES)
+    assert out.split() == [str(tmp_path / "plots" / name) for name in plot_results.FIGURES]
+
+
+@pytest.mark.skipif(not course_csv.is_file(), reason=f"course fixtures not found at {COURSE_LOGS}")
+def test_course_results_csv(tmp_path, capsys):
+    # The course's shape: method (not strategy), final epoch only, no throughput.
+    code, _, err = run_main(capsys, "--csv", course_csv, "--out-dir", tmp_path)
+    assert code == 0
+    assert_pngs(tmp_path, set(plot_results.FIGURES) - {"throughput.png"})
+    assert "not written throughput.png" in err
+    summary = plot_results.summarize(plot_results.read_results(course_csv))
+    ddp8 = summary.set_index(["strategy", "gpus"]).loc[("ddp", 8)]
+    assert ddp8["speedup"] == pytest.approx(7.08 / 1.35)  # ddp,1,10,7.08 and ddp,8,10,1.35
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"strategy,gpus,epoch,time,val_loss,acc,peak_mem\n", "no rows"),
+    (b"a,b\n1,2\n", "no column strategy"),
+    (b"strategy,gpus,epoch,time,val_loss,acc,peak_mem\nddp,four,1,2.0,1.0,50,90\n",
+     "line 2: gpus is not a number"),
+    (bytes(range(256)) * 8, "results.csv"),
+])
+def test_bad_csv_is_one_line_error(tmp_path, capsys, content, message):
+    csv = tmp_path / "results.csv"
+    csv.write_bytes(content)
+    code, out, err = run_main(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
+    assert code != 0 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err
+    assert not (tmp_path / "plots").exists()
+
+
+def test_missing_csv(tmp_path, capsys):
+    code, _, err = run_main(capsys, "--csv", tmp_path / "nope.csv")
+    assert code != 0 and err.startswith("error: no results file")
+
+
+# ---- plot_results.sh ----
+
+def run_script(cwd: Path, **env) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "DISPLAY"}  # open no windows
+    return subprocess.run(["bash", str(REPO / "plot_results.sh")], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={**environment, **env})
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_script_collects_then_plots_from_another_directory(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run_log(logs, "ddp_1gpu_1.log", world_size=1)
+    run_log(logs, "ddp_2gpu_2.log", world_size=2)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # Relative paths are the caller's: ../logs from elsewhere/.
+    done = run_script(elsewhere, LOGS="../logs", OUT="../results.csv", PLOTS="../plots")
+    assert done.returncode == 0, done.stderr
+    assert len(pd.read_csv(tmp_path / "results.csv")) == 6
+    assert_pngs(tmp_path / "plots", plot_results.FIGURES)
+    assert "| ddp | 2 |" in done.stdout
+    assert "results: ../results.csv" in done.stdout and "../plots/epoch_time.png" in done.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_script_fails_on_logs_without_metrics(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "ddp_1gpu_1.log").write_text("no metrics\n")
+    done = run_script(tmp_path, LOGS="logs", OUT="r.csv", PLOTS="plots")
+    assert done.returncode != 0
+    assert done.stderr.splitlines()[-1].startswith("error: ") and "Traceback" not in done.stderr
+    assert not (tmp_path / "plots").exists()
