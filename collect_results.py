@@ -25,7 +25,7 @@ from typing import Callable
 
 import pandas as pd
 
-from utils import COURSE_FIELDS, METRIC_TAG, UsageError, fail, parse_metric
+from utils import COURSE_FIELDS, METRIC_TAG, UsageError, fail, parse_config, parse_metric
 
 # The columns that name a run, first in the CSV; a run's rows are those of one log file.
 IDENTITY = ("strategy", "gpus", "nodes", "job_id")
@@ -40,9 +40,6 @@ LINE_FIELD = {"strategy": "strategy", "gpus": "world_size", "nodes": "nodes", "j
 LOG_NAME_RE = re.compile(r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpus?"
                          r"(?:_(?P<nodes>\d+)nodes?)?(?:_(?P<job_id>\d+))?(?=[._]|$)")
 
-# main.py's `[CONFIG] ... epochs=N ...` line says how many epochs a complete run has.
-CONFIG_TAG = "[CONFIG]"
-CONFIG_EPOCHS_RE = re.compile(r"\bepochs=(\d+)\b")
 
 # Lines that mean the program or its job died; after one, a Python exception line
 # (`RuntimeError: NCCL timeout`) says best why.
@@ -89,8 +86,9 @@ def scan_log(text: str) -> Scan:
             scan.crash_lines = []  # the run went on: a requeued job starts again after a crash
         elif METRIC_TAG in line:
             scan.bad_metric_line = scan.bad_metric_line or number
-        elif CONFIG_TAG in line and (match := CONFIG_EPOCHS_RE.search(line)):
-            scan.expected_epochs = int(match[1])
+        elif (config := parse_config(line)) and isinstance(config.get("epochs"), int):
+            # main.py's [CONFIG] line says how many epochs a complete run has.
+            scan.expected_epochs = config["epochs"]
         elif any(marker in line for marker in CRASH_MARKERS) or (
                 scan.crash_lines and EXCEPTION_RE.search(line)):
             scan.crash_lines.append(line.strip()[:160])

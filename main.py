@@ -21,7 +21,7 @@ from ddp_utils import get_ddp_model
 from fsdp_utils import DTYPES, SHARDING, get_fsdp_model
 from model import MODELS, build_model, count_parameters
 from train import Precision, run_epoch
-from utils import UsageError, format_metric, format_value, is_rank_zero, log0
+from utils import UsageError, format_config, format_metric, is_rank_zero, log0
 
 STRATEGIES = ("ddp", "fsdp")
 OPTIMIZERS = ("adam", "sgd")
@@ -124,6 +124,9 @@ def make_precision(cfg: Config, device: torch.device) -> Precision:
     if cfg.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UsageError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
                          "use --precision fp16 or fp32")
+    if cfg.cpu_offload and device.type != "cuda":
+        raise UsageError("--cpu-offload moves FSDP's shards from the GPU to the CPU; "
+                         "without a GPU they are on the CPU already")
     scaler = None
     if cfg.precision == "fp16":
         if cfg.strategy == "fsdp":
@@ -202,7 +205,7 @@ def prepare(cfg: Config, env: distributed_utils.DistEnv) -> Job:
 def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
     """Train for cfg.epochs; returns the job (its trained model) and every epoch's metrics."""
     job = prepare(cfg, env)
-    log0("[CONFIG] " + " ".join(f"{k}={format_value(v)}" for k, v in job.resolved.items()))
+    log0(format_config(job.resolved))
     history = []
     for epoch in range(1, cfg.epochs + 1):
         metrics = run_epoch(job.model, job.optimizer, job.loaders, job.precision, env, epoch,

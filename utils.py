@@ -29,6 +29,7 @@ COURSE_FIELDS = (
 )
 
 METRIC_TAG = "[METRIC]"
+CONFIG_TAG = "[CONFIG]"  # one line per run, first: the whole resolved configuration
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _SRUN_PREFIX_RE = re.compile(r"^\s*\d+:\s?")  # `srun -l` writes "0: " before each line
 _FIELD_RE = re.compile(r"(\w+)=(\S+)")
@@ -87,6 +88,18 @@ def parse_metric(line: str) -> dict | None:
     fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(METRIC_TAG):])}
     fields["peak_mem"] = int(str(fields["peak_mem"]).removesuffix("MB"))
     return fields
+
+
+def format_config(fields: dict) -> str:
+    return " ".join([CONFIG_TAG, *(f"{k}={format_value(v)}" for k, v in fields.items())])
+
+
+def parse_config(line: str) -> dict | None:
+    """Fields of a `[CONFIG]` line, or None if the line is not one."""
+    line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
+    if not line.startswith(CONFIG_TAG):
+        return None
+    return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(CONFIG_TAG):])}
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
