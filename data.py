@@ -20,6 +20,7 @@ to fetch CIFAR-10 before a job.
 """
 
 import argparse
+import itertools
 import os
 import pickle
 import sys
@@ -29,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from distributed_utils import on_rank0
+from model import IMAGE_SHAPE
 from utils import UsageError, fail
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -155,53 +157,38 @@ def build_cache(data_dir: Path) -> Path:
     return cache
 
 
-def _prepare_on_rank0(data_dir: Path, download: bool) -> dict:
-    """Download if needed and build the cache. Returns {'error': msg} or {'cache': path|None}."""
-    try:
-        if not cifar10_present(data_dir):
-            if not download:
-                raise UsageError(f"CIFAR-10 not found in {data_dir / CIFAR10_FOLDER} and downloading "
-                                 "is off; fetch it with: python data.py --download --data-dir "
-                                 f"{data_dir}")
-            print(f"[rank 0] CIFAR-10 not found in {data_dir}, downloading ...", flush=True)
-            try:
-                data_dir.mkdir(parents=True, exist_ok=True)
-                download_cifar10(data_dir)
-            except Exception as e:
-                raise UsageError(f"downloading CIFAR-10 into {data_dir} failed ({e}); fetch it "
-                                 "beforehand on a machine with internet, e.g. a login node: "
-                                 f"python data.py --download --data-dir {data_dir}") from None
-            if not cifar10_present(data_dir):
-                raise UsageError(f"the download did not produce {data_dir / CIFAR10_FOLDER}")
+def _prepare_on_rank0(data_dir: Path, download: bool) -> str | None:
+    """Download if needed and build the cache; returns the cache's path (None: no cache)."""
+    if not cifar10_present(data_dir):
+        if not download:
+            raise UsageError(f"CIFAR-10 not found in {data_dir / CIFAR10_FOLDER} and downloading "
+                             "is off; fetch it with: python data.py --download --data-dir "
+                             f"{data_dir}")
+        print(f"[rank 0] CIFAR-10 not found in {data_dir}, downloading ...", flush=True)
         try:
-            return {"cache": str(build_cache(data_dir))}
-        except OSError as e:  # read-only data folder: every rank decodes the files itself
-            print(f"[rank 0] warning: cannot write {data_dir / CACHE_FILE} ({e}); "
-                  "decoding without a cache", flush=True)
-            decode_cifar10(data_dir / CIFAR10_FOLDER)  # validate once, here, with a clear error
-            return {"cache": None}
-    except UsageError as e:
-        return {"error": str(e)}
+            data_dir.mkdir(parents=True, exist_ok=True)
+            download_cifar10(data_dir)
+        except Exception as e:
+            raise UsageError(f"downloading CIFAR-10 into {data_dir} failed ({e}); fetch it "
+                             "beforehand on a machine with internet, e.g. a login node: "
+                             f"python data.py --download --data-dir {data_dir}") from None
+        if not cifar10_present(data_dir):
+            raise UsageError(f"the download did not produce {data_dir / CIFAR10_FOLDER}")
+    try:
+        return str(build_cache(data_dir))
+    except OSError as e:  # read-only data folder: every rank decodes the files itself
+        print(f"[rank 0] warning: cannot write {data_dir / CACHE_FILE} ({e}); "
+              "decoding without a cache", flush=True)
+        decode_cifar10(data_dir / CIFAR10_FOLDER)  # validate once, here, with a clear error
+        return None
 
 
 def load_cifar10(data_dir: Path, download: bool = True) -> tuple[Split, Split]:
     """Every rank calls this; rank 0 alone touches the network and writes files."""
     data_dir = Path(data_dir)
-    verdict = [_prepare_on_rank0(data_dir, download) if _rank() == 0 else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(verdict, src=0)  # also the barrier: nobody reads early
-    verdict = verdict[0]
-    if "error" in verdict:
-        raise UsageError(verdict["error"])
-    if verdict["cache"]:
-        t = torch.load(verdict["cache"], mmap=True)
-    else:
-        t = decode_cifar10(data_dir / CIFAR10_FOLDER)
+    cache = on_rank0(_prepare_on_rank0, data_dir, download)
+    t = torch.load(cache, mmap=True) if cache else decode_cifar10(data_dir / CIFAR10_FOLDER)
     return Split(t["train_images"], t["train_labels"]), Split(t["val_images"], t["val_labels"])
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 # ----------------------------------------------------------------------------- synthetic data
@@ -248,21 +235,25 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator,
                      padding: int = CROP_PADDING) -> torch.Tensor:
     """Per-image random crop from a zero-padded copy and random horizontal flip, batched.
 
-    Same distribution as torchvision's RandomCrop(32, padding=4) + RandomHorizontalFlip, as one
-    gather on the images' own device.
+    Same distribution as torchvision's RandomCrop(32, padding=4) + RandomHorizontalFlip, done
+    as one gather on the images' own device: a crop at (dy, dx) reads the padded image at a fixed
+    pattern of flat offsets shifted by dy * padded_width + dx, and a flip mirrors the columns.
     """
     n, c, h, w = images.shape
     dev = images.device
-    padded = F.pad(images, (padding,) * 4)
+    pw = w + 2 * padding
+    channel = torch.arange(c, device=dev).view(c, 1, 1) * (h + 2 * padding) * pw
+    row = torch.arange(h, device=dev).view(1, h, 1) * pw
+    col = torch.arange(w, device=dev).view(1, 1, w)
+    pattern = (channel + row + col).view(1, -1)
+    mirrored = (channel + row + (w - 1 - col)).view(1, -1)
+
     dy = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device=dev)
     dx = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device=dev)
     flip = torch.randint(0, 2, (n, 1), generator=generator, device=dev).bool()
-    cols = torch.arange(w, device=dev).expand(n, w)
-    cols = torch.where(flip, w - 1 - cols, cols) + dx
-    rows = torch.arange(h, device=dev) + dy
-    return padded[torch.arange(n, device=dev)[:, None, None, None],
-                  torch.arange(c, device=dev)[None, :, None, None],
-                  rows[:, None, :, None], cols[:, None, None, :]]
+    offsets = torch.where(flip, mirrored, pattern) + dy * pw + dx
+    padded = F.pad(images, (padding,) * 4).view(n, -1)
+    return padded.gather(1, offsets).view(n, c, h, w)
 
 
 class Normalize:
@@ -281,6 +272,20 @@ class Normalize:
 
 # ----------------------------------------------------------------------------- loaders
 
+class ShardSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, for a run resumed mid-epoch."""
+
+    def __init__(self, size: int, world_size: int, rank: int, shuffle: bool, seed: int = 0):
+        super().__init__(range(size), world_size, rank, shuffle=shuffle, seed=seed)
+        self.skip = 0  # samples of this rank's shard already trained on this epoch
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip
+
+
 class TensorLoader:
     """A rank's batches, sliced from the whole data set held as one tensor on the device.
 
@@ -288,10 +293,12 @@ class TensorLoader:
     every batch is then an index, an optional crop/flip and a normalize, all on the device.
     """
 
-    def __init__(self, split: Split, sampler: DistributedSampler, batch_size: int, steps: int,
+    def __init__(self, split: Split, sampler: ShardSampler, batch_size: int, steps: int,
                  normalize: Normalize, augment: bool, generator: torch.Generator):
         device = normalize.mean.device
-        self.images = split.images.to(device)
+        # Rows of one flat image each: index_select on them is a plain row copy, many times
+        # faster than advanced indexing of the 4-d tensor on the CPU.
+        self.images = split.images.to(device).view(len(split), -1)
         self.labels = split.labels.to(device)
         self.sampler, self.batch_size, self.steps = sampler, batch_size, steps
         self.normalize, self.augment, self.generator = normalize, augment, generator
@@ -300,10 +307,11 @@ class TensorLoader:
         return self.steps
 
     def __iter__(self):
+        """This epoch's batches from the sampler's position on (see Loaders.set_position)."""
         indices = torch.tensor(list(self.sampler), device=self.images.device)
-        for step in range(self.steps):
+        for step in range(self.steps - self.sampler.skip // self.batch_size):
             batch = indices[step * self.batch_size:(step + 1) * self.batch_size]
-            images = self.images[batch]
+            images = self.images.index_select(0, batch).view(-1, *IMAGE_SHAPE)
             if self.augment:
                 images = random_crop_flip(images, self.generator)
             yield self.normalize(images), self.labels[batch]
@@ -334,7 +342,7 @@ def classic_transform(spec: DatasetSpec, augment: bool):
 class ClassicLoader:
     """The course's pipeline: DataLoader workers transform images one by one on the CPU."""
 
-    def __init__(self, split: Split, sampler: DistributedSampler, batch_size: int, steps: int,
+    def __init__(self, split: Split, sampler: ShardSampler, batch_size: int, steps: int,
                  spec: DatasetSpec, augment: bool, device: torch.device, num_workers: int,
                  memory_format=torch.contiguous_format):
         self.loader = DataLoader(ImageDataset(split, classic_transform(spec, augment)),
@@ -342,13 +350,14 @@ class ClassicLoader:
                                  pin_memory=device.type == "cuda", drop_last=False,
                                  persistent_workers=num_workers > 0)
         self.sampler, self.steps, self.device = sampler, steps, device
-        self.memory_format = memory_format
+        self.batch_size, self.memory_format = batch_size, memory_format
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self):
-        for _, (images, labels) in zip(range(self.steps), self.loader):
+        remaining = self.steps - self.sampler.skip // self.batch_size
+        for _, (images, labels) in zip(range(remaining), self.loader):
             images = images.to(self.device, non_blocking=True)
             yield (images.contiguous(memory_format=self.memory_format),
                    labels.to(self.device, non_blocking=True))
@@ -369,8 +378,14 @@ def validation_weights(offset: int, batch_len: int, rank: int, world_size: int, 
 class Loaders:
     train: "TensorLoader | ClassicLoader"
     val: "TensorLoader | ClassicLoader"
-    train_sampler: DistributedSampler
+    train_sampler: ShardSampler
     val_size: int
+    generator: torch.Generator | None  # the tensor path's augmentation stream
+
+    def set_position(self, epoch: int, step: int = 0) -> None:
+        """Shuffle for `epoch` (the same order on every rank) and start after `step` batches."""
+        self.train_sampler.set_epoch(epoch)
+        self.train_sampler.skip = step * self.train.batch_size
 
 
 def build_loaders(train: Split, val: Split, spec: DatasetSpec, *, kind: str, rank: int,
@@ -379,23 +394,24 @@ def build_loaders(train: Split, val: Split, spec: DatasetSpec, *, kind: str, ran
                   memory_format=torch.contiguous_format) -> Loaders:
     """Shard both splits over the ranks; training uses only full global batches."""
     local_batch = global_batch // world_size
-    train_sampler = DistributedSampler(range(len(train)), world_size, rank, shuffle=True,
-                                       seed=seed)
-    val_sampler = DistributedSampler(range(len(val)), world_size, rank, shuffle=False)
+    train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed)
+    val_sampler = ShardSampler(len(val), world_size, rank, shuffle=False)
     train_steps = len(train) // global_batch
     val_steps = -(-len(val_sampler) // local_batch)
+    gen = None
     if kind == "tensor":
         norm = Normalize(spec, device, memory_format)
         # Per-rank augmentation stream, independent of the sampler's shared permutation.
         gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
-        make = lambda split, sampler, steps, aug: TensorLoader(split, sampler, local_batch, steps,
-                                                               norm, aug, gen)
+
+        def make(split, sampler, steps, aug):
+            return TensorLoader(split, sampler, local_batch, steps, norm, aug, gen)
     else:
-        make = lambda split, sampler, steps, aug: ClassicLoader(split, sampler, local_batch, steps,
-                                                                spec, aug, device, num_workers,
-                                                                memory_format)
+        def make(split, sampler, steps, aug):
+            return ClassicLoader(split, sampler, local_batch, steps, spec, aug, device,
+                                 num_workers, memory_format)
     return Loaders(make(train, train_sampler, train_steps, augment),
-                   make(val, val_sampler, val_steps, False), train_sampler, len(val))
+                   make(val, val_sampler, val_steps, False), train_sampler, len(val), gen)
 
 
 def main(argv=None) -> None:

@@ -130,6 +130,26 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
+def on_rank0(fn, *args):
+    """Run fn on rank 0 alone and hand its result, or its UsageError, to every rank.
+
+    For work only one rank may do (download, create folders): the broadcast is also the
+    barrier, and a failure ends every rank with rank 0's message instead of a hang.
+    """
+    outcome = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            outcome = [("ok", fn(*args))]
+        except UsageError as e:
+            outcome = [("error", str(e))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    status, value = outcome[0]
+    if status == "error":
+        raise UsageError(value)
+    return value
+
+
 def num_nodes(env=os.environ) -> int:
     """Nodes taking part: SLURM's count, else torchrun's ratio of world to local world size."""
     if "SLURM_JOB_NUM_NODES" in env and "SLURM_STEP_ID" in env:

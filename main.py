@@ -10,11 +10,15 @@ line per epoch (format in utils.py).
 """
 
 import argparse
+import os
 import sys
+import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+import checkpoint
 import data
 import distributed_utils
 from ddp_utils import get_ddp_model
@@ -52,6 +56,9 @@ class Config:
     seed: int = 42
     print_every: int = 50
     pg_timeout: float = 300.0
+    checkpoint_dir: str | None = None  # None: checkpoints/<SLURM job id, or a local time stamp>
+    resume: str | None = None  # "auto" (the latest in checkpoint_dir, if any) or a path
+    checkpoint: bool = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="progress line every N steps (rank 0)")
     p.add_argument("--pg-timeout", type=float, default=d.pg_timeout,
                    help="seconds a collective waits for a missing rank before failing")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where checkpoints go, one per epoch and one on SIGUSR1/SIGTERM "
+                        "(default: checkpoints/<SLURM job id>, or checkpoints/local-<time>)")
+    p.add_argument("--resume", default=None, metavar="auto|PATH",
+                   help="continue from the latest checkpoint in --checkpoint-dir (auto: start "
+                        "fresh if there is none), or from a checkpoint or folder PATH")
+    p.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
+                   help="write no checkpoints")
     return p
 
 
@@ -202,18 +217,72 @@ def prepare(cfg: Config, env: distributed_utils.DistEnv) -> Job:
     return Job(model, optimizer, loaders, precision, identity, run_info, resolved)
 
 
+def checkpoint_folder(cfg: Config) -> Path:
+    """Rank 0 names and creates the folder (a run's default name carries its start time)."""
+    if cfg.checkpoint_dir:
+        folder = Path(cfg.checkpoint_dir)
+    elif "SLURM_JOB_ID" in os.environ:  # a requeued job keeps its id, so it finds its own
+        folder = Path("checkpoints") / os.environ["SLURM_JOB_ID"]
+    else:
+        folder = Path("checkpoints") / time.strftime("local-%Y%m%d-%H%M%S")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".writable"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"checkpoint folder {folder} is not writable ({e.strerror}); "
+                         "choose another with --checkpoint-dir") from None
+    if cfg.resume is None and checkpoint.latest(folder):
+        raise UsageError(f"{folder} already holds checkpoints of an earlier run: continue it "
+                         "with --resume auto, or choose another --checkpoint-dir")
+    return folder
+
+
 def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
-    """Train for cfg.epochs; returns the job (its trained model) and every epoch's metrics."""
+    """Train until cfg.epochs, or until SLURM asks us to stop (then save and return).
+
+    Returns the job (its trained model) and the metrics of the epochs this process ran.
+    """
     job = prepare(cfg, env)
-    log0(format_config(job.resolved))
+    folder = distributed_utils.on_rank0(checkpoint_folder, cfg) if cfg.checkpoint else None
+    identity = checkpoint.Identity(cfg.strategy, cfg.model, job.resolved["parameters"])
+    position = checkpoint.Position()
+    source = checkpoint.resolve(cfg.resume, folder or Path(".")) if cfg.resume else None
+    if source:
+        position = checkpoint.load(source, identity, job.model, job.optimizer,
+                                   job.loaders.generator)
+    log0(format_config({**job.resolved, "checkpoint_dir": folder, "resumed_from": source}))
+    if source:
+        log0(f"[CHECKPOINT] resumed from {source}: epoch {position.epoch}, step {position.step}")
+
+    stop = checkpoint.StopRequest()
     history = []
-    for epoch in range(1, cfg.epochs + 1):
-        metrics = run_epoch(job.model, job.optimizer, job.loaders, job.precision, env, epoch,
-                            cfg.print_every)
+
+    def save(at: checkpoint.Position) -> None:
+        if folder:
+            path = checkpoint.save(folder, at, identity, job.model, job.optimizer,
+                                   job.loaders.generator)
+            log0(f"[CHECKPOINT] saved {path}")
+
+    while position.epoch <= cfg.epochs:
+        reached, metrics = run_epoch(job.model, job.optimizer, job.loaders, job.precision, env,
+                                     position, cfg.print_every, stop)
+        stopping = stop.drain()
+        if metrics is None:  # a stop came mid-epoch: keep what this epoch has done so far
+            save(reached)
+            break
         head = {k: metrics.pop(k) for k in ("epoch", "time", "val_loss", "acc", "peak_mem")}
         line = {**head, **job.identity, **metrics, **job.run_info}
         log0(format_metric(line))
         history.append(line)
+        position = checkpoint.Position(epoch=position.epoch + 1)
+        save(position)
+        if stopping:
+            break
+    if stop.signalled or stopping:
+        log0(f"[CHECKPOINT] stopped on {stop.signal_name or 'a signal to another rank'} "
+             f"before epoch {cfg.epochs} ended; continue with --resume auto")
     return job, history
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checkpoint import Position, StopRequest
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv
 from utils import log0
@@ -88,8 +89,9 @@ def all_reduce(values: list[float | torch.Tensor], device: torch.device,
 class Progress:
     """Rank 0's progress: a redrawn bar on a terminal, a line every `every` steps in a log."""
 
-    def __init__(self, epoch: int, steps: int, every: int, enabled: bool):
+    def __init__(self, epoch: int, steps: int, every: int, enabled: bool, first_step: int = 0):
         self.epoch, self.steps, self.every, self.enabled = epoch, steps, every, enabled
+        self.first_step = first_step  # a resumed epoch starts part-way
         self.tty = sys.stdout.isatty()
         self.start = time.perf_counter()
 
@@ -97,7 +99,7 @@ class Progress:
         done = step + 1
         if not self.enabled or (done % self.every and done != self.steps):
             return
-        ms = 1000 * (time.perf_counter() - self.start) / done
+        ms = 1000 * (time.perf_counter() - self.start) / (done - self.first_step)
         # .item() waits for the device: paid once every `every` steps, not every step.
         text = f"epoch {self.epoch} step {done:>5}/{self.steps} loss {loss.item():.4f} {ms:.1f} ms/step"
         if self.tty:
@@ -108,18 +110,27 @@ class Progress:
 
 
 def train_one_epoch(model: nn.Module, loaders: Loaders, optimizer: torch.optim.Optimizer,
-                    precision: Precision, env: DistEnv, epoch: int, print_every: int) -> dict:
+                    precision: Precision, env: DistEnv, start: Position, print_every: int,
+                    stop: StopRequest | None = None) -> tuple[Position, bool]:
+    """Train from `start` until the epoch ends or a stop is agreed.
+
+    Returns the position reached, its sums global (all ranks) and including `start`'s, and
+    whether the epoch is complete.
+    """
     model.train()
     device = env.device
     loss_sum = torch.zeros((), device=device)
     seen = torch.zeros((), device=device)
-    progress = Progress(epoch, len(loaders.train), print_every, env.is_main)
+    loaders.set_position(start.epoch, start.step)
+    total = len(loaders.train)
+    progress = Progress(start.epoch, total, print_every, env.is_main, start.step)
     data_wait = 0.0
 
     synchronize(device)
-    start = time.perf_counter()
+    t_start = time.perf_counter()
     batches = iter(loaders.train)
-    for step in range(len(loaders.train)):
+    step = start.step
+    while step < total and not (stop and stop.poll()):
         t0 = time.perf_counter()
         images, labels = next(batches)
         data_wait += time.perf_counter() - t0
@@ -139,13 +150,15 @@ def train_one_epoch(model: nn.Module, loaders: Loaders, optimizer: torch.optim.O
         loss_sum += loss.detach() * len(labels)
         seen += len(labels)
         progress.update(step, loss)
+        step += 1
     synchronize(device)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - t_start
 
-    loss_sum, seen, data_wait_max = (*all_reduce([loss_sum, seen], device),
-                                     all_reduce([data_wait], device, dist.ReduceOp.MAX)[0])
-    return {"train_loss": loss_sum / max(seen, 1), "time": elapsed, "images": int(seen),
-            "data_wait": data_wait_max}
+    loss_sum, seen = all_reduce([loss_sum, seen], device)
+    data_wait = all_reduce([data_wait], device, dist.ReduceOp.MAX)[0]
+    reached = Position(start.epoch, step, start.loss_sum + loss_sum, start.seen + int(seen),
+                       start.data_wait + data_wait, start.time + elapsed)
+    return reached, step == total
 
 
 @torch.no_grad()
@@ -178,25 +191,32 @@ def evaluate(model: nn.Module, loaders: Loaders, precision: Precision, env: Dist
 
 
 def run_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: Loaders,
-              precision: Precision, env: DistEnv, epoch: int, print_every: int) -> dict:
-    """One epoch of training and validation; the measurements of the `[METRIC]` line."""
-    loaders.train_sampler.set_epoch(epoch)  # a new shuffle, the same on every rank
+              precision: Precision, env: DistEnv, start: Position, print_every: int,
+              stop: StopRequest | None = None) -> tuple[Position, dict | None]:
+    """Train (from `start`) and validate one epoch: the measurements of its `[METRIC]` line.
+
+    Returns the position reached and the metrics, or None for them if a stop came mid-epoch.
+    """
     reset_peak_memory(env.device)
-    train = train_one_epoch(model, loaders, optimizer, precision, env, epoch, print_every)
+    reached, complete = train_one_epoch(model, loaders, optimizer, precision, env, start,
+                                        print_every, stop)
+    if not complete:
+        return reached, None
     val = evaluate(model, loaders, precision, env)
     peak, state = all_reduce([peak_memory_bytes(env.device), state_bytes(model, optimizer)],
                              env.device, dist.ReduceOp.MAX)
-    if not math.isfinite(train["train_loss"]):
-        log0(f"warning: epoch {epoch} training loss is {train['train_loss']}")
-    return {
-        "epoch": epoch,
-        "time": train["time"],
+    train_loss = reached.loss_sum / max(reached.seen, 1)
+    if not math.isfinite(train_loss):
+        log0(f"warning: epoch {reached.epoch} training loss is {train_loss}")
+    return reached, {
+        "epoch": reached.epoch,
+        "time": reached.time,
         "val_loss": val["val_loss"],
         "acc": val["acc"],
         "peak_mem": round(peak / 2**20),
-        "train_loss": train["train_loss"],
+        "train_loss": train_loss,
         "val_time": val["val_time"],
-        "throughput": train["images"] / train["time"],
-        "data_wait": train["data_wait"],
+        "throughput": reached.seen / reached.time,
+        "data_wait": reached.data_wait,
         "state_mem": int(state),
     }

@@ -1,0 +1,233 @@
+"""Checkpoints that survive preemption: saved every epoch and when SLURM warns; resumed anywhere.
+
+DDP: every rank holds the same weights, so rank 0 alone writes one file (a full state dict).
+FSDP: each rank writes its own shard through torch.distributed.checkpoint (DCP), which reshards
+on load, so a run may resume at another world size. Both go through `get_state_dict` /
+`set_state_dict`, which understand either wrapper.
+
+A checkpoint is a folder `ckpt_e{epoch}_s{step}`: where training continues. Everything is
+written into `<name>.tmp/` first and rank 0 renames it once every rank has finished, so a crash
+mid-write leaves the previous checkpoint as the latest. Nothing here deletes a checkpoint.
+
+`StopRequest` turns SIGUSR1 (SLURM's warning before the time limit, `--signal=B:USR1@T`) and
+SIGTERM (preemption, `scancel`) into a decision that all ranks take at the same step boundary.
+"""
+
+import contextlib
+import os
+import re
+import signal
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
+
+from utils import UsageError
+
+NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
+META_FILE = "meta.pt"
+DDP_FILE = "state.pt"
+
+
+@dataclass
+class Position:
+    """Where training continues: epoch `epoch` after `step` batches, with what those batches
+    already added to the epoch's (global) sums."""
+    epoch: int = 1
+    step: int = 0
+    loss_sum: float = 0.0
+    seen: int = 0
+    data_wait: float = 0.0
+    time: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"ckpt_e{self.epoch:04d}_s{self.step:06d}"
+
+
+@dataclass
+class Identity:
+    """What a checkpoint fits: refused, with a clear message, by a run of another kind."""
+    strategy: str
+    model: str
+    parameters: int
+    extra: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _quiet_fsdp1_state_dict():
+    """FSDP1's sharded state dict is made of ShardedTensors, which torch warns it will replace
+    by DTensors (FSDP2); the warnings, once per tensor per rank, say nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*")
+        warnings.filterwarnings("ignore", message=".*Multiple backends are registered.*")
+        yield
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _rng_state(generator: torch.Generator | None) -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if generator is not None:
+        state["loader"] = generator.get_state()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict, generator: torch.Generator | None) -> None:
+    torch.set_rng_state(state["torch"])
+    if generator is not None and "loader" in state:
+        generator.set_state(state["loader"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(directory: Path, position: Position, identity: Identity, model, optimizer,
+         generator: torch.Generator | None) -> Path:
+    """Every rank calls this. Returns the checkpoint's folder."""
+    directory = Path(directory)
+    final = directory / position.name
+    tmp = directory / (position.name + ".tmp")
+    if _rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # our own leftover from a crash mid-write: never a finished checkpoint
+            for f in tmp.iterdir():
+                f.unlink()
+        tmp.mkdir(exist_ok=True)
+    _barrier()
+
+    full = identity.strategy == "ddp"
+    with _quiet_fsdp1_state_dict():
+        model_state, optim_state = get_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+        if full:
+            if _rank() == 0:
+                torch.save({"model": model_state, "optim": optim_state}, tmp / DDP_FILE)
+        else:
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    torch.save(_rng_state(generator), tmp / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        torch.save({"position": asdict(position), "identity": asdict(identity),
+                    "world_size": _world()}, tmp / META_FILE)
+    _barrier()
+    if _rank() == 0:
+        os.replace(tmp, final)  # atomic: the folder appears complete or not at all
+    _barrier()
+    return final
+
+
+def latest(directory: Path) -> Path | None:
+    """The newest finished checkpoint in `directory`, or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    found = [(tuple(map(int, m.groups())), p) for p in directory.iterdir()
+             if (m := NAME_RE.match(p.name)) and (p / META_FILE).is_file()]
+    return max(found)[1] if found else None
+
+
+def resolve(resume: str, directory: Path) -> Path | None:
+    """`--resume auto` (the latest in the checkpoint folder, if any) or a path."""
+    if resume == "auto":
+        return latest(directory)
+    path = Path(resume)
+    if not (path / META_FILE).is_file():
+        path = latest(path)  # a folder of checkpoints
+        if path is None:
+            raise UsageError(f"--resume {resume}: no checkpoint there")
+    return path
+
+
+def load(path: Path, identity: Identity, model, optimizer,
+         generator: torch.Generator | None) -> Position:
+    """Restore model, optimizer and (at the same world size) every rank's random streams."""
+    try:
+        meta = torch.load(path / META_FILE, weights_only=False)
+    except Exception as e:
+        raise UsageError(f"cannot read checkpoint {path} ({type(e).__name__}: {e})") from None
+    theirs = Identity(**meta["identity"])
+    if (theirs.strategy, theirs.model, theirs.parameters) != (
+            identity.strategy, identity.model, identity.parameters):
+        raise UsageError(f"checkpoint {path} was written by strategy={theirs.strategy} "
+                         f"model={theirs.model} ({theirs.parameters} parameters); this run is "
+                         f"strategy={identity.strategy} model={identity.model} "
+                         f"({identity.parameters} parameters)")
+    full = identity.strategy == "ddp"
+    with _quiet_fsdp1_state_dict():
+        if full:
+            state = torch.load(path / DDP_FILE, map_location="cpu", weights_only=False)
+        else:
+            model_state, optim_state = get_state_dict(model, optimizer)  # shapes to read into
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(full_state_dict=full))
+    rng = path / f"rng_rank{_rank()}.pt"
+    # At another world size the ranks' streams do not map onto the new ranks: keep fresh ones.
+    if meta["world_size"] == _world() and rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False), generator)
+    return Position(**meta["position"])
+
+
+class StopRequest:
+    """A signal to one rank becomes a stop at the same step on every rank.
+
+    Each step, `poll` starts a tiny all-reduce (MAX) of this rank's flag on a CPU gloo group and
+    reads the previous step's result: the ranks agree one step after the first of them was
+    signalled, without any device synchronization in the training loop.
+    """
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self):
+        self.signalled = False
+        self.signal_name = ""
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        self.world = _world()
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.pending = None
+
+    def _handle(self, signum, frame) -> None:
+        self.signalled = True
+        self.signal_name = signal.Signals(signum).name
+
+    def poll(self) -> bool:
+        """True on every rank at the same step once any rank was signalled."""
+        if self.group is None:
+            return self.signalled
+        agreed = self.drain()
+        flag = torch.tensor([int(self.signalled)])
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group,
+                                        async_op=True), flag)
+        return agreed
+
+    def drain(self) -> bool:
+        """Finish the all-reduce in flight (before a stop, an epoch's end or shutdown)."""
+        if self.group is None:
+            return self.signalled
+        if self.pending is None:
+            return False
+        work, flag = self.pending
+        work.wait()
+        self.pending = None
+        return bool(flag.item())

@@ -1,0 +1,110 @@
+"""Checkpoint and resume: an interrupted run ends exactly where an uninterrupted one ends."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+import checkpoint
+from dist_harness import spawn, spawn_outcomes
+from main import Config, run
+from test_equivalence import train_and_gather
+
+# Augmentation on: resuming must also restore every rank's random stream.
+CFG = dict(dataset="synthetic", augment=True, train_samples=384, val_samples=96, batch_size=32,
+           print_every=10**6, seed=5)
+COMPARED = ("val_loss", "acc", "train_loss")
+
+
+def assert_same_run(state, history, ref_state, ref_history, epochs):
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in state) <= 1e-6
+    assert [h["epoch"] for h in history] == list(epochs)
+    for mine in history:
+        ref = ref_history[mine["epoch"] - 1]
+        for key in COMPARED:
+            assert mine[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), (mine["epoch"], key)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Four uninterrupted epochs per strategy, at world size 2."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        cfg = Config(**CFG, strategy=strategy, epochs=4,
+                     checkpoint_dir=str(tmp_path_factory.mktemp(strategy)))
+        runs[strategy] = spawn(train_and_gather, 2, cfg)[0]
+    return runs
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight, strategy):
+    ref_state, ref_history = straight[strategy]
+    common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path))
+    spawn(train_and_gather, 2, Config(**common, epochs=2))
+    state, history = spawn(train_and_gather, 2, Config(**common, epochs=4, resume="auto"))[0]
+    assert_same_run(state, history, ref_state, ref_history, epochs=[3, 4])
+
+
+def signal_rank1_then_train(env, cfg, at_poll):
+    """SLURM's warning signal reaches rank 1 alone, at its `at_poll`-th training step."""
+    if env.rank == 1:
+        poll, calls = checkpoint.StopRequest.poll, []
+
+        def poll_and_signal(self):
+            calls.append(1)
+            if len(calls) == at_poll:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return poll(self)
+
+        checkpoint.StopRequest.poll = poll_and_signal
+    return train_and_gather(env, cfg)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_stop_on_signal_mid_epoch_then_resume_equals_straight(tmp_path, straight, strategy):
+    ref_state, ref_history = straight[strategy]
+    common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path), epochs=4)
+    # 12 steps per epoch: the 17th poll comes before epoch 2's fifth step (index 4). The
+    # ranks' all-reduce of their flags agrees one poll later: both stop after 5 steps.
+    _, first = spawn(signal_rank1_then_train, 2, Config(**common), 17)[0]
+    saved = checkpoint.latest(tmp_path)
+    assert saved.name == "ckpt_e0002_s000005"
+    assert [h["epoch"] for h in first] == [1]  # the interrupted epoch printed no [METRIC] line
+
+    state, rest = spawn(train_and_gather, 2, Config(**common, resume="auto"))[0]
+    assert_same_run(state, first + rest, ref_state, ref_history, epochs=[1, 2, 3, 4])
+
+
+def test_resume_at_another_world_size(tmp_path, straight):
+    """FSDP's sharded checkpoint (world size 2) loads at world size 1; DDP's too."""
+    for strategy in ("fsdp", "ddp"):
+        common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path / strategy))
+        spawn(train_and_gather, 2, Config(**common, epochs=2))
+        state, history = spawn(train_and_gather, 1, Config(**common, epochs=3, resume="auto"))[0]
+        assert [h["epoch"] for h in history] == [3]
+        # Weights after epoch 2 were restored: epoch 3 starts far from a fresh model.
+        assert history[0]["train_loss"] < straight[strategy][1][0]["train_loss"]
+
+
+def test_checkpoint_of_another_strategy_is_refused(tmp_path):
+    common = dict(**CFG, checkpoint_dir=str(tmp_path), epochs=1)
+    spawn(train_and_gather, 1, Config(**common, strategy="ddp"))
+    (status, message), = spawn_outcomes(train_and_gather, 1,
+                                        Config(**common, strategy="fsdp", resume="auto"))
+    assert status == "error" and "written by strategy=ddp" in message.splitlines()[0]
+
+
+def test_unfinished_checkpoint_is_never_the_latest(tmp_path):
+    (tmp_path / "ckpt_e0002_s000000").mkdir()
+    torch.save({}, tmp_path / "ckpt_e0002_s000000" / checkpoint.META_FILE)
+    (tmp_path / "ckpt_e0003_s000000.tmp").mkdir()  # a crash mid-write
+    (tmp_path / "ckpt_e0004_s000000").mkdir()  # no meta file: not finished
+    assert checkpoint.latest(tmp_path).name == "ckpt_e0002_s000000"
+
+
+def test_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path):
+    common = dict(**CFG, checkpoint_dir=str(tmp_path), epochs=1)
+    spawn(train_and_gather, 1, Config(**common))
+    (status, message), = spawn_outcomes(train_and_gather, 1, Config(**common))
+    assert status == "error" and "--resume auto" in message.splitlines()[0]
