@@ -257,6 +257,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
         log0(f"[CHECKPOINT] resumed from {source}: epoch {position.epoch}, step {position.step}")
 
     stop = checkpoint.StopRequest()
+    stopping = False
     history = []
 
     def save(at: checkpoint.Position) -> None:

@@ -12,7 +12,7 @@ from utils import COURSE_METRIC_RE, format_metric, parse_metric
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "synthetic", "--train-samples", "512", "--val-samples", "256",
-        "--batch-size", "64", "--print-every", "1000"]
+        "--batch-size", "64", "--print-every", "1000", "--no-checkpoint"]
 
 
 def run_cli(args, nproc=None, timeout=240):
@@ -56,7 +56,7 @@ def test_parser_reads_srun_prefixed_coloured_lines_and_rejects_cut_ones():
 def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     result = run_cli(["--strategy", "fsdp", "--epochs", "3", *TINY[:2], "--train-samples",
                       "2048", "--val-samples", "512", "--batch-size", "128", "--print-every",
-                      "1000"], nproc=2)
+                      "1000", "--no-checkpoint"], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [l for l in result.stdout.splitlines() if l.startswith("[METRIC]")]
     assert len(lines) == 3 and all(COURSE_METRIC_RE.match(l) for l in lines)

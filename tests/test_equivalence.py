@@ -12,7 +12,7 @@ from main import Config, run
 # SGD, not Adam: Adam's step g / (sqrt(v) + eps) turns the last-bit differences of near-zero
 # gradients summed in another order into steps of up to +-lr (seen here: 4e-3 after 20 steps).
 CFG = dict(dataset="synthetic", train_samples=240, val_samples=60, batch_size=24, epochs=2,
-           print_every=1000, seed=7, optimizer="sgd", lr=0.05)
+           print_every=1000, seed=7, optimizer="sgd", lr=0.05, checkpoint=False)
 
 
 def train_and_gather(env, cfg):

@@ -1,0 +1,184 @@
+"""Where does the time go? One run on the machine at hand prints a table of:
+
+1. the input pipeline alone: images/s of the tensor path vs the classic DataLoader path;
+2. the training loop at world size 1 vs a bare loop (same model, batch, optimizer, threads,
+   preloaded tensors, no wrapper, no metrics);
+3. the share of step time spent waiting for data (tensor path);
+4. DDP and FSDP at world sizes 1, 2 (and 4 with 4 GPUs), launched by torchrun as users do:
+   images/s and scaling efficiency.
+
+Every number comes from the project's own code paths (data.py, train.py, main.py), so a
+regression in them shows here. Warm-up (first batches, first epoch) is never timed.
+
+    python benchmark.py            # a few minutes on a 2-core CPU
+    python benchmark.py --quick    # smaller, for a smoke run
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import data
+import distributed_utils
+from main import Config, prepare
+from model import build_model
+from train import Precision, synchronize, train_one_epoch
+from utils import parse_metric
+
+ROOT = Path(__file__).resolve().parent
+SPEC = data.DATASETS["cifar10"]  # CIFAR-10's statistics and its default augmentation
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
+            f"GPU {gpu}; torch {torch.__version__}; {datetime.date.today()}")
+
+
+def timed(fn, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def input_pipeline(kind: str, batch: int, steps: int, workers: int,
+                   device: torch.device) -> float:
+    """Images/s of one rank's training batches, augmented and on the device, nothing else."""
+    warmup = 3
+    train, val = data.make_synthetic(batch * (steps + warmup), batch, seed=0)
+    loaders = data.build_loaders(train, val, SPEC, kind=kind, rank=0, world_size=1,
+                                 global_batch=batch, seed=0, augment=True, device=device,
+                                 num_workers=workers)
+    batches = iter(loaders.train)
+    for _ in range(warmup):  # worker start-up and first allocations
+        next(batches)
+
+    def consume():
+        for _ in range(steps):  # each batch dropped at once, as a training step would
+            next(batches)
+
+    return batch * steps / timed(consume, device)
+
+
+def bare_loop(model, optimizer, batches) -> None:
+    for images, labels in batches:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+
+def loop_vs_bare(batch: int, steps: int, device: torch.device, repeats: int = 3) -> dict:
+    """The project's epoch (DDP wrapper, loader, metrics) against the same work done bare."""
+    cfg = Config(dataset="synthetic", train_samples=batch * steps, val_samples=batch,
+                 batch_size=batch, epochs=1, print_every=10**9, checkpoint=False)
+    env = distributed_utils.setup()
+    try:
+        job = prepare(cfg, env)
+        torch.manual_seed(0)
+        bare = build_model(cfg.model).to(device)
+        bare_opt = torch.optim.Adam(bare.parameters(), lr=cfg.lr)
+        preloaded = list(job.loaders.train)
+        none = Precision(None, None)
+        ours, theirs, wait = [], [], []
+        for epoch in range(repeats + 1):  # the first round is warm-up
+            job.loaders.train_sampler.set_epoch(epoch)
+            result = train_one_epoch(job.model, job.loaders, job.optimizer, none, env, epoch,
+                                     cfg.print_every)
+            t_bare = timed(lambda: bare_loop(bare, bare_opt, preloaded), device)
+            if epoch:
+                ours.append(result["time"])
+                wait.append(result["data_wait"] / result["time"])
+                theirs.append(t_bare)
+    finally:
+        distributed_utils.cleanup()
+    return {"loop": batch * steps / min(ours), "bare": batch * steps / min(theirs),
+            "data_wait_share": min(wait)}
+
+
+def scaling_run(strategy: str, world_size: int, batch: int, samples: int, epochs: int) -> dict:
+    """main.py under torchrun; the last epoch's [METRIC] line (earlier ones carry warm-up)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world_size}", str(ROOT / "main.py"), "--strategy", strategy,
+           "--dataset", "synthetic", "--train-samples", str(samples), "--val-samples", "1024",
+           "--batch-size", str(batch), "--epochs", str(epochs), "--print-every", str(10**9),
+           "--no-checkpoint"]
+    # One thread per rank at every world size, so efficiency compares like with like.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    metrics = [m for m in map(parse_metric, result.stdout.splitlines()) if m]
+    if result.returncode or not metrics:
+        sys.exit(f"error: {strategy} at world size {world_size} failed:\n{result.stderr[-2000:]}")
+    return metrics[-1]
+
+
+def table(rows: list[tuple]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps and samples")
+    p.add_argument("--batch-size", type=int, default=256, help="global batch size")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers, classic path")
+    args = p.parse_args(argv)
+    device = distributed_utils.pick_device(0)[0]
+    gpu = device.type == "cuda"
+    b = args.batch_size
+    steps = 10 if args.quick else 40
+    world_sizes = [1, 2] + ([4] if gpu and torch.cuda.device_count() >= 4 else [])
+    samples = 4 * b * max(world_sizes) if args.quick else (50_000 if gpu else 16 * b * 4)
+
+    print(f"# benchmark.py: {machine()}\n", flush=True)
+    tensor = input_pipeline("tensor", b, steps * 4, args.workers, device)
+    classic = input_pipeline("classic", b, steps, args.workers, device)
+    loop = loop_vs_bare(b, steps, device)
+    rows = [("measure", "value", "target"),
+            ("input pipeline, tensor path (images/s)", f"{tensor:,.0f}", ""),
+            (f"input pipeline, classic path, {args.workers} workers (images/s)",
+             f"{classic:,.0f}", ""),
+            ("tensor / classic", f"{tensor / classic:.1f}x", ">= 10x"),
+            ("training loop, world size 1 (images/s)", f"{loop['loop']:,.0f}", ""),
+            ("bare loop (images/s)", f"{loop['bare']:,.0f}", ""),
+            ("training loop / bare loop", f"{loop['loop'] / loop['bare']:.2f}", ">= 0.90"),
+            ("data wait, share of step time", f"{100 * loop['data_wait_share']:.1f}%", "<= 5%")]
+    print(table(rows) + "\n", flush=True)
+
+    rows = [("strategy", "ranks", "images/s", "epoch time (s)", "efficiency", "peak mem (MB)")]
+    for strategy in ("ddp", "fsdp"):
+        base = None
+        for n in world_sizes:
+            m = scaling_run(strategy, n, b, samples, epochs=2)
+            base = base or m["throughput"]
+            rows.append((strategy, n, f"{m['throughput']:,.0f}", f"{m['time']:.2f}",
+                         f"{100 * m['throughput'] / (n * base):.0f}%", m["peak_mem"]))
+    print(f"Scaling: global batch {b}, {samples:,} synthetic images, one "
+          f"{'GPU' if gpu else 'CPU thread'} per rank, second epoch:\n")
+    print(table(rows))
+    if gpu:
+        print(f"\nOne epoch of {samples:,} images at global batch {b} on one GPU: "
+              f"{rows[1][3]} s (target < 0.3 s; the course measured about 7 s).")
+    else:
+        print("\nNo GPU here: the one-GPU epoch-time target (< 0.3 s) was not measured.")
+
+
+if __name__ == "__main__":
+    main()

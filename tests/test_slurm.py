@@ -1,0 +1,103 @@
+"""run.sh and run_benchmarks.py on a real SLURM: the project's loopback cluster of two emulated
+nodes with fake GPUs (.ci/slurm/start.sh). Torch sees no GPU there, so the jobs train on CPU
+over gloo, one rank per "GPU". Everything is tiny, one thread per rank: 4 ranks share 2 cores.
+
+Needs root (the cluster installs packages and starts daemons); skipped, with the reason, where
+the cluster cannot start."""
+
+import csv
+import re
+import subprocess
+import sys
+
+import pytest
+
+from utils import parse_metric
+
+pytestmark = pytest.mark.slurm
+
+TINY = ["--dataset", "synthetic", "--train-samples", "256", "--val-samples", "64",
+        "--print-every", "1000"]
+
+
+def metrics_in(text: str) -> list[dict]:
+    return [m for m in map(parse_metric, text.splitlines()) if m]
+
+
+def stderr_tails(logs) -> str:
+    return "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-5:])
+                   for p in sorted(logs.glob("*.err")))
+
+
+def sh(command: list, cwd, env, timeout) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_step_id_is_set_inside_srun_only(slurm_env, tmp_path):
+    """distributed_utils reads SLURM's ranks only where SLURM_STEP_ID is set: in srun's tasks,
+    not in the batch script, which also carries SLURM_PROCID=0 and the job's task count."""
+    script = ('echo "batch ${SLURM_STEP_ID:-unset}"; '
+              'srun bash -c \'echo "task $SLURM_PROCID ${SLURM_STEP_ID:-unset}"\'')
+    done = sh(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--output=out.txt",
+               "--wrap", script], tmp_path, slurm_env, 100)
+    assert done.returncode == 0, done.stderr
+    lines = sorted((tmp_path / "out.txt").read_text().split("\n"))
+    assert [line for line in lines if line] == ["batch unset", "task 0 0", "task 1 0"]
+
+
+@pytest.mark.timeout(240)
+def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
+    done = sh(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
+               "run.sh", *TINY, "--epochs", "2", "--batch-size", "32"],
+              repo_copy, slurm_env, 220)
+    log = (repo_copy / "train.log").read_text()
+    err = (repo_copy / "train.err").read_text()
+    assert done.returncode == 0, f"{done.stderr}\n--- train.log\n{log}\n--- train.err\n{err}"
+    job_id = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+    metrics = metrics_in(log)
+    assert [m["epoch"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert (m["world_size"], m["nodes"], m["local_batch"]) == (4, 2, 8)
+        assert str(m["job_id"]) == job_id
+    # The rendezvous: the allocation's first node, a port from the job id.
+    assert f"rendezvous node1:{29500 + int(job_id) % 20000}" in log
+    assert f"run.sh: job {job_id} exit status 0" in log
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_job_is_a_clear_error(slurm_env, repo_copy):
+    # One node of 8 GPUs: the emulated nodes have 4, so sbatch refuses the job at once.
+    done = sh([sys.executable, "run_benchmarks.py", "--gpus", "8", "--gpus-per-node", "8",
+               "--strategies", "ddp"], repo_copy, slurm_env, 50)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: sbatch refused jobs/ddp_8gpu.sh: ")
+
+
+@pytest.mark.timeout(420)
+def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
+    sweep = sh([sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "4", "--wait",
+                "--poll-interval", "2", "--cpus-per-task", "1", "--epochs", "1",
+                "--batch-size", "32", "--", *TINY], repo_copy, slurm_env, 400)
+    assert sweep.returncode == 0, sweep.stdout + sweep.stderr + stderr_tails(repo_copy / "logs")
+    job_ids = dict(re.findall(r"^(\w+): job (\d+) \(", sweep.stdout, re.MULTILINE))
+    names = {f"{s}_{g}gpu" for s in ("ddp", "fsdp") for g in (1, 2, 4)}
+    assert set(job_ids) == names
+    for name, job_id in job_ids.items():  # strategy, GPU count and job id in every log's name
+        assert (repo_copy / "logs" / f"{name}_{job_id}.log").exists()
+        assert (repo_copy / "jobs" / f"{name}.sh").exists()
+    assert "collect: job" in sweep.stdout and "sweep done: 7 of 7 jobs completed" in sweep.stdout
+
+    plots = sh(["./plot_results.sh"], repo_copy, slurm_env, 120)
+    assert plots.returncode == 0, plots.stderr
+    with open(repo_copy / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["strategy"], int(r["gpus"])) for r in rows} == {
+        (s, g) for s in ("ddp", "fsdp") for g in (1, 2, 4)}
+    assert {r["job_id"] for r in rows} == set(job_ids.values())
+    pngs = [line.strip() for line in plots.stdout.splitlines() if line.strip().endswith(".png")]
+    assert pngs
+    for png in pngs:
+        assert (repo_copy / "plots" / png.rsplit("/", 1)[-1]).stat().st_size > 0
