@@ -11,6 +11,7 @@ never collide. With CUDA present each rank drives `cuda:(local_rank % device_cou
 import datetime
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +149,41 @@ def on_rank0(fn, *args):
     if status == "error":
         raise UsageError(value)
     return value
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """A collective that failed because another rank died or hung (not a bug of ours)."""
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
+def silent_ranks(grace_s: float = 3.0) -> list[int]:
+    """After a failed collective: the ranks that did not check in at the rendezvous store.
+
+    Every surviving rank meets the failure within moments of the others (a dead peer closes
+    its sockets; a hung one times every rank out together), writes its check-in, and waits a
+    little for the others'. Whoever is missing died or hung.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"checkin/{rank}", "alive")
+    deadline = time.monotonic() + grace_s
+    while True:
+        missing = [r for r in range(world) if not store.check([f"checkin/{r}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.1)
+
+
+def describe_peer_failure(error: BaseException) -> str:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    try:
+        missing = silent_ranks()
+        who = f"rank(s) {', '.join(map(str, missing))} died or hung" if missing else \
+            "a peer failed"
+    except Exception:  # the store lives in rank 0 (or torchrun's agent): it may be gone too
+        who = "the rendezvous store is gone too: rank 0 (or its launcher) died"
+    return f"rank {dist.get_rank()}: {who}; stopping ({first_line[:200]})"
 
 
 def num_nodes(env=os.environ) -> int:

@@ -293,6 +293,14 @@ def main(argv=None) -> int:
         env = distributed_utils.setup(cfg.pg_timeout)
         try:
             run(cfg, env)
+        except Exception as e:
+            if not distributed_utils.is_peer_failure(e):
+                raise
+            # Another rank died or hung: say which, and exit instead of waiting for the
+            # job's time limit. Its own log holds the cause.
+            print(f"error: {distributed_utils.describe_peer_failure(e)}", file=sys.stderr,
+                  flush=True)
+            return 1
         finally:
             distributed_utils.cleanup()
     except UsageError as e:
