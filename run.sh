@@ -1,0 +1,144 @@
+#!/bin/bash
+#SBATCH --job-name=cifar10
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=8
+#SBATCH --time=00:30:00
+#SBATCH --signal=USR1@120
+#SBATCH --output=train.log
+#SBATCH --error=train.err
+#
+# run.sh -- train with main.py: as a SLURM batch job, or on this machine through torchrun.
+#
+#     sbatch -A ACCOUNT run.sh                         # 1 node x 4 GPUs, one task per GPU
+#     sbatch -A ACCOUNT --nodes=2 run.sh --strategy fsdp --epochs 5
+#     sbatch -A ACCOUNT --ntasks-per-node=1 --gpus-per-node=1 run.sh
+#     bash run.sh --dataset synthetic --epochs 1       # no SLURM: torchrun, one process per GPU
+#
+# Arguments after the script go to main.py. Options before it go to sbatch and override the
+# #SBATCH lines above, and so do SBATCH_* variables (SBATCH_ACCOUNT, SBATCH_PARTITION,
+# SBATCH_TIMELIMIT, SBATCH_RESERVATION, ...): no account or reservation is written here.
+# The job runs in the directory it was submitted from, so submit from the repository (or set
+# REPO_DIR); train.log and train.err are written there. Inside an allocation (salloc),
+# `bash run.sh` launches with srun too.
+#
+# Two minutes before the time limit every task gets SIGUSR1 (--signal without "B:", which
+# would signal only this script): main.py then saves a checkpoint and stops.
+#
+# Variables (sbatch passes the submitting shell's environment on to the job):
+#   EDF       run every task in this container, with CSCS's Container Engine
+#             (srun --environment=$EDF), e.g. EDF=$PWD/edf.toml sbatch run.sh
+#   PYTHON    the interpreter; default: the container's python with EDF, else the active
+#             virtual environment's, else the repository's .venv, else python3 on PATH
+#   NPROC     without SLURM: processes to start; default one per visible GPU, 2 on CPU
+#   REPO_DIR  where main.py is, if the job is not submitted from the repository
+set -euo pipefail
+
+fail() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+# In a batch job SLURM runs a copy of this script from its spool directory; the job starts in
+# the directory it was submitted from.
+find_repo() {
+    local here dir
+    here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+    for dir in "${REPO_DIR:-}" "$here" "${SLURM_SUBMIT_DIR:-}"; do
+        if [ -n "$dir" ] && [ -f "$dir/main.py" ]; then
+            echo "$dir"
+            return
+        fi
+    done
+    fail "cannot find main.py: submit from the repository's directory, or set REPO_DIR"
+}
+
+pick_python() {
+    local in_container=$1
+    if [ -n "${PYTHON:-}" ]; then
+        echo "$PYTHON"
+    elif [ "$in_container" = yes ]; then
+        echo python   # the image's own: a host virtual environment does not work inside it
+    elif [ -n "${VIRTUAL_ENV:-}" ]; then
+        echo "$VIRTUAL_ENV/bin/python"
+    elif [ -x "$REPO/.venv/bin/python" ]; then
+        echo "$REPO/.venv/bin/python"
+    else
+        echo python3
+    fi
+}
+
+# Inside srun every task turns SLURM's numbering into the variables torchrun would set
+# (RANK, LOCAL_RANK, WORLD_SIZE), which main.py reads. It changes into the repository first,
+# because a container starts in the image's working directory, not in the job's.
+# shellcheck disable=SC2016  # expanded by each task, not here
+TASK_SETUP='cd "$1" && shift
+export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS
+exec "$@"'
+
+run_slurm() {
+    local in_container=no
+    [ -n "${EDF:-}" ] && in_container=yes
+    PYTHON=$(pick_python "$in_container")
+
+    # Every task meets rank 0 on the allocation's first node. The port comes from the job id
+    # (as in distributed_utils.master_port_for_job), so two jobs sharing a node never collide.
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    MASTER_PORT=$((29500 + SLURM_JOB_ID % 20000))
+    export MASTER_ADDR MASTER_PORT
+
+    # Recommended by CSCS for PyTorch with NCCL: abort the job on an NCCL error instead of
+    # hanging; keep GPU-aware MPICH out of NCCL's way (it can deadlock); no JIT cache on the
+    # shared file system. One OpenMP thread per CPU the task owns.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export MPICH_GPU_SUPPORT_ENABLED=${MPICH_GPU_SUPPORT_ENABLED:-0}
+    export CUDA_CACHE_DISABLE=${CUDA_CACHE_DISABLE:-1}
+    export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+    ulimit -c 0   # a crashing rank would leave a core file the size of its memory
+
+    # Since SLURM 22.05, srun does not always inherit --cpus-per-task from sbatch: pass it on.
+    # --kill-on-bad-exit: when one rank dies, stop the others rather than let them wait.
+    local srun_args=(--kill-on-bad-exit=1)
+    [ -n "${SLURM_CPUS_PER_TASK:-}" ] && srun_args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    [ "$in_container" = yes ] && srun_args+=(--environment="$EDF")
+
+    echo "run.sh: job $SLURM_JOB_ID: ${SLURM_NTASKS:-?} tasks on $SLURM_JOB_NUM_NODES node(s)" \
+         "($SLURM_JOB_NODELIST), rendezvous $MASTER_ADDR:$MASTER_PORT, $PYTHON${EDF:+ in $EDF}"
+    local status=0
+    srun "${srun_args[@]}" bash -c "$TASK_SETUP" task "$REPO" "$PYTHON" -u main.py "$@" \
+        || status=$?
+    # A line that outlives the job: SLURM forgets finished jobs after a while.
+    echo "run.sh: job $SLURM_JOB_ID exit status $status"
+    return "$status"
+}
+
+visible_gpus() {
+    "$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null \
+        || fail "$PYTHON cannot import torch: run 'make install', or set PYTHON"
+}
+
+run_local() {
+    PYTHON=$(pick_python no)
+    local gpus procs
+    gpus=$(visible_gpus)
+    procs=${NPROC:-$((gpus > 0 ? gpus : 2))}
+    [[ "$procs" =~ ^[1-9][0-9]*$ ]] || fail "NPROC must be a positive integer, got '$procs'"
+    if [ "$gpus" -gt 0 ] && [ "$procs" -gt "$gpus" ]; then
+        fail "NPROC=$procs exceeds the $gpus visible GPU(s): NCCL needs one GPU per process"
+    fi
+    # Share the cores between the processes, as SLURM's --cpus-per-task would.
+    local cores
+    cores=$(nproc)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores > procs ? cores / procs : 1))}
+    echo "run.sh: no SLURM job: $procs process(es) on this machine through torchrun, $PYTHON"
+    exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" main.py "$@"
+}
+
+REPO=$(find_repo)
+cd "$REPO"
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+    run_slurm "$@"
+else
+    run_local "$@"
+fi

@@ -1,0 +1,404 @@
+"""Scaling sweep: train every strategy on every GPU count with SLURM, then collect and plot.
+
+    python run_benchmarks.py                           # 1, 2, 4, 8 GPUs x ddp, fsdp
+    python run_benchmarks.py --gpus 4 8 --strategies fsdp --account ACCOUNT -- --dataset synthetic
+    python run_benchmarks.py --dry-run                 # print the job scripts, submit nothing
+    python run_benchmarks.py --wait                    # block until the sweep ends, report failures
+    python run_benchmarks.py --local --gpus 1 2        # no SLURM: torchrun on this machine
+
+Every configuration gets a script in jobs/ that submits run.sh with sbatch, sized for it: one task
+per GPU, ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script
+again to resubmit it. Logs go to logs/<strategy>_<N>gpu_<job id>.log (and .err), so no run
+overwrites another. A last job, started once all the others have ended, runs plot_results.sh:
+results.csv and plots/ appear by themselves (its own log, jobs/collect_<job id>.log, stays out
+of logs/, which the collection reads whole). The global batch size is the same for every GPU
+count, so the runs do the same work and their times compare.
+
+Arguments after `--` go to main.py. --partition and --account are optional: sbatch also reads
+SBATCH_PARTITION and SBATCH_ACCOUNT.
+"""
+
+import argparse
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils import fail
+
+REPO = Path(__file__).resolve().parent
+JOBS_DIR = REPO / "jobs"
+LOGS_DIR = REPO / "logs"
+
+# main.py's --strategy and --precision choices (tests/test_run_sh.py checks they agree); kept
+# here so that a bad value fails before anything is queued, without importing torch.
+STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+# squeue states after which a job no longer runs (COMPLETED is the only good one).
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+# The last line run.sh (and the collection job) writes: the exit status outlives the job, which
+# SLURM forgets MinJobAge seconds after it ends (and there may be no sacct to ask).
+EXIT_LINE = re.compile(r"exit status (\d+)\s*$", re.MULTILINE)
+SQUEUE_RETRIES = 5  # a busy controller may time out now and then
+
+
+@dataclass(frozen=True)
+class Run:
+    """One configuration of the sweep."""
+    strategy: str
+    gpus: int
+    nodes: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.strategy}_{self.gpus}gpu"
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+
+@dataclass
+class Job:
+    """A submitted job, and what became of it."""
+    name: str
+    job_id: str
+    log: Path
+    state: str = "PENDING"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        usage="%(prog)s [options] [-- main.py arguments]",
+        description=__doc__.split("\n\n")[0],
+        epilog="Arguments after -- go to main.py, e.g. -- --dataset synthetic --compile")
+    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="GPU counts, one task each (default: 1 2 4 8)")
+    p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
+                   help="default: both")
+    p.add_argument("--gpus-per-node", type=int, default=4, help="default: %(default)s")
+    p.add_argument("--epochs", type=int, default=5, help="default: %(default)s")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="global batch size, the same for every GPU count (default: %(default)s)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default: %(default)s")
+    slurm = p.add_argument_group("SLURM (default: run.sh's #SBATCH lines and SBATCH_* variables)")
+    slurm.add_argument("--partition", help="sbatch --partition")
+    slurm.add_argument("--account", help="sbatch --account")
+    slurm.add_argument("--time", help="time limit of each training job, e.g. 00:30:00")
+    slurm.add_argument("--cpus-per-task", type=int, help="CPUs (and OpenMP threads) per rank")
+    slurm.add_argument("--environment", metavar="EDF",
+                       help="CSCS Alps: run the tasks in this container (EDF file or name)")
+    mode = p.add_argument_group("what to do")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="print the job scripts; write and submit nothing")
+    mode.add_argument("--wait", action="store_true",
+                      help="wait for the sweep to end; exit 1 if a job did not complete")
+    mode.add_argument("--poll-interval", type=float, default=10.0, metavar="SECONDS",
+                      help="between two looks at the queue with --wait (default: %(default)s)")
+    mode.add_argument("--local", action="store_true",
+                      help="no SLURM: run the sweep one after the other here, through torchrun")
+    return p
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Our arguments, and main.py's (those after the first `--`)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def check_args(args) -> None:
+    for name in ("gpus_per_node", "epochs", "batch_size", "cpus_per_task"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.local and args.environment:
+        fail("--environment needs SLURM (srun starts the container); leave it out with --local")
+    if args.poll_interval <= 0:
+        fail(f"--poll-interval must be positive, got {args.poll_interval}")
+    for gpus in args.gpus:
+        if gpus < 1:
+            fail(f"--gpus: every count must be at least 1, got {gpus}")
+        nodes_for(gpus, args.gpus_per_node)
+        if args.batch_size % gpus:
+            fail(f"--batch-size {args.batch_size} does not split evenly over {gpus} GPUs")
+
+
+def nodes_for(gpus: int, gpus_per_node: int) -> int:
+    """Nodes for one task per GPU; a job that spans nodes must fill every one equally."""
+    nodes = math.ceil(gpus / gpus_per_node)
+    if gpus % nodes:
+        fail(f"{gpus} GPUs do not spread evenly over {nodes} nodes of {gpus_per_node} GPUs: "
+             f"use a multiple of {nodes}, or another --gpus-per-node")
+    return nodes
+
+
+def plan(args) -> list[Run]:
+    gpu_counts = list(dict.fromkeys(args.gpus))  # without repeats, in the order given
+    nodes = {g: nodes_for(g, args.gpus_per_node) for g in gpu_counts}
+    return [Run(s, g, nodes[g]) for g in gpu_counts for s in dict.fromkeys(args.strategies)]
+
+
+def main_args(run: Run, args, extra: list[str]) -> list[str]:
+    return ["--strategy", run.strategy, "--epochs", str(args.epochs),
+            "--batch-size", str(args.batch_size), "--precision", args.precision, *extra]
+
+
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
+def edf_value(environment: str) -> str:
+    """An EDF file as an absolute path (jobs start in the repository); a bare name (found by
+    the Container Engine in ~/.edf) unchanged."""
+    path = Path(environment)
+    return str(path.resolve()) if path.is_file() else environment
+
+
+def script(comment: str, sbatch_options: list[str], target: list[str], env: dict) -> str:
+    """A job script: from the repository, sbatch with these options (and the caller's, "$@")."""
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+    options = " \\\n    ".join(shlex.quote(o) for o in sbatch_options)
+    return ("#!/bin/bash\n"
+            f"{comment}"
+            'cd "$(dirname "$0")/.." || exit\n'
+            f"{exports}"
+            f"exec sbatch \\\n    {options} \\\n"
+            f'    "$@" \\\n'
+            f"    {shlex.join(target)}\n")
+
+
+def slurm_options(args) -> list[str]:
+    options = []
+    for flag, value in (("--partition", args.partition), ("--account", args.account)):
+        if value:
+            options.append(f"{flag}={value}")
+    return options
+
+
+def run_script(run: Run, args, extra: list[str]) -> str:
+    log = f"logs/{run.name}_%j"
+    options = ["--parsable", f"--job-name=bench-{run.name}",
+               f"--nodes={run.nodes}", f"--ntasks-per-node={run.tasks_per_node}",
+               f"--gpus-per-node={run.tasks_per_node}", f"--output={log}.log",
+               f"--error={log}.err", *slurm_options(args)]
+    if args.time:
+        options.append(f"--time={args.time}")
+    if args.cpus_per_task:
+        options.append(f"--cpus-per-task={args.cpus_per_task}")
+    env = {"EDF": edf_value(args.environment)} if args.environment else {}
+    comment = (f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
+               f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
+               f"# Submit again with: bash jobs/{run.name}.sh [more sbatch options]\n"
+               "# run.sh is the launch recipe; these options size the job and name its logs.\n")
+    return script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
+
+
+def collect_script(args) -> str:
+    command = "bash plot_results.sh"
+    if args.environment:  # the host may lack pandas and matplotlib; the image has them
+        command = f"srun --environment={shlex.quote(edf_value(args.environment))} {command}"
+    command += '; status=$?; echo "exit status $status"; exit $status'
+    options = ["--parsable", "--job-name=bench-collect", "--ntasks=1", "--time=00:15:00",
+               "--output=jobs/collect_%j.log", *slurm_options(args)]
+    comment = ("# Collects logs/ into results.csv and plots into plots/. Written by "
+               "run_benchmarks.py,\n# which submits it with --dependency=afterany:<the sweep's "
+               "job ids>.\n# Submit again with: bash jobs/collect.sh [more sbatch options]\n"
+               "# Its own log goes to jobs/: logs/ holds training logs only, all read by the "
+               "collection.\n")
+    return script(comment, options, ["--wrap", command], {})
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+class SubmitError(Exception):
+    """sbatch refused a job."""
+
+
+def submit(job_script: Path, *sbatch_options: str) -> str:
+    """Submits through the job script; returns the job id, or ends with sbatch's complaint."""
+    done = subprocess.run(["bash", str(job_script), *sbatch_options], cwd=REPO,
+                          capture_output=True, text=True)
+    job_id = done.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+    if done.returncode != 0 or not job_id.isdigit():
+        raise SubmitError(f"sbatch refused {job_script.relative_to(REPO)}: "
+                          f"{last_line(done.stderr or done.stdout)}")
+    return job_id
+
+
+def require(*commands: str) -> None:
+    for command in commands:
+        if shutil.which(command) is None:
+            fail(f"{command} not found on PATH: run this on a SLURM login node, or use --local",
+                 code=1)
+
+
+def submit_sweep(runs: list[Run], args, extra: list[str]) -> list[Job]:
+    jobs = []
+    try:
+        for run in runs:
+            job_id = submit(write(JOBS_DIR / f"{run.name}.sh", run_script(run, args, extra)))
+            jobs.append(Job(run.name, job_id, LOGS_DIR / f"{run.name}_{job_id}.log"))
+            print(f"{run.name}: job {job_id} ({count(run.nodes, 'node')} x "
+                  f"{count(run.tasks_per_node, 'task')}), log {jobs[-1].log.relative_to(REPO)}",
+                  flush=True)
+        dependency = "--dependency=afterany:" + ":".join(j.job_id for j in jobs)
+        job_id = submit(write(JOBS_DIR / "collect.sh", collect_script(args)), dependency)
+    except SubmitError as e:
+        submitted = " ".join(j.job_id for j in jobs)
+        hint = f" (already queued: {submitted}; scancel {submitted} to drop them)" if jobs else ""
+        fail(f"{e}{hint}", code=1)
+    jobs.append(Job("collect", job_id, JOBS_DIR / f"collect_{job_id}.log"))
+    print(f"collect: job {job_id}, after all the others: results.csv and plots/", flush=True)
+    return jobs
+
+
+def queue_states(job_ids: list[str]) -> dict[str, str]:
+    """{job id: state} of the jobs SLURM still knows; finished ones drop out after a while."""
+    for attempt in range(SQUEUE_RETRIES):
+        done = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i %T",
+                               "--jobs=" + ",".join(job_ids)], capture_output=True, text=True)
+        if done.returncode == 0:
+            return dict(line.split()[:2] for line in done.stdout.splitlines() if line.strip())
+        if "Invalid job id" in done.stderr:  # none of them is known any more
+            return {}
+        time.sleep(2 ** attempt)
+    fail(f"squeue keeps failing: {last_line(done.stderr)}", code=1)
+
+
+def state_from_log(log: Path) -> str:
+    """The end state of a job SLURM has forgotten, from the exit status its log ends with."""
+    try:
+        statuses = EXIT_LINE.findall(log.read_text(errors="replace"))
+    except OSError:
+        statuses = []
+    if not statuses:
+        return "UNKNOWN"
+    return "COMPLETED" if statuses[-1] == "0" else "FAILED"
+
+
+def wait_for(jobs: list[Job], poll_interval: float) -> None:
+    running = {j.job_id: j for j in jobs}
+    print(f"waiting for {len(jobs)} jobs (squeue every {poll_interval:g} s)...", flush=True)
+    while running:
+        states = queue_states(list(running))
+        for job_id, job in list(running.items()):
+            if job_id in states:
+                job.state = states[job_id]
+                if job.state not in ENDED:
+                    continue
+            else:  # ended and already forgotten between two looks
+                job.state = state_from_log(job.log)
+            del running[job_id]
+            print(f"{job.name}: job {job_id} {job.state}", flush=True)
+        if running:
+            time.sleep(poll_interval)
+
+
+def report(jobs: list[Job]) -> int:
+    failed = [j for j in jobs if j.state != "COMPLETED"]
+    for job in failed:
+        err = job.log.with_suffix(".err")
+        where = err if err.exists() and err.stat().st_size else job.log
+        print(f"failed: {job.name} job {job.job_id} {job.state}, see {where.relative_to(REPO)}",
+              file=sys.stderr)
+    print(f"sweep done: {len(jobs) - len(failed)} of {len(jobs)} jobs completed")
+    return 1 if failed else 0
+
+
+def dry_run(runs: list[Run], args, extra: list[str]) -> None:
+    for run in runs:
+        print(f"# ---- jobs/{run.name}.sh\n{run_script(run, args, extra)}")
+    print(f"# ---- jobs/collect.sh, submitted with --dependency=afterany:<the job ids above>\n"
+          f"{collect_script(args)}", end="")
+
+
+def local_environment(nproc: int) -> dict:
+    # Without SLURM's variables: inside an allocation, run.sh would otherwise launch with srun.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "NPROC": str(nproc)}
+
+
+def new_local_log(run: Run) -> Path:
+    """logs/<name>_local-<time>.log: the place of a job id, and never an earlier run's file."""
+    LOGS_DIR.mkdir(exist_ok=True)
+    stem = f"{run.name}_local-{time.strftime('%Y%m%d-%H%M%S')}"
+    log, n = LOGS_DIR / f"{stem}.log", 1
+    while log.exists():
+        n += 1
+        log = LOGS_DIR / f"{stem}-{n}.log"
+    return log
+
+
+def run_locally(runs: list[Run], args, extra: list[str]) -> int:
+    """The same sweep through run.sh without SLURM: torchrun, one configuration at a time."""
+    failed = []
+    for run in runs:
+        command = ["bash", "run.sh", *main_args(run, args, extra)]
+        if args.dry_run:
+            print(f"NPROC={run.gpus} {shlex.join(command)}")
+            continue
+        log = new_local_log(run)
+        print(f"{run.name}: {count(run.gpus, 'process')} here, log {log.relative_to(REPO)}",
+              flush=True)
+        with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+            status = subprocess.run(command, cwd=REPO, stdout=out, stderr=err,
+                                    env=local_environment(run.gpus)).returncode
+        if status:
+            failed.append(run.name)
+            print(f"{run.name}: exit status {status}, see {log.with_suffix('.err').name}",
+                  file=sys.stderr, flush=True)
+    if args.dry_run:
+        print("bash plot_results.sh")
+        return 0
+    status = subprocess.run(["bash", "plot_results.sh"], cwd=REPO).returncode
+    if status:
+        failed.append("plot_results.sh")
+    print(f"sweep done: {len(runs) + 1 - len(failed)} of {len(runs) + 1} steps succeeded"
+          + (f"; failed: {' '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(ours)
+    check_args(args)
+    runs = plan(args)
+    if args.local:
+        return run_locally(runs, args, extra)
+    if args.dry_run:
+        dry_run(runs, args, extra)
+        return 0
+    require("sbatch", *(["squeue"] if args.wait else []))
+    jobs = submit_sweep(runs, args, extra)
+    if not args.wait:
+        return 0
+    try:
+        wait_for(jobs, args.poll_interval)
+    except KeyboardInterrupt:
+        print("\nstopped waiting; the jobs go on (squeue --me)", file=sys.stderr)
+        return 130
+    return report(jobs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
