@@ -201,11 +201,22 @@ class StopRequest:
     def __init__(self):
         self.signalled = False
         self.signal_name = ""
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._handle)
-        self.world = _world()
-        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.group = dist.new_group(backend="gloo") if _world() > 1 else None
         self.pending = None
+        self.previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # Restore the handlers and let go of the group: a handler left installed would keep
+        # this object, and so a gloo process group, alive until the interpreter's teardown.
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if exc[0] is None:
+            self.drain()
+        self.group = self.pending = None
 
     def _handle(self, signum, frame) -> None:
         self.signalled = True

@@ -9,6 +9,7 @@ never collide. With CUDA present each rank drives `cuda:(local_rank % device_cou
 """
 
 import datetime
+import gc
 import os
 import subprocess
 import time
@@ -127,8 +128,17 @@ def setup(timeout_s: float = 300.0) -> DistEnv:
 
 
 def cleanup() -> None:
+    """Destroy the process groups while the interpreter is fully alive.
+
+    destroy_process_group only forgets the groups; their C++ side dies with the last Python
+    reference. A reference cycle (modules, hooks) can postpone that to the interpreter's
+    teardown, where gloo's threads are torn down unjoined: "terminate called without an
+    active exception", SIGABRT, after all the work was done. Collect the cycles first.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def on_rank0(fn, *args):

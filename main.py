@@ -239,6 +239,37 @@ def checkpoint_folder(cfg: Config) -> Path:
     return folder
 
 
+def train_epochs(cfg: Config, env: distributed_utils.DistEnv, job: Job,
+                 position: checkpoint.Position, folder: Path | None,
+                 identity: checkpoint.Identity, stop: checkpoint.StopRequest):
+    """Epochs from `position` to cfg.epochs, a checkpoint after each; returns the metrics of
+    the finished epochs and whether a stop was requested."""
+    history = []
+
+    def save(at: checkpoint.Position) -> None:
+        if folder:
+            path = checkpoint.save(folder, at, identity, job.model, job.optimizer,
+                                   job.loaders.generator)
+            log0(f"[CHECKPOINT] saved {path}")
+
+    while position.epoch <= cfg.epochs:
+        reached, metrics = run_epoch(job.model, job.optimizer, job.loaders, job.precision, env,
+                                     position, cfg.print_every, stop)
+        stopping = stop.drain()  # the same answer on every rank
+        if metrics is None:  # a stop came mid-epoch: keep what this epoch has done so far
+            save(reached)
+            return history, True
+        head = {k: metrics.pop(k) for k in ("epoch", "time", "val_loss", "acc", "peak_mem")}
+        line = {**head, **job.identity, **metrics, **job.run_info}
+        log0(format_metric(line))
+        history.append(line)
+        position = checkpoint.Position(epoch=position.epoch + 1)
+        save(position)
+        if stopping:
+            return history, True
+    return history, False
+
+
 def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
     """Train until cfg.epochs, or until SLURM asks us to stop (then save and return).
 
@@ -256,31 +287,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
     if source:
         log0(f"[CHECKPOINT] resumed from {source}: epoch {position.epoch}, step {position.step}")
 
-    stop = checkpoint.StopRequest()
-    stopping = False
-    history = []
-
-    def save(at: checkpoint.Position) -> None:
-        if folder:
-            path = checkpoint.save(folder, at, identity, job.model, job.optimizer,
-                                   job.loaders.generator)
-            log0(f"[CHECKPOINT] saved {path}")
-
-    while position.epoch <= cfg.epochs:
-        reached, metrics = run_epoch(job.model, job.optimizer, job.loaders, job.precision, env,
-                                     position, cfg.print_every, stop)
-        stopping = stop.drain()
-        if metrics is None:  # a stop came mid-epoch: keep what this epoch has done so far
-            save(reached)
-            break
-        head = {k: metrics.pop(k) for k in ("epoch", "time", "val_loss", "acc", "peak_mem")}
-        line = {**head, **job.identity, **metrics, **job.run_info}
-        log0(format_metric(line))
-        history.append(line)
-        position = checkpoint.Position(epoch=position.epoch + 1)
-        save(position)
-        if stopping:
-            break
+    with checkpoint.StopRequest() as stop:
+        history, stopping = train_epochs(cfg, env, job, position, folder, identity, stop)
     if stop.signalled or stopping:
         log0(f"[CHECKPOINT] stopped on {stop.signal_name or 'a signal to another rank'} "
              f"before epoch {cfg.epochs} ended; continue with --resume auto")
