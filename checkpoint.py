@@ -9,8 +9,9 @@ A checkpoint is a folder `ckpt_e{epoch}_s{step}`: where training continues. Ever
 written into `<name>.tmp/` first and rank 0 renames it once every rank has finished, so a crash
 mid-write leaves the previous checkpoint as the latest. Nothing here deletes a checkpoint.
 
-`StopRequest` turns SIGUSR1 (SLURM's warning before the time limit, `--signal=B:USR1@T`) and
-SIGTERM (preemption, `scancel`) into a decision that all ranks take at the same step boundary.
+`StopRequest` turns SIGUSR1 (SLURM's warning before the time limit; run.sh asks for it with
+`--signal=B:USR1@T` and srun forwards it to every task) and SIGTERM (preemption, `scancel`)
+into a decision that all ranks take at the same step boundary.
 """
 
 import contextlib
@@ -188,6 +189,31 @@ def load(path: Path, identity: Identity, model, optimizer,
     return Position(**meta["position"])
 
 
+_stop_signal: str | None = None  # set by the handler: the name of the signal received
+
+
+def _on_stop_signal(signum, frame) -> None:
+    global _stop_signal
+    _stop_signal = signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def catch_stop_signals():
+    """From here on SIGUSR1 (SLURM's time-limit warning) and SIGTERM (preemption, scancel) no
+    longer end the process: they only ask for a checkpoint and a stop."""
+    previous = {sig: signal.signal(sig, _on_stop_signal)
+                for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_signal() -> str | None:
+    return _stop_signal
+
+
 class StopRequest:
     """A signal to one rank becomes a stop at the same step on every rank.
 
@@ -196,38 +222,24 @@ class StopRequest:
     signalled, without any device synchronization in the training loop.
     """
 
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
     def __init__(self):
-        self.signalled = False
-        self.signal_name = ""
         self.group = dist.new_group(backend="gloo") if _world() > 1 else None
         self.pending = None
-        self.previous = {}
 
     def __enter__(self) -> "StopRequest":
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        # Restore the handlers and let go of the group: a handler left installed would keep
-        # this object, and so a gloo process group, alive until the interpreter's teardown.
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
         if exc[0] is None:
             self.drain()
-        self.group = self.pending = None
-
-    def _handle(self, signum, frame) -> None:
-        self.signalled = True
-        self.signal_name = signal.Signals(signum).name
+        self.group = self.pending = None  # the group dies with the model's, in cleanup()
 
     def poll(self) -> bool:
         """True on every rank at the same step once any rank was signalled."""
         if self.group is None:
-            return self.signalled
+            return _stop_signal is not None
         agreed = self.drain()
-        flag = torch.tensor([int(self.signalled)])
+        flag = torch.tensor([int(_stop_signal is not None)])
         self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group,
                                         async_op=True), flag)
         return agreed
@@ -235,7 +247,7 @@ class StopRequest:
     def drain(self) -> bool:
         """Finish the all-reduce in flight (before a stop, an epoch's end or shutdown)."""
         if self.group is None:
-            return self.signalled
+            return _stop_signal is not None
         if self.pending is None:
             return False
         work, flag = self.pending

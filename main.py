@@ -242,8 +242,8 @@ def checkpoint_folder(cfg: Config) -> Path:
 def train_epochs(cfg: Config, env: distributed_utils.DistEnv, job: Job,
                  position: checkpoint.Position, folder: Path | None,
                  identity: checkpoint.Identity, stop: checkpoint.StopRequest):
-    """Epochs from `position` to cfg.epochs, a checkpoint after each; returns the metrics of
-    the finished epochs and whether a stop was requested."""
+    """Epochs from `position` to cfg.epochs, a checkpoint after each. Returns the metrics of
+    the finished epochs and, if a stop was requested, the position it saved (else None)."""
     history = []
 
     def save(at: checkpoint.Position) -> None:
@@ -258,16 +258,16 @@ def train_epochs(cfg: Config, env: distributed_utils.DistEnv, job: Job,
         stopping = stop.drain()  # the same answer on every rank
         if metrics is None:  # a stop came mid-epoch: keep what this epoch has done so far
             save(reached)
-            return history, True
+            return history, reached
         head = {k: metrics.pop(k) for k in ("epoch", "time", "val_loss", "acc", "peak_mem")}
         line = {**head, **job.identity, **metrics, **job.run_info}
         log0(format_metric(line))
         history.append(line)
         position = checkpoint.Position(epoch=position.epoch + 1)
         save(position)
-        if stopping:
-            return history, True
-    return history, False
+        if stopping and position.epoch <= cfg.epochs:
+            return history, position
+    return history, None
 
 
 def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
@@ -288,14 +288,20 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
         log0(f"[CHECKPOINT] resumed from {source}: epoch {position.epoch}, step {position.step}")
 
     with checkpoint.StopRequest() as stop:
-        history, stopping = train_epochs(cfg, env, job, position, folder, identity, stop)
-    if stop.signalled or stopping:
-        log0(f"[CHECKPOINT] stopped on {stop.signal_name or 'a signal to another rank'} "
-             f"before epoch {cfg.epochs} ended; continue with --resume auto")
+        history, stopped_at = train_epochs(cfg, env, job, position, folder, identity, stop)
+    if stopped_at:
+        log0(f"[CHECKPOINT] stopped on {checkpoint.stop_signal() or 'a signal to another rank'}"
+             f" at epoch {stopped_at.epoch} step {stopped_at.step} of {cfg.epochs} epochs"
+             + ("; continue with --resume auto" if folder else " (no checkpoint written)"))
     return job, history
 
 
 def main(argv=None) -> int:
+    with checkpoint.catch_stop_signals():  # a warning during start-up must not kill us either
+        return _main(argv)
+
+
+def _main(argv) -> int:
     try:
         cfg = parse_config(argv)
         env = distributed_utils.setup(cfg.pg_timeout)

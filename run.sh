@@ -5,7 +5,9 @@
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=8
 #SBATCH --time=00:30:00
-#SBATCH --signal=USR1@120
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=train.log
 #SBATCH --error=train.err
 #
@@ -23,8 +25,12 @@
 # REPO_DIR); train.log and train.err are written there. Inside an allocation (salloc),
 # `bash run.sh` launches with srun too.
 #
-# Two minutes before the time limit every task gets SIGUSR1 (--signal without "B:", which
-# would signal only this script): main.py then saves a checkpoint and stops.
+# Preemption and time limits: two minutes before the limit SLURM sends SIGUSR1 to this script
+# (--signal=B:USR1@120; change the seconds with sbatch --signal=B:USR1@300). The script passes
+# it to srun, which forwards it to every task; the ranks agree on a step, save a checkpoint
+# and exit; the script then requeues the job (--requeue), which starts again with the same job
+# id, resumes from checkpoints/<job id> (--resume auto) and appends to its logs
+# (--open-mode=append). SIGTERM (scancel, preemption) also saves before the ranks exit.
 #
 # Variables (sbatch passes the submitting shell's environment on to the job):
 #   EDF       run every task in this container, with CSCS's Container Engine
@@ -105,11 +111,33 @@ run_slurm() {
 
     echo "run.sh: job $SLURM_JOB_ID: ${SLURM_NTASKS:-?} tasks on $SLURM_JOB_NUM_NODES node(s)" \
          "($SLURM_JOB_NODELIST), rendezvous $MASTER_ADDR:$MASTER_PORT, $PYTHON${EDF:+ in $EDF}"
-    local status=0
-    srun "${srun_args[@]}" bash -c "$TASK_SETUP" task "$REPO" "$PYTHON" -u main.py "$@" \
-        || status=$?
+    # srun runs in the background so that this shell can take SLURM's warning signal while the
+    # tasks train. --resume auto comes first: the user's own --resume wins.
+    local srun_pid status=0 requeue=no
+    trap 'requeue=yes; kill -USR1 "$srun_pid" 2>/dev/null' USR1
+    trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
+    srun "${srun_args[@]}" bash -c "$TASK_SETUP" task "$REPO" "$PYTHON" -u main.py \
+        --resume auto "$@" &
+    srun_pid=$!
+    wait_for "$srun_pid" || status=$?
+    trap - USR1 TERM
     # A line that outlives the job: SLURM forgets finished jobs after a while.
     echo "run.sh: job $SLURM_JOB_ID exit status $status"
+    if [ "$requeue" = yes ] && [ "$status" = 0 ]; then
+        echo "run.sh: job $SLURM_JOB_ID stopped before its time limit; requeueing it"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    return "$status"
+}
+
+# `wait` returns early when a trapped signal arrives: wait again until the process is gone.
+wait_for() {
+    local status=0
+    wait "$1" || status=$?
+    while kill -0 "$1" 2>/dev/null; do
+        status=0
+        wait "$1" || status=$?
+    done
     return "$status"
 }
 

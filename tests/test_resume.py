@@ -58,7 +58,8 @@ def signal_rank1_then_train(env, cfg, at_poll):
             return poll(self)
 
         checkpoint.StopRequest.poll = poll_and_signal
-    return train_and_gather(env, cfg)
+    with checkpoint.catch_stop_signals():  # as main() does
+        return train_and_gather(env, cfg)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

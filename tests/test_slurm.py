@@ -101,3 +101,51 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     assert pngs
     for png in pngs:
         assert (repo_copy / "plots" / png.rsplit("/", 1)[-1]).stat().st_size > 0
+
+
+def job_fields(job_id: str, env) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True,
+                         text=True, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+@pytest.mark.timeout(480)
+def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_copy):
+    """Training longer than the job's time limit: SLURM's warning (SIGUSR1) makes the ranks
+    save and the job requeue itself, until every epoch is done; each epoch logged once."""
+    epochs = 10  # about 40 s of training here, against a 60 s limit warned 5 to 35 s in
+    submit = sh(["sbatch", "--parsable", "--time=00:01:00", "--signal=B:USR1@55",
+                 "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "run.sh",
+                 "--dataset", "synthetic", "--train-samples", "12288", "--val-samples", "256",
+                 "--batch-size", "64", "--epochs", str(epochs), "--print-every", "20"],
+                repo_copy, slurm_env, 60)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    fields = {}
+    for _ in range(200):  # about 6 minutes
+        fields = job_fields(job_id, slurm_env)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            break
+        if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
+            # SLURM holds a requeued job for two minutes; the test does not wait for that.
+            lift = sh(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], repo_copy,
+                      slurm_env, 30)
+            assert lift.returncode == 0, lift.stderr
+        subprocess.run(["sleep", "2"])
+    log = (repo_copy / "train.log").read_text()
+    err = (repo_copy / "train.err").read_text()
+    assert fields.get("JobState") == "COMPLETED", f"{fields}\n{log[-3000:]}\n{err[-3000:]}"
+    assert int(fields["Restarts"]) >= 1, "the job was never signalled and requeued"
+    assert log.count("stopped before its time limit; requeueing it") == int(fields["Restarts"])
+    assert "[CHECKPOINT] resumed from checkpoints/" in log
+
+    # Every epoch exactly once, in the log and in what the collector makes of it.
+    assert [m["epoch"] for m in metrics_in(log)] == list(range(1, epochs + 1))
+    logs = repo_copy / "one_job"
+    logs.mkdir()
+    (logs / f"ddp_2gpu_{job_id}.log").write_text(log)
+    collect = sh([sys.executable, "collect_results.py", "--logs", logs, "--out",
+                  repo_copy / "one.csv"], repo_copy, slurm_env, 60)
+    assert collect.returncode == 0, collect.stderr
+    with open(repo_copy / "one.csv", newline="") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(1, epochs + 1))
