@@ -18,6 +18,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 import data
 import distributed_utils
+from checkpoint import Position
 from main import Config, prepare
 from model import build_model
 from train import Precision, synchronize, train_one_epoch
@@ -83,8 +85,12 @@ def bare_loop(model, optimizer, batches) -> None:
         optimizer.step()
 
 
-def loop_vs_bare(batch: int, steps: int, device: torch.device, repeats: int = 3) -> dict:
-    """The project's epoch (DDP wrapper, loader, metrics) against the same work done bare."""
+def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) -> dict:
+    """The project's epoch (DDP wrapper, loader, metrics) against the same work done bare.
+
+    The two alternate, round after round, and the ratio is the median of the rounds' ratios:
+    a shared or virtual machine's speed drifts by tens of percent over a minute.
+    """
     cfg = Config(dataset="synthetic", train_samples=batch * steps, val_samples=batch,
                  batch_size=batch, epochs=1, print_every=10**9, checkpoint=False)
     env = distributed_utils.setup()
@@ -96,19 +102,20 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, repeats: int = 3)
         preloaded = list(job.loaders.train)
         none = Precision(None, None)
         ours, theirs, wait = [], [], []
-        for epoch in range(repeats + 1):  # the first round is warm-up
-            job.loaders.train_sampler.set_epoch(epoch)
-            result = train_one_epoch(job.model, job.loaders, job.optimizer, none, env, epoch,
-                                     cfg.print_every)
+        for epoch in range(1, rounds + 2):  # the first round is warm-up
+            result, _ = train_one_epoch(job.model, job.loaders, job.optimizer, none, env,
+                                        Position(epoch), cfg.print_every)
             t_bare = timed(lambda: bare_loop(bare, bare_opt, preloaded), device)
-            if epoch:
-                ours.append(result["time"])
-                wait.append(result["data_wait"] / result["time"])
+            if epoch > 1:
+                ours.append(result.time)
+                wait.append(result.data_wait / result.time)
                 theirs.append(t_bare)
     finally:
         distributed_utils.cleanup()
-    return {"loop": batch * steps / min(ours), "bare": batch * steps / min(theirs),
-            "data_wait_share": min(wait)}
+    images = batch * steps
+    return {"loop": images / statistics.median(ours), "bare": images / statistics.median(theirs),
+            "ratio": statistics.median(b / o for o, b in zip(ours, theirs)),
+            "data_wait_share": statistics.median(wait)}
 
 
 def scaling_run(strategy: str, world_size: int, batch: int, samples: int, epochs: int) -> dict:
@@ -158,7 +165,7 @@ def main(argv=None) -> None:
             ("tensor / classic", f"{tensor / classic:.1f}x", ">= 10x"),
             ("training loop, world size 1 (images/s)", f"{loop['loop']:,.0f}", ""),
             ("bare loop (images/s)", f"{loop['bare']:,.0f}", ""),
-            ("training loop / bare loop", f"{loop['loop'] / loop['bare']:.2f}", ">= 0.90"),
+            ("training loop / bare loop (median of rounds)", f"{loop['ratio']:.2f}", ">= 0.90"),
             ("data wait, share of step time", f"{100 * loop['data_wait_share']:.1f}%", "<= 5%")]
     print(table(rows) + "\n", flush=True)
 
