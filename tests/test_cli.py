@@ -118,3 +118,27 @@ def test_help_explains_every_option():
                  "--sharding", "--dataset", "--data-dir", "--train-samples", "--val-samples",
                  "--seed", "--num-workers", "--print-every", "--loader"):
         assert re.search(rf"{flag}\b.*\n?\s+\S", out), flag
+
+
+def test_unwritable_checkpoint_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")  # root ignores permission bits: use a file as parent
+    with_checkpoints = [a for a in TINY if a != "--no-checkpoint"]
+    result = run_cli([*with_checkpoints, "--epochs", "1", "--checkpoint-dir",
+                      str(blocker / "ckpt")], nproc=2)
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-2000:]
+    assert "is not writable" in errors[0] and "--checkpoint-dir" in errors[0]
+
+
+def test_precision_the_device_cannot_do_is_refused(monkeypatch):
+    import torch
+
+    from main import Config, make_precision
+    from utils import UsageError
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    with pytest.raises(UsageError, match="bf16 is not supported on Tesla V100"):
+        make_precision(Config(precision="bf16"), torch.device("cuda", 0))
+    with pytest.raises(UsageError, match="--cpu-offload"):
+        make_precision(Config(strategy="fsdp", cpu_offload=True), torch.device("cpu"))

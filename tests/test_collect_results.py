@@ -279,3 +279,13 @@ def test_csv_write_is_atomic(tmp_path, monkeypatch):
         collect_results.write_atomically(target, crash)
     assert target.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["results.csv"]
+
+
+def test_unwritable_csv_is_one_line_and_keeps_nothing_half_written(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run_log(logs, "ddp_1gpu_1.log", epochs=1)
+    blocker = tmp_path / "a_file"  # root ignores permission bits: a file as parent folder
+    blocker.write_text("x")
+    code, _, err = run_main(capsys, "--logs", logs, "--out", blocker / "r.csv")
+    assert code != 0 and err.splitlines()[-1].startswith("error: cannot write")

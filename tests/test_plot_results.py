@@ -108,3 +108,12 @@ def test_script_fails_on_logs_without_metrics(tmp_path):
     assert done.returncode != 0
     assert done.stderr.splitlines()[-1].startswith("error: ") and "Traceback" not in done.stderr
     assert not (tmp_path / "plots").exists()
+
+
+def test_unwritable_output_folder_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a_file"  # root ignores permission bits: a file as parent folder
+    blocker.write_text("x")
+    csv = tmp_path / "results.csv"
+    runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).to_csv(csv, index=False)
+    code, _, err = run_main(capsys, "--csv", csv, "--out-dir", blocker / "plots")
+    assert code != 0 and err.strip().splitlines()[-1].startswith("error: cannot write")
