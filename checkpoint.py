@@ -106,6 +106,9 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
     """Every rank calls this. Returns the checkpoint's folder."""
     directory = Path(directory)
     final = directory / position.name
+    if (final / META_FILE).is_file():
+        # Stopped again before its first step after resuming: that state is saved already.
+        return final
     tmp = directory / (position.name + ".tmp")
     if _rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)

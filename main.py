@@ -154,9 +154,8 @@ def make_precision(cfg: Config, device: torch.device) -> Precision:
     return Precision(autocast, scaler)
 
 
-def wrap_model(cfg: Config, env: distributed_utils.DistEnv, nodes: int) -> torch.nn.Module:
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model)
+def wrap_model(cfg: Config, env: distributed_utils.DistEnv, nodes: int,
+               model: torch.nn.Module) -> torch.nn.Module:
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.strategy == "ddp":
@@ -198,7 +197,10 @@ def prepare(cfg: Config, env: distributed_utils.DistEnv) -> Job:
                                  world_size=env.world_size, global_batch=cfg.batch_size,
                                  seed=cfg.seed, augment=augment, device=env.device,
                                  num_workers=cfg.num_workers, memory_format=memory_format)
-    model = wrap_model(cfg, env, nodes)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = build_model(cfg.model)
+    parameters = count_parameters(model)
+    model = wrap_model(cfg, env, nodes, model)
     optimizer = make_optimizer(cfg, model)
 
     identity = {
@@ -212,7 +214,7 @@ def prepare(cfg: Config, env: distributed_utils.DistEnv) -> Job:
     resolved = {**asdict(cfg), **identity, "augment": augment, "backend": env.backend,
                 "train_size": len(train_set), "val_size": len(val_set),
                 "steps_per_epoch": len(loaders.train),
-                "parameters": count_parameters(build_model(cfg.model)),
+                "parameters": parameters,
                 "torch": torch.__version__, **run_info}
     return Job(model, optimizer, loaders, precision, identity, run_info, resolved)
 

@@ -46,9 +46,9 @@ def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight, strateg
     assert_same_run(state, history, ref_state, ref_history, epochs=[3, 4])
 
 
-def signal_rank1_then_train(env, cfg, at_poll):
-    """SLURM's warning signal reaches rank 1 alone, at its `at_poll`-th training step."""
-    if env.rank == 1:
+def signal_rank_then_train(env, cfg, at_poll, rank=1):
+    """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step."""
+    if env.rank == rank:
         poll, calls = checkpoint.StopRequest.poll, []
 
         def poll_and_signal(self):
@@ -68,7 +68,7 @@ def test_stop_on_signal_mid_epoch_then_resume_equals_straight(tmp_path, straight
     common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path), epochs=4)
     # 12 steps per epoch: the 17th poll comes before epoch 2's fifth step (index 4). The
     # ranks' all-reduce of their flags agrees one poll later: both stop after 5 steps.
-    _, first = spawn(signal_rank1_then_train, 2, Config(**common), 17)[0]
+    _, first = spawn(signal_rank_then_train, 2, Config(**common), 17)[0]
     saved = checkpoint.latest(tmp_path)
     assert saved.name == "ckpt_e0002_s000005"
     assert [h["epoch"] for h in first] == [1]  # the interrupted epoch printed no [METRIC] line
@@ -109,3 +109,13 @@ def test_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path):
     spawn(train_and_gather, 1, Config(**common))
     (status, message), = spawn_outcomes(train_and_gather, 1, Config(**common))
     assert status == "error" and "--resume auto" in message.splitlines()[0]
+
+
+def test_stop_before_the_first_step_after_resuming_keeps_that_checkpoint(tmp_path):
+    """A warning that lands during start-up: nothing new to save, and no crash over it.
+    (One rank: there the poll answers at once, before any step.)"""
+    common = dict(**CFG, strategy="ddp", checkpoint_dir=str(tmp_path), epochs=3)
+    spawn(signal_rank_then_train, 1, Config(**common), 15, 0)  # stops at epoch 2 after 2 steps
+    assert checkpoint.latest(tmp_path).name == "ckpt_e0002_s000002"
+    _, history = spawn(signal_rank_then_train, 1, Config(**common, resume="auto"), 1, 0)[0]
+    assert history == [] and checkpoint.latest(tmp_path).name == "ckpt_e0002_s000002"
