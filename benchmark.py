@@ -92,7 +92,7 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     a shared or virtual machine's speed drifts by tens of percent over a minute.
     """
     cfg = Config(dataset="synthetic", train_samples=batch * steps, val_samples=batch,
-                 batch_size=batch, epochs=1, print_every=10**9, checkpoint=False)
+                 batch_size=batch, epochs=1, checkpoint=False)
     env = distributed_utils.setup()
     try:
         job = prepare(cfg, env)
@@ -104,7 +104,7 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
         ours, theirs, wait = [], [], []
         for epoch in range(1, rounds + 2):  # the first round is warm-up
             result, _ = train_one_epoch(job.model, job.loaders, job.optimizer, none, env,
-                                        Position(epoch), cfg.print_every)
+                                        Position(epoch), print_every=0)  # no progress lines
             t_bare = timed(lambda: bare_loop(bare, bare_opt, preloaded), device)
             if epoch > 1:
                 ours.append(result.time)

@@ -123,7 +123,8 @@ def train_one_epoch(model: nn.Module, loaders: Loaders, optimizer: torch.optim.O
     seen = torch.zeros((), device=device)
     loaders.set_position(start.epoch, start.step)
     total = len(loaders.train)
-    progress = Progress(start.epoch, total, print_every, env.is_main, start.step)
+    progress = Progress(start.epoch, total, print_every, env.is_main and print_every > 0,
+                        start.step)
     data_wait = 0.0
 
     synchronize(device)
