@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DistributedSampler
 
 import data
 from dist_harness import spawn, spawn_outcomes
@@ -54,6 +55,21 @@ def test_every_sample_once_per_epoch_new_order_each_epoch(kind, world_size):
         assert all(len(r) == n // world_size for r in per_rank)
         orders.append(per_rank[0])
     assert orders[0] != orders[1], "a new order every epoch"
+
+
+@pytest.mark.parametrize("kind", ["tensor", "classic"])
+def test_each_rank_gets_exactly_what_distributed_sampler_assigns(kind):
+    n, global_batch, world_size = 240, 24, 3
+    split = indexed_split(n)
+    for rank in range(world_size):
+        loaders = data.build_loaders(split, split, SPEC, kind=kind, rank=rank,
+                                     world_size=world_size, global_batch=global_batch, seed=9,
+                                     augment=False, device=torch.device("cpu"), num_workers=0)
+        reference = DistributedSampler(range(n), world_size, rank, shuffle=True, seed=9)
+        for epoch in (0, 1):
+            loaders.set_position(epoch)
+            reference.set_epoch(epoch)
+            assert seen_indices(loaders.train, split) == list(reference), (kind, rank, epoch)
 
 
 def test_training_keeps_full_global_batches_only():
