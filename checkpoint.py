@@ -19,7 +19,7 @@ import os
 import re
 import signal
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -57,7 +57,7 @@ class Identity:
     strategy: str
     model: str
     parameters: int
-    extra: dict = field(default_factory=dict)
+    global_batch: int  # a step count means this many images: mid-epoch positions need it
 
 
 @contextlib.contextmanager
@@ -174,6 +174,11 @@ def load(path: Path, identity: Identity, model, optimizer,
                          f"model={theirs.model} ({theirs.parameters} parameters); this run is "
                          f"strategy={identity.strategy} model={identity.model} "
                          f"({identity.parameters} parameters)")
+    position = Position(**meta["position"])
+    if position.step and theirs.global_batch != identity.global_batch:
+        raise UsageError(f"checkpoint {path} stopped mid-epoch at global batch "
+                         f"{theirs.global_batch}; resume it with --batch-size "
+                         f"{theirs.global_batch}, or from an end-of-epoch checkpoint")
     full = identity.strategy == "ddp"
     with _quiet_fsdp1_state_dict():
         if full:
@@ -189,7 +194,7 @@ def load(path: Path, identity: Identity, model, optimizer,
     # At another world size the ranks' streams do not map onto the new ranks: keep fresh ones.
     if meta["world_size"] == _world() and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False), generator)
-    return Position(**meta["position"])
+    return position
 
 
 _stop_signal: str | None = None  # set by the handler: the name of the signal received

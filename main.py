@@ -279,7 +279,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Job, list[dict]]:
     """
     job = prepare(cfg, env)
     folder = distributed_utils.on_rank0(checkpoint_folder, cfg) if cfg.checkpoint else None
-    identity = checkpoint.Identity(cfg.strategy, cfg.model, job.resolved["parameters"])
+    identity = checkpoint.Identity(cfg.strategy, cfg.model, job.resolved["parameters"],
+                                   cfg.batch_size)
     position = checkpoint.Position()
     source = checkpoint.resolve(cfg.resume, folder or Path(".")) if cfg.resume else None
     if source:

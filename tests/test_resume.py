@@ -119,3 +119,11 @@ def test_stop_before_the_first_step_after_resuming_keeps_that_checkpoint(tmp_pat
     assert checkpoint.latest(tmp_path).name == "ckpt_e0002_s000002"
     _, history = spawn(signal_rank_then_train, 1, Config(**common, resume="auto"), 1, 0)[0]
     assert history == [] and checkpoint.latest(tmp_path).name == "ckpt_e0002_s000002"
+
+
+def test_mid_epoch_checkpoint_needs_the_same_global_batch(tmp_path):
+    common = dict(**CFG, strategy="ddp", checkpoint_dir=str(tmp_path), epochs=3)
+    spawn(signal_rank_then_train, 1, Config(**common), 15, 0)  # stops at epoch 2 after 2 steps
+    (status, message), = spawn_outcomes(
+        train_and_gather, 1, Config(**{**common, "batch_size": 16}, resume="auto"))
+    assert status == "error" and "resume it with --batch-size 32" in message.splitlines()[0]
