@@ -123,7 +123,9 @@ run_slurm() {
     trap - USR1 TERM
     # A line that outlives the job: SLURM forgets finished jobs after a while.
     echo "run.sh: job $SLURM_JOB_ID exit status $status"
-    if [ "$requeue" = yes ] && [ "$status" = 0 ]; then
+    # Requeue whatever the tasks' exit status: a warning that lands while Python is still
+    # starting kills the tasks before they can catch it, and the checkpoints are there anyway.
+    if [ "$requeue" = yes ]; then
         echo "run.sh: job $SLURM_JOB_ID stopped before its time limit; requeueing it"
         scontrol requeue "$SLURM_JOB_ID"
     fi
