@@ -59,23 +59,29 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def input_pipeline(kind: str, batch: int, steps: int, workers: int,
-                   device: torch.device) -> float:
-    """Images/s of one rank's training batches, augmented and on the device, nothing else."""
-    warmup = 3
-    train, val = data.make_synthetic(batch * (steps + warmup), batch, seed=0)
+def input_pipeline(kind: str, batch: int, steps: int, workers: int, device: torch.device,
+                   rounds: int = 5) -> float:
+    """Images/s of one rank's training batches, augmented and on the device, nothing else.
+
+    The median over `rounds` epochs: one epoch lasts well under a second, and a shared
+    machine's speed drifts over that much time.
+    """
+    train, val = data.make_synthetic(batch * steps, batch, seed=0)
     loaders = data.build_loaders(train, val, SPEC, kind=kind, rank=0, world_size=1,
                                  global_batch=batch, seed=0, augment=True, device=device,
                                  num_workers=workers)
-    batches = iter(loaders.train)
-    for _ in range(warmup):  # worker start-up and first allocations
-        next(batches)
+    for _ in loaders.train:  # warm-up epoch: worker start-up, first allocations
+        pass
 
-    def consume():
-        for _ in range(steps):  # each batch dropped at once, as a training step would
-            next(batches)
+    def one_epoch():
+        for _ in loaders.train:  # each batch dropped at once, as a training step would
+            pass
 
-    return batch * steps / timed(consume, device)
+    rates = []
+    for epoch in range(1, rounds + 1):
+        loaders.set_position(epoch)
+        rates.append(batch * steps / timed(one_epoch, device))
+    return statistics.median(rates)
 
 
 def bare_loop(model, optimizer, batches) -> None:

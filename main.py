@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a collective waits for a missing rank before failing")
     p.add_argument("--checkpoint-dir", default=None,
                    help="where checkpoints go, one per epoch and one on SIGUSR1/SIGTERM "
-                        "(default: checkpoints/<SLURM job id>, or checkpoints/local-<time>)")
+                        "(default: beside the one resumed from, else checkpoints/<SLURM job "
+                        "id>, else checkpoints/local-<time>)")
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="continue from the latest checkpoint in --checkpoint-dir (auto: start "
                         "fresh if there is none), or from a checkpoint or folder PATH")
@@ -223,6 +224,9 @@ def checkpoint_folder(cfg: Config) -> Path:
     """Rank 0 names and creates the folder (a run's default name carries its start time)."""
     if cfg.checkpoint_dir:
         folder = Path(cfg.checkpoint_dir)
+    elif cfg.resume not in (None, "auto"):  # go on writing beside the checkpoint resumed
+        resumed = Path(cfg.resume)
+        folder = resumed.parent if (resumed / checkpoint.META_FILE).is_file() else resumed
     elif "SLURM_JOB_ID" in os.environ:  # a requeued job keeps its id, so it finds its own
         folder = Path("checkpoints") / os.environ["SLURM_JOB_ID"]
     else:

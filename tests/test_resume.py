@@ -127,3 +127,11 @@ def test_mid_epoch_checkpoint_needs_the_same_global_batch(tmp_path):
     (status, message), = spawn_outcomes(
         train_and_gather, 1, Config(**{**common, "batch_size": 16}, resume="auto"))
     assert status == "error" and "resume it with --batch-size 32" in message.splitlines()[0]
+
+
+def test_resume_from_a_path_goes_on_writing_beside_it(tmp_path):
+    common = dict(**CFG, strategy="ddp")
+    spawn(train_and_gather, 1, Config(**common, epochs=1, checkpoint_dir=str(tmp_path)))
+    spawn(train_and_gather, 1, Config(**common, epochs=2,
+                                      resume=str(tmp_path / "ckpt_e0002_s000000")))
+    assert checkpoint.latest(tmp_path).name == "ckpt_e0003_s000000"
