@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from distributed_utils import barrier
 from utils import UsageError
 
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
@@ -71,11 +72,6 @@ def _quiet_fsdp1_state_dict():
         yield
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -116,7 +112,7 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
             for f in tmp.iterdir():
                 f.unlink()
         tmp.mkdir(exist_ok=True)
-    _barrier()
+    barrier()
 
     full = identity.strategy == "ddp"
     with _quiet_fsdp1_state_dict():
@@ -131,10 +127,10 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
     if _rank() == 0:
         torch.save({"position": asdict(position), "identity": asdict(identity),
                     "world_size": _world()}, tmp / META_FILE)
-    _barrier()
+    barrier()
     if _rank() == 0:
         os.replace(tmp, final)  # atomic: the folder appears complete or not at all
-    _barrier()
+    barrier()
     return final
 
 

@@ -285,6 +285,10 @@ class ShardSampler(DistributedSampler):
     def __len__(self) -> int:
         return super().__len__() - self.skip
 
+    def steps_left(self, steps: int, batch_size: int) -> int:
+        """Of an epoch's `steps` batches, those not yet trained on."""
+        return steps - self.skip // batch_size
+
 
 class TensorLoader:
     """A rank's batches, sliced from the whole data set held as one tensor on the device.
@@ -309,7 +313,7 @@ class TensorLoader:
     def __iter__(self):
         """This epoch's batches from the sampler's position on (see Loaders.set_position)."""
         indices = torch.tensor(list(self.sampler), device=self.images.device)
-        for step in range(self.steps - self.sampler.skip // self.batch_size):
+        for step in range(self.sampler.steps_left(self.steps, self.batch_size)):
             batch = indices[step * self.batch_size:(step + 1) * self.batch_size]
             images = self.images.index_select(0, batch).view(-1, *IMAGE_SHAPE)
             if self.augment:
@@ -356,7 +360,7 @@ class ClassicLoader:
         return self.steps
 
     def __iter__(self):
-        remaining = self.steps - self.sampler.skip // self.batch_size
+        remaining = self.sampler.steps_left(self.steps, self.batch_size)
         for _, (images, labels) in zip(range(remaining), self.loader):
             images = images.to(self.device, non_blocking=True)
             yield (images.contiguous(memory_format=self.memory_format),

@@ -141,6 +141,12 @@ def cleanup() -> None:
         gc.collect()
 
 
+def barrier() -> None:
+    """Wait for every rank; nothing to wait for in a world of one."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def on_rank0(fn, *args):
     """Run fn on rank 0 alone and hand its result, or its UsageError, to every rank.
 

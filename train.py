@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from checkpoint import Position, StopRequest
 from data import Loaders, validation_weights
-from distributed_utils import DistEnv
+from distributed_utils import DistEnv, barrier
 from utils import log0
 
 
@@ -41,8 +41,7 @@ def synchronize(device: torch.device) -> None:
     """Wait until this rank's queued device work is done, then for every other rank."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    barrier()
 
 
 def reset_peak_memory(device: torch.device) -> None:
