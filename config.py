@@ -1,0 +1,146 @@
+"""Every option of a training run, each with its default and help in one place: the fields of
+`Config`, from which main.py's command-line parser is built.
+
+This module imports no torch, so that tools which only plan runs (run_benchmarks.py, on a login
+node that may have no torch outside a container) share the same choices and checks. The names
+of strategies, precisions, models and data sets are owned here; the modules that implement
+them (fsdp_utils, model, data) key their tables by these names.
+"""
+
+import argparse
+import math
+import typing
+from dataclasses import dataclass, field, fields
+
+from utils import UsageError
+
+STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SHARDINGS = ("full", "grad_op", "hybrid")
+OPTIMIZERS = ("adam", "sgd")
+MODELS = ("cnn", "cnn-wide")
+DATASETS = ("cifar10", "synthetic")
+LOADERS = ("tensor", "classic")
+
+
+def option(default, help: str, *, choices=None, aliases=(), metavar=None, minimum=None,
+           flag=None):
+    """A Config field and how the command line offers it.
+
+    minimum: the smallest value accepted (0: not negative, 1: at least one); floats must also be
+    finite and, with minimum 0, positive. flag: for a bool, the switch that sets it
+    (`--no-download` sets download=False); with a None default, both `--x` and `--no-x`.
+    """
+    return field(default=default, metadata=dict(help=help, choices=choices, aliases=aliases,
+                                                metavar=metavar, minimum=minimum, flag=flag))
+
+
+@dataclass
+class Config:
+    strategy: str = option("ddp", "DDP replicates the model on every rank; FSDP shards it",
+                           choices=STRATEGIES, aliases=("--method",))
+    epochs: int = option(10, "training epochs", minimum=1)
+    batch_size: int = option(256, "global batch size, split evenly over all ranks", minimum=1,
+                             aliases=("--batch_size",))
+    lr: float = option(1e-3, "learning rate", minimum=0)
+    optimizer: str = option("adam", "Adam, or SGD with momentum 0.9", choices=OPTIMIZERS)
+    precision: str = option("fp32", "compute precision, the same for DDP (autocast) and FSDP "
+                            "(MixedPrecision); fp16 adds a gradient scaler", choices=PRECISIONS)
+    sharding: str = option("full", "FSDP sharding strategy: full (ZeRO-3), grad_op (ZeRO-2), "
+                           "hybrid (full within a node, replicated across nodes)",
+                           choices=SHARDINGS)
+    cpu_offload: bool = option(False, "FSDP: keep parameter shards in host memory (GPU only)",
+                               flag="--cpu-offload")
+    model: str = option("cnn", "the course CNN, or the same with 4x its channels",
+                        choices=MODELS)
+    dataset: str = option("cifar10", "CIFAR-10, or a learnable synthetic stand-in generated "
+                          "from the seed (no download: smoke tests, benchmarks, offline "
+                          "machines)", choices=DATASETS)
+    data_dir: str = option("./data", "where CIFAR-10 is, or is downloaded to", metavar="DIR")
+    download: bool = option(True, "fail instead of downloading when CIFAR-10 is missing "
+                            "(default: rank 0 downloads it)", flag="--no-download")
+    train_samples: int | None = option(None, "use the first N training images (default: all)",
+                                       minimum=1, metavar="N")
+    val_samples: int | None = option(None, "use the first N validation images (default: all)",
+                                     minimum=1, metavar="N")
+    augment: bool | None = option(None, "random crop and flip (default: on for cifar10, off "
+                                  "for synthetic)", flag="--augment")
+    loader: str = option("tensor", "tensor: data set on the device, batched augmentation; "
+                         "classic: torchvision transforms in DataLoader workers",
+                         choices=LOADERS)
+    num_workers: int = option(2, "DataLoader worker processes per rank (classic loader)",
+                              minimum=0, metavar="N")
+    channels_last: bool = option(False, "NHWC memory format", flag="--channels-last")
+    compile: bool = option(False, "torch.compile the model (the first epoch then includes "
+                           "compiling: about 20 s on a CPU)", flag="--compile")
+    seed: int = option(42, "seed for weights, data order and synthetic data", minimum=0)
+    print_every: int = option(50, "progress line every N steps (rank 0)", minimum=1,
+                              metavar="N")
+    pg_timeout: float = option(300.0, "seconds a collective waits for a missing rank before "
+                               "failing", minimum=0, metavar="SECONDS")
+    checkpoint_dir: str | None = option(
+        None, "where checkpoints go, one per epoch and one on SIGUSR1/SIGTERM (default: beside "
+        "the checkpoint resumed from, else checkpoints/<SLURM job id>, else "
+        "checkpoints/local-<time>)", metavar="DIR")
+    resume: str | None = option(
+        None, "continue from the latest checkpoint in --checkpoint-dir (auto: start fresh, "
+        "saying so, if there is none), or from a checkpoint or folder PATH",
+        metavar="auto|PATH")
+    checkpoint: bool = option(True, "write no checkpoints (default: one per epoch)",
+                              flag="--no-checkpoint")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(f) -> type:
+    """int for `int` and for `int | None`."""
+    return next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
+
+
+def _default_text(f) -> str:
+    if f.metadata["flag"] or f.default is None:
+        return ""  # the help says what happens by default
+    return f" (default: {f.default})"
+
+
+def _add_option(parser: argparse.ArgumentParser, f) -> None:
+    meta = f.metadata
+    help_text = meta["help"] + _default_text(f)
+    if meta["flag"]:
+        if f.default is None:  # --x and --no-x, unset meaning "the default for the situation"
+            parser.add_argument(meta["flag"], dest=f.name, action="store_true", default=None,
+                                help=help_text)
+            parser.add_argument("--no-" + meta["flag"][2:], dest=f.name, action="store_false",
+                                help=f"the opposite of {meta['flag']}")
+        else:
+            parser.add_argument(meta["flag"], dest=f.name, default=f.default,
+                                action="store_false" if f.default else "store_true",
+                                help=help_text)
+        return
+    parser.add_argument(_flag(f.name), *meta["aliases"], dest=f.name, type=_value_type(f),
+                        default=f.default, choices=meta["choices"], metavar=meta["metavar"],
+                        help=help_text)
+
+
+def add_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every Config field as an option of `parser`."""
+    for f in fields(Config):
+        _add_option(parser, f)
+    return parser
+
+
+def validate(cfg: Config) -> Config:
+    """Numbers the parser's types let through but no run can use: zero, negative, NaN, inf."""
+    for f in fields(Config):
+        minimum, value = f.metadata["minimum"], getattr(cfg, f.name)
+        if minimum is None or value is None:
+            continue
+        name = _flag(f.name)
+        if isinstance(value, float):
+            if not math.isfinite(value) or value <= minimum:
+                raise UsageError(f"{name} must be a positive number, got {value}")
+        elif value < minimum:
+            raise UsageError(f"{name} must be at least {minimum}, got {value}")
+    return cfg
