@@ -1,5 +1,7 @@
-"""Fixtures shared by the launcher tests: a scratch copy of the repository, and the project's
-loopback SLURM cluster (.ci/slurm/start.sh) for the tests marked `slurm`."""
+"""What the tests share, written once: the tiny run's arguments, running a command as a user
+would (without the SLURM variables of a surrounding job), reading `[METRIC]` lines, a scratch copy
+of the repository, and the project's loopback SLURM cluster (.ci/slurm/start.sh) for the tests
+marked `slurm`."""
 
 import os
 import shutil
@@ -9,16 +11,59 @@ from pathlib import Path
 
 import pytest
 
+from utils import parse_metric
+
 REPO = Path(__file__).resolve().parent.parent
 SLURM_DIR = Path(os.environ.get("PROJECT_SLURM_DIR", "/tmp/project-slurm"))
 START_TIMEOUT_S = 600  # on a clean machine, installing the packages comes first
 
+# A run of seconds: synthetic data (no download), few images, no progress lines. Tests add
+# --epochs, --batch-size and what they test.
+TINY = ["--dataset", "synthetic", "--train-samples", "256", "--val-samples", "64",
+        "--print-every", "1000"]
+
 
 def clean_environment(**extra) -> dict:
-    """This environment without SLURM's job variables (pytest may itself run inside a job,
-    and run.sh would then launch with srun), with the tests' Python for run.sh and plots."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    """This environment without the variables of a surrounding launcher (pytest may itself run
+    inside a SLURM job or under torchrun, and run.sh would then launch with srun), with the
+    tests' Python for run.sh and the plots."""
+    launcher = ("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
     return {**env, "PYTHON": sys.executable, **extra}
+
+
+def run(command: list, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProcess:
+    """A command as a user runs it (text output captured), with clean_environment(**env)."""
+    return subprocess.run([str(c) for c in command], cwd=cwd, env=clean_environment(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(args: list, nproc: int | None = None, cwd=REPO, timeout=240,
+             **env) -> subprocess.CompletedProcess:
+    """main.py as a user starts it: plain python, or torchrun with nproc ranks."""
+    launcher = [sys.executable]
+    if nproc:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return run([*launcher, "main.py", *args], cwd=cwd, timeout=timeout, **env)
+
+
+def metrics_in(text: str) -> list[dict]:
+    """The `[METRIC]` lines of a log, parsed."""
+    return [m for m in map(parse_metric, text.splitlines()) if m]
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str,
+                          status: int = 2) -> str:
+    """The user's view of bad input: exit status `status`, exactly one `error:` line holding
+    every fragment, and no Python traceback anywhere in the output. Returns the line."""
+    output = done.stdout + done.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert done.returncode == status, (done.returncode, output[-3000:])
+    assert len(errors) == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
 
 
 @pytest.fixture
