@@ -30,9 +30,10 @@ import torch.nn.functional as F
 import data
 import distributed_utils
 from checkpoint import Position
-from main import Config, prepare
+from config import Config
+from main import build_trainer
 from model import build_model
-from train import Precision, synchronize, train_one_epoch
+from train import synchronize
 from utils import parse_metric
 
 ROOT = Path(__file__).resolve().parent
@@ -98,19 +99,18 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     a shared or virtual machine's speed drifts by tens of percent over a minute.
     """
     cfg = Config(dataset="synthetic", train_samples=batch * steps, val_samples=batch,
-                 batch_size=batch, epochs=1, checkpoint=False)
+                 batch_size=batch, epochs=1, checkpoint=False,
+                 print_every=10**9)  # no progress lines
     env = distributed_utils.setup()
     try:
-        job = prepare(cfg, env)
+        trainer, _ = build_trainer(cfg, env)
         torch.manual_seed(0)
         bare = build_model(cfg.model).to(device)
         bare_opt = torch.optim.Adam(bare.parameters(), lr=cfg.lr)
-        preloaded = list(job.loaders.train)
-        none = Precision(None, None)
+        preloaded = list(trainer.loaders.train)
         ours, theirs, wait = [], [], []
         for epoch in range(1, rounds + 2):  # the first round is warm-up
-            result, _ = train_one_epoch(job.model, job.loaders, job.optimizer, none, env,
-                                        Position(epoch), print_every=0)  # no progress lines
+            result, _ = trainer.train_epoch(Position(epoch))
             t_bare = timed(lambda: bare_loop(bare, bare_opt, preloaded), device)
             if epoch > 1:
                 ours.append(result.time)

@@ -8,6 +8,8 @@ on load, so a run may resume at another world size. Both go through `get_state_d
 A checkpoint is a folder `ckpt_e{epoch}_s{step}`: where training continues. Everything is
 written into `<name>.tmp/` first and rank 0 renames it once every rank has finished, so a crash
 mid-write leaves the previous checkpoint as the latest. Nothing here deletes a checkpoint.
+A run's checkpoints share a folder (`folder_for`); a fresh run never writes into a folder that
+holds another run's checkpoints.
 
 `StopRequest` turns SIGUSR1 (SLURM's warning before the time limit; run.sh asks for it with
 `--signal=B:USR1@T` and srun forwards it to every task) and SIGTERM (preemption, `scancel`)
@@ -18,6 +20,7 @@ import contextlib
 import os
 import re
 import signal
+import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from distributed_utils import barrier
-from utils import UsageError
+from distributed_utils import barrier, job_id
+from utils import UsageError, is_rank_zero
 
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
 META_FILE = "meta.pt"
@@ -73,6 +76,7 @@ def _quiet_fsdp1_state_dict():
 
 
 def _rank() -> int:
+    """This rank's number, for the files it writes (is_rank_zero() decides who writes alone)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -106,7 +110,7 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
         # Stopped again before its first step after resuming: that state is saved already.
         return final
     tmp = directory / (position.name + ".tmp")
-    if _rank() == 0:
+    if is_rank_zero():
         directory.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # our own leftover from a crash mid-write: never a finished checkpoint
             for f in tmp.iterdir():
@@ -119,19 +123,55 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
         model_state, optim_state = get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
         if full:
-            if _rank() == 0:
+            if is_rank_zero():
                 torch.save({"model": model_state, "optim": optim_state}, tmp / DDP_FILE)
         else:
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     torch.save(_rng_state(generator), tmp / f"rng_rank{_rank()}.pt")
-    if _rank() == 0:
+    if is_rank_zero():
         torch.save({"position": asdict(position), "identity": asdict(identity),
                     "world_size": _world()}, tmp / META_FILE)
     barrier()
-    if _rank() == 0:
+    if is_rank_zero():
         os.replace(tmp, final)  # atomic: the folder appears complete or not at all
     barrier()
     return final
+
+
+def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
+    """Where a run's checkpoints go: the folder asked for; else beside the checkpoint resumed
+    from; else one per SLURM job (a requeued job keeps its id, so it finds its own); else a new
+    one per local run, named by its start time."""
+    if checkpoint_dir:
+        return Path(checkpoint_dir)
+    if resume not in (None, "auto"):
+        resumed = Path(resume)
+        return resumed.parent if (resumed / META_FILE).is_file() else resumed
+    if job_id() != "local":
+        return Path("checkpoints") / job_id()
+    return Path("checkpoints") / time.strftime("local-%Y%m%d-%H%M%S")
+
+
+def refuse_overwrite(folder: Path, resume: str | None) -> None:
+    """A fresh run must not mix its checkpoints with an earlier run's."""
+    if resume is None and latest(folder):
+        raise UsageError(f"{folder} already holds checkpoints of an earlier run: continue it "
+                         "with --resume auto, or choose another --checkpoint-dir")
+
+
+def prepare_folder(checkpoint_dir: str | None, resume: str | None) -> Path:
+    """The run's checkpoint folder, created and known to be writable (rank 0 calls this)."""
+    folder = folder_for(checkpoint_dir, resume)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".writable"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"checkpoint folder {folder} is not writable ({e.strerror}); "
+                         "choose another with --checkpoint-dir") from None
+    refuse_overwrite(folder, resume)
+    return folder
 
 
 def latest(directory: Path) -> Path | None:

@@ -134,16 +134,23 @@ def _source_signature(folder: Path) -> list:
             for f in (*CIFAR10_TRAIN_FILES, CIFAR10_TEST_FILE)]
 
 
+def _read_cache(data_dir: Path) -> dict | None:
+    """The cached tensors (memory-mapped), if the cache matches the source files."""
+    try:
+        cached = torch.load(data_dir / CACHE_FILE, mmap=True)
+        if cached["signature"] == _source_signature(data_dir / CIFAR10_FOLDER):
+            return cached
+    except Exception:
+        pass  # absent or unreadable cache: (re)build it
+    return None
+
+
 def build_cache(data_dir: Path) -> Path:
     """Decode once into one tensor file; rebuilt whenever the source files change."""
     folder, cache = data_dir / CIFAR10_FOLDER, data_dir / CACHE_FILE
     signature = _source_signature(folder)
-    if cache.is_file():
-        try:
-            if torch.load(cache, mmap=True)["signature"] == signature:
-                return cache
-        except Exception:
-            pass  # unreadable cache: rebuild it
+    if _read_cache(data_dir) is not None:
+        return cache
     tensors = decode_cifar10(folder)
     # Write to a temporary name, then rename: a crash never leaves a half-written cache.
     fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=CACHE_FILE, suffix=".tmp")
@@ -157,21 +164,30 @@ def build_cache(data_dir: Path) -> Path:
     return cache
 
 
-def _prepare_on_rank0(data_dir: Path, download: bool) -> str | None:
+def _not_found(data_dir: Path) -> str:
+    return (f"CIFAR-10 not found in {data_dir / CIFAR10_FOLDER} and downloading is off; fetch "
+            f"it with: python data.py --download --data-dir {data_dir} (or train without it: "
+            "--dataset synthetic)")
+
+
+def _download_failed(data_dir: Path, error: Exception, fetch_hint: bool) -> str:
+    where = ("fetch it on a machine with internet (e.g. a login node) with: python data.py "
+             f"--download --data-dir {data_dir}, or " if fetch_hint else "")
+    return (f"downloading CIFAR-10 into {data_dir} failed ({error}); this machine may have no "
+            f"internet: {where}train without it: --dataset synthetic")
+
+
+def _prepare_on_rank0(data_dir: Path, download: bool, fetch_hint: bool = True) -> str | None:
     """Download if needed and build the cache; returns the cache's path (None: no cache)."""
     if not cifar10_present(data_dir):
         if not download:
-            raise UsageError(f"CIFAR-10 not found in {data_dir / CIFAR10_FOLDER} and downloading "
-                             "is off; fetch it with: python data.py --download --data-dir "
-                             f"{data_dir}")
+            raise UsageError(_not_found(data_dir))
         print(f"[rank 0] CIFAR-10 not found in {data_dir}, downloading ...", flush=True)
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
             download_cifar10(data_dir)
         except Exception as e:
-            raise UsageError(f"downloading CIFAR-10 into {data_dir} failed ({e}); fetch it "
-                             "beforehand on a machine with internet, e.g. a login node: "
-                             f"python data.py --download --data-dir {data_dir}") from None
+            raise UsageError(_download_failed(data_dir, e, fetch_hint)) from None
         if not cifar10_present(data_dir):
             raise UsageError(f"the download did not produce {data_dir / CIFAR10_FOLDER}")
     try:
@@ -183,10 +199,11 @@ def _prepare_on_rank0(data_dir: Path, download: bool) -> str | None:
         return None
 
 
-def load_cifar10(data_dir: Path, download: bool = True) -> tuple[Split, Split]:
+def load_cifar10(data_dir: Path, download: bool = True,
+                 fetch_hint: bool = True) -> tuple[Split, Split]:
     """Every rank calls this; rank 0 alone touches the network and writes files."""
     data_dir = Path(data_dir)
-    cache = on_rank0(_prepare_on_rank0, data_dir, download)
+    cache = on_rank0(_prepare_on_rank0, data_dir, download, fetch_hint)
     t = torch.load(cache, mmap=True) if cache else decode_cifar10(data_dir / CIFAR10_FOLDER)
     return Split(t["train_images"], t["train_labels"]), Split(t["val_images"], t["val_labels"])
 
@@ -227,6 +244,25 @@ def load_splits(dataset: str, data_dir: Path, seed: int, train_samples: int | No
     if len(train) == 0 or len(val) == 0:
         raise UsageError(f"{dataset}: empty training or validation set")
     return train, val
+
+
+def find_data(dataset: str, data_dir: Path, train_samples: int | None,
+              download: bool = True) -> tuple[int, str]:
+    """What a run would train on, without downloading, writing or synchronizing anything (for
+    `main.py --check`): the number of training images, and where they come from. Raises the
+    run's own error when it would fail for want of data."""
+    spec, data_dir = DATASETS[dataset], Path(data_dir)
+    if dataset == "synthetic":
+        return train_samples or spec.train_size, "synthetic data, generated from the seed"
+    if not cifar10_present(data_dir):
+        if not download:
+            raise UsageError(_not_found(data_dir))
+        return (min(train_samples or spec.train_size, spec.train_size),
+                f"CIFAR-10 not in {data_dir}: rank 0 will download it (170 MB)")
+    cached = _read_cache(data_dir)
+    labels = (cached or decode_cifar10(data_dir / CIFAR10_FOLDER))["train_labels"]
+    size = len(labels) if train_samples is None else min(train_samples, len(labels))
+    return size, f"CIFAR-10 in {data_dir}"
 
 
 # ----------------------------------------------------------------------------- augmentation
@@ -425,7 +461,8 @@ def main(argv=None) -> None:
     p.add_argument("--data-dir", default="./data", help="target folder (default ./data)")
     args = p.parse_args(argv)
     try:
-        train, val = load_cifar10(Path(args.data_dir), download=args.download)
+        train, val = load_cifar10(Path(args.data_dir), download=args.download,
+                                  fetch_hint=False)  # this command is the fetch
     except UsageError as e:
         fail(str(e))
     print(f"CIFAR-10 ready in {args.data_dir}: {len(train)} training and {len(val)} "

@@ -1,6 +1,8 @@
 """Train and evaluate one data-parallel replica; every number reported is a global one.
 
-Each rank runs the same loop on its own shard. Nothing in the hot loop waits on the device:
+`Trainer.fit` is the whole loop: epochs of training and validation, one `[METRIC]` line each,
+a checkpoint after each, and an early stop (with a checkpoint) when SLURM warns. Each rank runs
+the same loop on its own shard. Nothing in the hot loop waits on the device:
 losses and counts accumulate as device tensors and are all-reduced (summed) once per epoch, so
 loss and accuracy are those of the whole data set, not of rank 0's shard. Epoch time is taken
 between two barriers around the training part only (validation is timed on its own), peak memory
@@ -13,6 +15,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,14 +25,14 @@ import torch.nn.functional as F
 from checkpoint import Position, StopRequest
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv, barrier
-from utils import log0
+from utils import COURSE_FIELDS, format_metric, is_rank_zero, log0
 
 
 @dataclass
 class Precision:
-    """How a step runs in low precision: autocast (DDP) and/or a loss scaler (fp16)."""
+    """How a step runs in low precision: autocast (DDP), and a loss scaler enabled for fp16."""
     autocast_dtype: torch.dtype | None
-    scaler: "torch.amp.GradScaler | None"
+    scaler: torch.amp.GradScaler
 
     def autocast(self, device: torch.device):
         if self.autocast_dtype is None:
@@ -108,115 +111,152 @@ class Progress:
             print(text, flush=True)
 
 
-def train_one_epoch(model: nn.Module, loaders: Loaders, optimizer: torch.optim.Optimizer,
-                    precision: Precision, env: DistEnv, start: Position, print_every: int,
-                    stop: StopRequest | None = None) -> tuple[Position, bool]:
-    """Train from `start` until the epoch ends or a stop is agreed.
+@dataclass
+class MetricLabels:
+    """The fields of a `[METRIC]` line that are not measured: after the course's five, those
+    that name the run; at the end, those that say how it ran."""
+    run: dict  # strategy, world_size, nodes, global_batch, local_batch
+    setting: dict  # precision, device, dataset, seed, job_id
 
-    Returns the position reached, its sums global (all ranks) and including `start`'s, and
-    whether the epoch is complete.
-    """
-    model.train()
-    device = env.device
-    loss_sum = torch.zeros((), device=device)
-    seen = torch.zeros((), device=device)
-    loaders.set_position(start.epoch, start.step)
-    total = len(loaders.train)
-    progress = Progress(start.epoch, total, print_every, env.is_main and print_every > 0,
-                        start.step)
-    data_wait = 0.0
-
-    synchronize(device)
-    t_start = time.perf_counter()
-    batches = iter(loaders.train)
-    step = start.step
-    while step < total and not (stop and stop.poll()):
-        t0 = time.perf_counter()
-        images, labels = next(batches)
-        data_wait += time.perf_counter() - t0
-
-        optimizer.zero_grad(set_to_none=True)
-        with precision.autocast(device):
-            logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels)
-        if precision.scaler is not None:
-            precision.scaler.scale(loss).backward()
-            precision.scaler.step(optimizer)
-            precision.scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
-
-        loss_sum += loss.detach() * len(labels)
-        seen += len(labels)
-        progress.update(step, loss)
-        step += 1
-    synchronize(device)
-    elapsed = time.perf_counter() - t_start
-
-    loss_sum, seen = all_reduce([loss_sum, seen], device)
-    data_wait = all_reduce([data_wait], device, dist.ReduceOp.MAX)[0]
-    reached = Position(start.epoch, step, start.loss_sum + loss_sum, start.seen + int(seen),
-                       start.data_wait + data_wait, start.time + elapsed)
-    return reached, step == total
+    def line(self, measured: dict) -> dict:
+        course = {name: measured[name] for name, _ in COURSE_FIELDS}
+        rest = {k: v for k, v in measured.items() if k not in course}
+        return {**course, **self.run, **rest, **self.setting}
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loaders: Loaders, precision: Precision, env: DistEnv) -> dict:
-    """Loss and accuracy over the whole validation set, each image counted exactly once."""
-    model.eval()
-    device = env.device
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device)
-    count = torch.zeros((), device=device)
-    offset = 0
-    synchronize(device)
-    start = time.perf_counter()
-    for images, labels in loaders.val:
-        with precision.autocast(device):
-            logits = model(images)
-        weights = validation_weights(offset, len(labels), env.rank, env.world_size,
-                                     loaders.val_size, device)
-        offset += len(labels)
-        losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        loss_sum += (losses * weights).sum()
-        correct += ((logits.argmax(dim=1) == labels).float() * weights).sum()
-        count += weights.sum()
-    synchronize(device)
-    elapsed = time.perf_counter() - start
-    loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
-    assert int(count) == loaders.val_size, (count, loaders.val_size)
-    return {"val_loss": loss_sum / count, "acc": 100.0 * correct / count,
-            "val_correct": int(correct), "val_time": elapsed}
+@dataclass
+class Trainer:
+    """One rank's part of a training run, and the loop that trains it."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loaders: Loaders
+    precision: Precision
+    env: DistEnv
+    labels: MetricLabels
+    print_every: int
 
+    def fit(self, start: Position, epochs: int, stop: StopRequest,
+            save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
+        """Epochs from `start` to `epochs`, each saved when done. Returns the `[METRIC]` fields
+        of the epochs finished and, if a stop was agreed, the position saved (else None)."""
+        history, position = [], start
+        while position.epoch <= epochs:
+            reached, measured = self.run_epoch(position, stop)
+            stopping = stop.drain()  # the same answer on every rank
+            if measured is None:  # a stop came mid-epoch: keep what this epoch has done
+                save(reached)
+                return history, reached
+            history.append(self.labels.line(measured))
+            log0(format_metric(history[-1]))
+            position = Position(epoch=position.epoch + 1)
+            save(position)
+            if stopping and position.epoch <= epochs:
+                return history, position
+        return history, None
 
-def run_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: Loaders,
-              precision: Precision, env: DistEnv, start: Position, print_every: int,
-              stop: StopRequest | None = None) -> tuple[Position, dict | None]:
-    """Train (from `start`) and validate one epoch: the measurements of its `[METRIC]` line.
+    def run_epoch(self, start: Position, stop: StopRequest | None = None
+                  ) -> tuple[Position, dict | None]:
+        """Train (from `start`) and validate one epoch: the measurements of its `[METRIC]` line.
 
-    Returns the position reached and the metrics, or None for them if a stop came mid-epoch.
-    """
-    reset_peak_memory(env.device)
-    reached, complete = train_one_epoch(model, loaders, optimizer, precision, env, start,
-                                        print_every, stop)
-    if not complete:
-        return reached, None
-    val = evaluate(model, loaders, precision, env)
-    peak, state = all_reduce([peak_memory_bytes(env.device), state_bytes(model, optimizer)],
-                             env.device, dist.ReduceOp.MAX)
-    train_loss = reached.loss_sum / max(reached.seen, 1)
-    if not math.isfinite(train_loss):
-        log0(f"warning: epoch {reached.epoch} training loss is {train_loss}")
-    return reached, {
-        "epoch": reached.epoch,
-        "time": reached.time,
-        "val_loss": val["val_loss"],
-        "acc": val["acc"],
-        "peak_mem": round(peak / 2**20),
-        "train_loss": train_loss,
-        "val_time": val["val_time"],
-        "throughput": reached.seen / reached.time,
-        "data_wait": reached.data_wait,
-        "state_mem": int(state),
-    }
+        Returns the position reached and the measurements, or None for them if a stop came
+        mid-epoch.
+        """
+        device = self.env.device
+        reset_peak_memory(device)
+        reached, complete = self.train_epoch(start, stop)
+        if not complete:
+            return reached, None
+        val = self.evaluate()
+        peak, state = all_reduce([peak_memory_bytes(device),
+                                  state_bytes(self.model, self.optimizer)],
+                                 device, dist.ReduceOp.MAX)
+        train_loss = reached.loss_sum / max(reached.seen, 1)
+        if not math.isfinite(train_loss):
+            log0(f"warning: epoch {reached.epoch} training loss is {train_loss}")
+        return reached, {
+            "epoch": reached.epoch,
+            "time": reached.time,
+            "val_loss": val["val_loss"],
+            "acc": val["acc"],
+            "peak_mem": round(peak / 2**20),
+            "train_loss": train_loss,
+            "val_time": val["val_time"],
+            "throughput": reached.seen / reached.time,
+            "data_wait": reached.data_wait,
+            "state_mem": int(state),
+        }
+
+    def train_epoch(self, start: Position, stop: StopRequest | None = None
+                    ) -> tuple[Position, bool]:
+        """Train from `start` until the epoch ends or a stop is agreed.
+
+        Returns the position reached, its sums global (all ranks) and including `start`'s, and
+        whether the epoch is complete.
+        """
+        model, optimizer, scaler = self.model, self.optimizer, self.precision.scaler
+        model.train()
+        device = self.env.device
+        loss_sum = torch.zeros((), device=device)
+        seen = torch.zeros((), device=device)
+        self.loaders.set_position(start.epoch, start.step)
+        total = len(self.loaders.train)
+        progress = Progress(start.epoch, total, self.print_every, is_rank_zero(), start.step)
+        data_wait = 0.0
+
+        synchronize(device)
+        t_start = time.perf_counter()
+        batches = iter(self.loaders.train)
+        step = start.step
+        while step < total and not (stop and stop.poll()):
+            t0 = time.perf_counter()
+            images, labels = next(batches)
+            data_wait += time.perf_counter() - t0
+
+            optimizer.zero_grad(set_to_none=True)
+            with self.precision.autocast(device):
+                logits = model(images)
+            loss = F.cross_entropy(logits.float(), labels)
+            scaler.scale(loss).backward()  # without fp16 the scaler passes everything through
+            scaler.step(optimizer)
+            scaler.update()
+
+            loss_sum += loss.detach() * len(labels)
+            seen += len(labels)
+            progress.update(step, loss)
+            step += 1
+        synchronize(device)
+        elapsed = time.perf_counter() - t_start
+
+        loss_sum, seen = all_reduce([loss_sum, seen], device)
+        data_wait = all_reduce([data_wait], device, dist.ReduceOp.MAX)[0]
+        reached = Position(start.epoch, step, start.loss_sum + loss_sum, start.seen + int(seen),
+                           start.data_wait + data_wait, start.time + elapsed)
+        return reached, step == total
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss and accuracy over the whole validation set, each image counted exactly once."""
+        self.model.eval()
+        env, loaders, device = self.env, self.loaders, self.env.device
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), device=device)
+        count = torch.zeros((), device=device)
+        offset = 0
+        synchronize(device)
+        start = time.perf_counter()
+        for images, labels in loaders.val:
+            with self.precision.autocast(device):
+                logits = self.model(images)
+            weights = validation_weights(offset, len(labels), env.rank, env.world_size,
+                                         loaders.val_size, device)
+            offset += len(labels)
+            losses = F.cross_entropy(logits.float(), labels, reduction="none")
+            loss_sum += (losses * weights).sum()
+            correct += ((logits.argmax(dim=1) == labels).float() * weights).sum()
+            count += weights.sum()
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
+        assert int(count) == loaders.val_size, (count, loaders.val_size)
+        return {"val_loss": loss_sum / count, "acc": 100.0 * correct / count,
+                "val_correct": int(correct), "val_time": elapsed}

@@ -1,32 +1,19 @@
-"""The command line as users run it: torchrun, the [METRIC] format, and bad input."""
+"""The command line as users run it: torchrun, the [METRIC] format, --check, --help, the exit
+statuses, and bad input."""
 
-import os
 import re
+import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from utils import COURSE_METRIC_RE, format_metric, parse_metric
+import main
+from conftest import (REPO, TINY, assert_one_line_error, clean_environment, metrics_in,
+                      run_main)
+from utils import COURSE_METRIC_RE, format_metric, parse_config, parse_metric
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--dataset", "synthetic", "--train-samples", "512", "--val-samples", "256",
-        "--batch-size", "64", "--print-every", "1000", "--no-checkpoint"]
-
-
-def run_cli(args, nproc=None, timeout=240):
-    """main.py as a user starts it: plain python, or torchrun with nproc ranks."""
-    launcher = [sys.executable]
-    if nproc:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_"))}
-    return subprocess.run([*launcher, "main.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def metrics_of(stdout: str) -> list[dict]:
-    return [m for m in map(parse_metric, stdout.splitlines()) if m]
+QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
 
 
 # ----------------------------------------------------------------------------- [METRIC] format
@@ -54,13 +41,13 @@ def test_parser_reads_srun_prefixed_coloured_lines_and_rejects_cut_ones():
 # ----------------------------------------------------------------------------- real runs
 
 def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
-    result = run_cli(["--strategy", "fsdp", "--epochs", "3", *TINY[:2], "--train-samples",
-                      "2048", "--val-samples", "512", "--batch-size", "128", "--print-every",
-                      "1000", "--no-checkpoint"], nproc=2)
+    result = run_main(["--strategy", "fsdp", "--epochs", "3", "--dataset", "synthetic",
+                       "--train-samples", "2048", "--val-samples", "512", "--batch-size", "128",
+                       "--print-every", "1000", "--no-checkpoint"], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [l for l in result.stdout.splitlines() if l.startswith("[METRIC]")]
     assert len(lines) == 3 and all(COURSE_METRIC_RE.match(l) for l in lines)
-    metrics = metrics_of(result.stdout)
+    metrics = metrics_in(result.stdout)
     required = ("strategy world_size nodes global_batch local_batch train_loss val_time "
                 "throughput data_wait state_mem precision device dataset seed job_id").split()
     assert all(k in metrics[-1] for k in required), set(required) - set(metrics[-1])
@@ -69,18 +56,30 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     assert last["acc"] > 50, "synthetic data is learnable: far above 10% chance"
     assert last["throughput"] > 0 and last["time"] > 0 and last["peak_mem"] > 0
     assert result.stdout.count("[CONFIG]") == 1  # rank 0 alone prints
+    config = next(filter(None, map(parse_config, result.stdout.splitlines())))
+    assert config["rendezvous"].startswith(("127.0.0.1:", "localhost:"))
+    assert config["threads"] >= 1
 
 
 def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
     state = {}
     for strategy in ("ddp", "fsdp"):
-        result = run_cli(["--strategy", strategy, "--epochs", "1", *TINY], nproc=2)
+        result = run_main(["--strategy", strategy, "--epochs", "1", *QUICK], nproc=2)
         assert result.returncode == 0, result.stderr[-3000:]
-        state[strategy] = metrics_of(result.stdout)[-1]["state_mem"]
+        state[strategy] = metrics_in(result.stdout)[-1]["state_mem"]
     ratio = state["fsdp"] / state["ddp"]
     print(f"state bytes per rank: ddp {state['ddp']}, fsdp {state['fsdp']}, ratio {ratio:.4f}")
     assert ratio == pytest.approx(0.5, abs=0.005)
 
+
+def test_course_flag_names_are_accepted():
+    result = run_main([*QUICK, "--method", "fsdp", "--batch_size", "32", "--epochs", "1"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    metric = metrics_in(result.stdout)[0]
+    assert (metric["strategy"], metric["global_batch"]) == ("fsdp", 32)
+
+
+# ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("args,message", [
     (["--batch-size", "63"], "must be a multiple of the world size 2"),
@@ -88,44 +87,41 @@ def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
     (["--train-samples", "32"], "make no full global batch"),
     (["--epochs", "0"], "--epochs must be at least 1"),
 ])
-def test_bad_input_is_one_line_and_nonzero(args, message):
-    result = run_cli([*TINY, *args], nproc=2)
+def test_bad_input_under_torchrun_is_one_line_from_rank_0(args, message):
+    result = run_main([*QUICK, *args], nproc=2)
     assert result.returncode != 0
     errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     # torchrun reports a failed child with a traceback of its own launcher; none may come
     # from the training program.
-    assert not re.search(r'File ".*/(main|train|data|distributed_utils)\.py"', result.stderr)
+    assert not re.search(rf'File "{re.escape(str(REPO))}/\w+\.py"', result.stderr)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--lr", "inf"], "--lr must be a positive number, got inf"),
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--pg-timeout", "0"], "--pg-timeout must be a positive number"),
+    (["--num-workers", "-1"], "--num-workers must be at least 0"),
+    (["--val-samples", "0"], "--val-samples must be at least 1"),
+])
+def test_numbers_no_run_can_use_are_refused(args, message):
+    assert_one_line_error(run_main([*QUICK, *args]), message)
 
 
 @pytest.mark.parametrize("args", [["--strategy", "zero"], ["--precision", "fp8"],
-                                  ["--sharding", "none"]])
+                                  ["--sharding", "none"], ["--epochs", "two"]])
 def test_unknown_choices_are_refused(args):
-    result = run_cli([*TINY, *args])
-    assert result.returncode == 2 and "invalid choice" in result.stderr
+    result = run_main([*QUICK, *args])
+    assert result.returncode == 2 and "invalid" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-def test_course_flag_names_are_accepted():
-    result = run_cli([*TINY, "--method", "ddp", "--batch_size", "32", "--epochs", "1"])
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert metrics_of(result.stdout)[0]["global_batch"] == 32
-
-
-def test_help_explains_every_option():
-    out = run_cli(["--help"]).stdout
-    for flag in ("--strategy", "--epochs", "--batch-size", "--lr", "--optimizer", "--precision",
-                 "--sharding", "--dataset", "--data-dir", "--train-samples", "--val-samples",
-                 "--seed", "--num-workers", "--print-every", "--loader"):
-        assert re.search(rf"{flag}\b.*\n?\s+\S", out), flag
 
 
 def test_unwritable_checkpoint_folder_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # root ignores permission bits: use a file as parent
-    with_checkpoints = [a for a in TINY if a != "--no-checkpoint"]
-    result = run_cli([*with_checkpoints, "--epochs", "1", "--checkpoint-dir",
-                      str(blocker / "ckpt")], nproc=2)
+    result = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir",
+                       str(blocker / "ckpt")], nproc=2)
     errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.stderr[-2000:]
     assert "is not writable" in errors[0] and "--checkpoint-dir" in errors[0]
@@ -134,11 +130,104 @@ def test_unwritable_checkpoint_folder_is_one_line(tmp_path):
 def test_precision_the_device_cannot_do_is_refused(monkeypatch):
     import torch
 
-    from main import Config, make_precision
+    from config import Config
     from utils import UsageError
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(UsageError, match="bf16 is not supported on Tesla V100"):
-        make_precision(Config(precision="bf16"), torch.device("cuda", 0))
+        main.make_precision(Config(precision="bf16"), torch.device("cuda", 0))
     with pytest.raises(UsageError, match="--cpu-offload"):
-        make_precision(Config(strategy="fsdp", cpu_offload=True), torch.device("cpu"))
+        main.make_precision(Config(strategy="fsdp", cpu_offload=True), torch.device("cpu"))
+
+
+def test_offline_first_run_says_how_to_run_without_the_download(tmp_path):
+    """No internet: the one line names both ways out, fetching elsewhere and synthetic data."""
+    result = run_main(["--data-dir", str(tmp_path), "--epochs", "1"],
+                      PYTHONPATH=str(REPO / "tests" / "offline"))
+    line = assert_one_line_error(result, "downloading CIFAR-10", "--dataset synthetic",
+                                 "python data.py --download")
+    assert "no route to host" in line.lower()
+    fetch = subprocess.run([sys.executable, "data.py", "--download", "--data-dir", str(tmp_path)],
+                           cwd=REPO, capture_output=True, text=True, timeout=60,
+                           env=clean_environment(PYTHONPATH=str(REPO / "tests" / "offline")))
+    line = assert_one_line_error(fetch, "downloading CIFAR-10", "--dataset synthetic")
+    assert "python data.py --download" not in line  # it would tell you to run itself
+
+
+# ----------------------------------------------------------------------------- --check
+
+def test_check_validates_every_world_size_without_training():
+    done = run_main(["--check", "1", "2", "4", *TINY, "--batch-size", "64"], timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("check: ok: strategy=ddp world sizes 1 2 4")
+    assert "[CONFIG]" not in done.stdout and "[METRIC]" not in done.stdout
+    bad = run_main(["--check", "1", "2", "3", *TINY, "--batch-size", "64"], timeout=60)
+    assert_one_line_error(bad, "global batch size 64 must be a multiple of the world size 3")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dataset", "cifar10", "--no-download", "--data-dir", "{tmp}/none"],
+     "CIFAR-10 not found in"),
+    (["--train-samples", "32", "--batch-size", "64"], "make no full global batch of 64"),
+    (["--resume", "{tmp}/none"], "no checkpoint there"),
+    (["--lr", "0"], "--lr must be a positive number"),
+])
+def test_check_finds_what_the_run_would_fail_on(tmp_path, args, message):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert_one_line_error(run_main(["--check", *TINY, *args], timeout=60), message)
+
+
+def test_check_takes_the_launchers_world_size():
+    done = run_main(["--check", *TINY, "--batch-size", "64"], timeout=60,
+                    RANK="0", LOCAL_RANK="0", WORLD_SIZE="3")
+    assert_one_line_error(done, "multiple of the world size 3")
+
+
+# ----------------------------------------------------------------------------- --help
+
+def test_help_explains_every_option():
+    parser = main.build_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        assert action.help and len(action.help.split()) >= 3, f"{flag} has no real help"
+        assert action.help.count("default") <= 1, f"{flag} states its default twice"
+    text = run_main(["--help"]).stdout
+    assert "(default: True)" not in text and "(default: False)" not in text
+    assert "exit status: 0 finished" in text
+
+
+# ----------------------------------------------------------------------------- stop and resume
+
+def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
+    """SIGUSR1 from outside: checkpoint, exit status 3, and a continue command that works."""
+    args = ["--dataset", "synthetic", "--train-samples", "16384", "--val-samples", "64",
+            "--batch-size", "32", "--epochs", "2", "--print-every", "20"]
+    proc = subprocess.Popen([sys.executable, "main.py", *args], cwd=repo_copy, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=clean_environment())
+    try:
+        for line in proc.stdout:
+            if line.startswith("epoch 1 step"):
+                proc.send_signal(signal.SIGUSR1)
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3, err[-2000:]
+    stop = next(l for l in out.splitlines() if "stopped on SIGUSR1" in l)
+    command = stop.split("continue with: ", 1)[1]
+    assert command.startswith("main.py ") and "--resume checkpoints/local-" in command
+    resumed = subprocess.run([sys.executable, *command.split()], cwd=repo_copy,
+                             capture_output=True, text=True, timeout=120, env=clean_environment())
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "[CHECKPOINT] resumed from checkpoints/local-" in resumed.stdout
+    assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
+
+
+def test_resume_auto_says_when_it_found_nothing(tmp_path):
+    done = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--resume", "auto",
+                     "--checkpoint-dir", str(tmp_path / "empty")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"--resume auto: no checkpoint in {tmp_path / 'empty'}; starting fresh" in done.stdout

@@ -10,8 +10,8 @@ from torch.utils.data import DistributedSampler
 
 import data
 from dist_harness import spawn, spawn_outcomes
-from main import Config, prepare
-from train import evaluate
+from config import Config
+from main import build_trainer
 from utils import UsageError
 
 SPEC = data.DATASETS["synthetic"]
@@ -116,8 +116,8 @@ VAL_CFG = dict(dataset="synthetic", train_samples=96, val_samples=1001, batch_si
 
 
 def validate_initial_weights(env, cfg):
-    job = prepare(cfg, env)
-    return evaluate(job.model, job.loaders, job.precision, env)
+    trainer, _ = build_trainer(cfg, env)
+    return trainer.evaluate()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

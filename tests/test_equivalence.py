@@ -5,7 +5,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from dist_harness import spawn
-from main import Config, run
+from config import Config
+from main import run
 
 # 240 images = 10 global batches of 24, divisible by world sizes 1, 2 and 3. fp32, no
 # augmentation (synthetic), so every world size sees exactly the same global batches.
@@ -16,10 +17,11 @@ CFG = dict(dataset="synthetic", train_samples=240, val_samples=60, batch_size=24
 
 
 def train_and_gather(env, cfg):
-    job, history = run(cfg, env)
+    outcome = run(cfg, env)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(job.model, options=options)  # full tensors on rank 0 only
-    return ({k: v.clone() for k, v in state.items()} if env.rank == 0 else None), history
+    # Full tensors on rank 0 only.
+    state = get_model_state_dict(outcome.trainer.model, options=options)
+    return ({k: v.clone() for k, v in state.items()} if env.rank == 0 else None), outcome.history
 
 
 @pytest.fixture(scope="module")

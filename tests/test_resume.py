@@ -8,7 +8,7 @@ import torch
 
 import checkpoint
 from dist_harness import spawn, spawn_outcomes
-from main import Config, run
+from config import Config
 from test_equivalence import train_and_gather
 
 # Augmentation on: resuming must also restore every rank's random stream.
