@@ -231,3 +231,42 @@ def test_resume_auto_says_when_it_found_nothing(tmp_path):
                      "--checkpoint-dir", str(tmp_path / "empty")])
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"--resume auto: no checkpoint in {tmp_path / 'empty'}; starting fresh" in done.stdout
+
+
+# ----------------------------------------------------------------------------- the user's view
+
+def corrupt_cifar_dir(tmp_path) -> list[str]:
+    from test_data import write_cifar_dir
+    folder = write_cifar_dir(tmp_path / "data")
+    (folder / "data_batch_3").write_bytes(b"not a pickle")
+    return ["--dataset", "cifar10", "--data-dir", str(tmp_path / "data")]
+
+
+def missing_cifar_dir(tmp_path) -> list[str]:
+    return ["--dataset", "cifar10", "--no-download", "--data-dir", str(tmp_path / "none")]
+
+
+def folder_of_an_earlier_run(tmp_path) -> list[str]:
+    args = [*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir", str(tmp_path)]
+    assert run_main(args).returncode == 0
+    return ["--checkpoint-dir", str(tmp_path)]
+
+
+def checkpoint_of_another_strategy(tmp_path) -> list[str]:
+    args = [*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir", str(tmp_path)]
+    assert run_main([*args, "--strategy", "ddp"]).returncode == 0
+    return ["--checkpoint-dir", str(tmp_path), "--strategy", "fsdp", "--resume", "auto"]
+
+
+@pytest.mark.parametrize("setup,message", [
+    (corrupt_cifar_dir, "data_batch_3 is not a CIFAR-10 python batch"),
+    (missing_cifar_dir, "CIFAR-10 not found in"),
+    (folder_of_an_earlier_run, "already holds checkpoints of an earlier run"),
+    (checkpoint_of_another_strategy, "was written by strategy=ddp"),
+    (lambda tmp_path: ["--strategy", "fsdp", "--cpu-offload"], "--cpu-offload moves"),
+])
+def test_bad_input_table_as_the_user_sees_it(tmp_path, setup, message):
+    """Each row of the README's table: one `error:` line, exit status 2, no traceback."""
+    args = setup(tmp_path)
+    assert_one_line_error(run_main([*TINY, "--batch-size", "64", "--epochs", "2", *args]),
+                          message)

@@ -9,9 +9,10 @@ from PIL import Image
 from torch.utils.data import DistributedSampler
 
 import data
-from dist_harness import spawn, spawn_outcomes
 from config import Config
-from main import build_trainer
+from dist_harness import spawn, spawn_outcomes
+from main import build_trainer, run
+from test_equivalence import full_state
 from utils import UsageError
 
 SPEC = data.DATASETS["synthetic"]
@@ -111,20 +112,34 @@ def test_tensor_path_normalizes_like_torchvision():
 
 # ----------------------------------------------------------------------------- exact validation
 
-VAL_CFG = dict(dataset="synthetic", train_samples=96, val_samples=1001, batch_size=48,
-               epochs=1, seed=11)
+VAL_CFG = dict(dataset="synthetic", train_samples=4096, val_samples=1001, batch_size=48,
+               epochs=2, seed=11, checkpoint=False, print_every=10**6)
 
 
-def validate_initial_weights(env, cfg):
+def trained_weights(env, cfg):
+    """Weights worth validating: after training, accuracy and correct counts are far from
+    chance, so an image counted twice or missed changes them."""
+    return full_state(env, run(cfg, env).trainer.model)
+
+
+def validate_weights(env, cfg, weights):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     trainer, _ = build_trainer(cfg, env)
+    set_model_state_dict(trainer.model, weights, options=StateDictOptions(full_state_dict=True))
     return trainer.evaluate()
 
 
+@pytest.fixture(scope="module")
+def weights():
+    return spawn(trained_weights, 1, Config(**VAL_CFG))[0]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_validation_is_exact_at_any_world_size(strategy):
+def test_validation_is_exact_at_any_world_size(weights, strategy):
     cfg = Config(**VAL_CFG, strategy=strategy)
-    results = {ws: spawn(validate_initial_weights, ws, cfg)[0] for ws in (1, 2, 3)}
+    results = {ws: spawn(validate_weights, ws, cfg, weights)[0] for ws in (1, 2, 3)}
     ref = results[1]
+    assert 30 < ref["acc"] < 100, "trained weights: a duplicated or missed image shows"
     for ws, res in results.items():
         assert res["val_correct"] == ref["val_correct"], ws
         assert res["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), ws
@@ -163,11 +178,21 @@ def test_loads_any_directory_in_the_cifar10_python_format(tmp_path):
     assert torch.equal(train.images[20:40].reshape(20, -1), torch.from_numpy(second[b"data"]))
     assert train.labels[20:40].tolist() == second[b"labels"]
     assert (tmp_path / data.CACHE_FILE).is_file()
-    # The cache is used, and rebuilt when a source file changes.
+
+
+def test_cache_is_decoded_once_and_again_when_a_source_file_changes(tmp_path, monkeypatch):
+    folder = write_cifar_dir(tmp_path)
+    decodes = []
+    decode = data.decode_cifar10
+    monkeypatch.setattr(data, "decode_cifar10", lambda f: decodes.append(f) or decode(f))
+    for _ in range(3):
+        assert len(data.load_cifar10(tmp_path, download=False)[1]) == 30
+    assert len(decodes) == 1, "the second and third loads read the cache"
     write_cifar_dir(tmp_path / "other", n_test=5)
     (folder / "test_batch").write_bytes((tmp_path / "other" / data.CIFAR10_FOLDER /
                                          "test_batch").read_bytes())
     assert len(data.load_cifar10(tmp_path, download=False)[1]) == 5
+    assert len(decodes) == 2, "a changed source file rebuilds the cache"
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])

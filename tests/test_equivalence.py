@@ -6,7 +6,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from dist_harness import spawn
 from config import Config
-from main import run
+from main import build_trainer, run
 
 # 240 images = 10 global batches of 24, divisible by world sizes 1, 2 and 3. fp32, no
 # augmentation (synthetic), so every world size sees exactly the same global batches.
@@ -16,12 +16,16 @@ CFG = dict(dataset="synthetic", train_samples=240, val_samples=60, batch_size=24
            print_every=1000, seed=7, optimizer="sgd", lr=0.05, checkpoint=False)
 
 
+def full_state(env, model) -> dict | None:
+    """The whole model's parameters, gathered from every rank's shard, on rank 0 (else None)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)  # every rank must take part
+    return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
+
+
 def train_and_gather(env, cfg):
     outcome = run(cfg, env)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    # Full tensors on rank 0 only.
-    state = get_model_state_dict(outcome.trainer.model, options=options)
-    return ({k: v.clone() for k, v in state.items()} if env.rank == 0 else None), outcome.history
+    return full_state(env, outcome.trainer.model), outcome.history
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +53,33 @@ def test_same_parameters_as_one_process(reference, strategy, sharding, world_siz
         assert mine["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-5)
         assert mine["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
         assert mine["acc"] == ref["acc"]
+
+
+# ----------------------------------------------------------------------------- what FSDP holds
+
+def parameters_held(env, cfg):
+    """FSDP's units, and the parameter elements this rank holds before and after a forward."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    trainer, resolved = build_trainer(cfg, env)
+    model = trainer.model
+    units = [type(m.module).__name__ for m in model.modules() if isinstance(m, FSDP)]
+    images, labels = next(iter(trainer.loaders.train))
+    model.train()
+    before = sum(p.numel() for p in model.parameters())
+    loss = torch.nn.functional.cross_entropy(model(images), labels)
+    after_forward = sum(p.numel() for p in model.parameters())
+    loss.backward()
+    return units, before, after_forward, resolved["parameters"]
+
+
+@pytest.mark.parametrize("sharding,resharded_after_forward", [("full", True),
+                                                              ("grad_op", False)])
+def test_fsdp_shards_per_block_and_full_reshards_after_forward(sharding,
+                                                              resharded_after_forward):
+    """ZeRO-3 (full) frees each block's gathered parameters right after its forward; ZeRO-2
+    (grad_op) keeps them until backward. Both hold half of the parameters at rest."""
+    cfg = Config(**CFG, strategy="fsdp", sharding=sharding)
+    for units, before, after_forward, total in spawn(parameters_held, 2, cfg):
+        assert units == ["CNN", "ConvBlock", "ConvBlock", "ConvBlock", "Classifier"]
+        assert before == pytest.approx(total / 2, abs=8)  # a shard may carry padding
+        assert after_forward == (before if resharded_after_forward else total)
