@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from distributed_utils import barrier, job_id
-from utils import UsageError, is_rank_zero
+from utils import UsageError, is_rank_zero, log0
 
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
 META_FILE = "meta.pt"
@@ -88,17 +88,25 @@ def _rng_state(generator: torch.Generator | None) -> dict:
     state = {"torch": torch.get_rng_state()}
     if generator is not None:
         state["loader"] = generator.get_state()
+        state["loader_device"] = generator.device.type
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict, generator: torch.Generator | None) -> None:
+def _set_rng_state(state: dict, generator: torch.Generator | None) -> bool:
+    """Restore the random streams; False if they cannot carry over and start afresh instead.
+
+    A generator's state is specific to its device type: a CPU run's loader stream cannot seed
+    a CUDA generator, nor the other way round (a checkpoint moved between machines)."""
+    if generator is not None and state.get("loader_device", "cpu") != generator.device.type:
+        return False
     torch.set_rng_state(state["torch"])
     if generator is not None and "loader" in state:
         generator.set_state(state["loader"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    return True
 
 
 def save(directory: Path, position: Position, identity: Identity, model, optimizer,
@@ -228,8 +236,11 @@ def load(path: Path, identity: Identity, model, optimizer,
                        options=StateDictOptions(full_state_dict=full))
     rng = path / f"rng_rank{_rank()}.pt"
     # At another world size the ranks' streams do not map onto the new ranks: keep fresh ones.
-    if meta["world_size"] == _world() and rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False), generator)
+    if meta["world_size"] != _world():
+        log0(f"[CHECKPOINT] written at world size {meta['world_size']}, resumed at {_world()}: "
+             "the random streams start afresh")
+    elif rng.is_file() and not _set_rng_state(torch.load(rng, weights_only=False), generator):
+        log0("[CHECKPOINT] written on another device type: the random streams start afresh")
     return position
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from utils import UsageError
 
 STRATEGIES = ("ddp", "fsdp")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 SHARDINGS = ("full", "grad_op", "hybrid")
 OPTIMIZERS = ("adam", "sgd")
 MODELS = ("cnn", "cnn-wide")
@@ -44,8 +44,11 @@ class Config:
                              aliases=("--batch_size",))
     lr: float = option(1e-3, "learning rate", minimum=0)
     optimizer: str = option("adam", "Adam, or SGD with momentum 0.9", choices=OPTIMIZERS)
-    precision: str = option("fp32", "compute precision, the same for DDP (autocast) and FSDP "
-                            "(MixedPrecision); fp16 adds a gradient scaler", choices=PRECISIONS)
+    precision: str = option("fp32", "compute precision, the same numerics for DDP (autocast) "
+                            "and FSDP (MixedPrecision; gradients reduced in fp32 by both): fp32 "
+                            "is IEEE fp32 also on GPUs, tf32 lets them use TensorFloat-32 for "
+                            "matrix products and convolutions, fp16 adds a gradient scaler",
+                            choices=PRECISIONS)
     sharding: str = option("full", "FSDP sharding strategy: full (ZeRO-3), grad_op (ZeRO-2), "
                            "hybrid (full within a node, replicated across nodes)",
                            choices=SHARDINGS)
@@ -74,6 +77,9 @@ class Config:
     compile: bool = option(False, "torch.compile the model (the first epoch then includes "
                            "compiling: about 20 s on a CPU)", flag="--compile")
     seed: int = option(42, "seed for weights, data order and synthetic data", minimum=0)
+    deterministic: bool = option(False, "deterministic kernels only: on a GPU, runs repeat to the "
+                                 "bit (slower; an op without one is an error)",
+                                 flag="--deterministic")
     print_every: int = option(50, "progress line every N steps (rank 0)", minimum=1,
                               metavar="N")
     pg_timeout: float = option(300.0, "seconds a collective waits for a missing rank before "

@@ -337,9 +337,10 @@ class TensorLoader:
                  normalize: Normalize, augment: bool, generator: torch.Generator):
         device = normalize.mean.device
         # Rows of one flat image each: index_select on them is a plain row copy, many times
-        # faster than advanced indexing of the 4-d tensor on the CPU.
-        self.images = split.images.to(device).view(len(split), -1)
-        self.labels = split.labels.to(device)
+        # faster than advanced indexing of the 4-d tensor on the CPU. A copy on the CPU too:
+        # the rank then holds its data set as it does on a GPU, not as pages of a mapped file.
+        self.images = split.images.to(device, copy=True).view(len(split), -1)
+        self.labels = split.labels.to(device, copy=True)
         self.sampler, self.batch_size, self.steps = sampler, batch_size, steps
         self.normalize, self.augment, self.generator = normalize, augment, generator
 
@@ -421,6 +422,11 @@ class Loaders:
     train_sampler: ShardSampler
     val_size: int
     generator: torch.Generator | None  # the tensor path's augmentation stream
+
+    def device_bytes(self) -> int:
+        """Bytes of data set this rank keeps on its training device (the tensor path's)."""
+        return sum(t.numel() * t.element_size() for loader in (self.train, self.val)
+                   if isinstance(loader, TensorLoader) for t in (loader.images, loader.labels))
 
     def set_position(self, epoch: int, step: int = 0) -> None:
         """Shuffle for `epoch` (the same order on every rank) and start after `step` batches."""

@@ -14,6 +14,8 @@ Sharding strategies:
 NO_SHARD is deprecated upstream: for replicated training, use DDP (--strategy ddp).
 """
 
+import socket
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,16 +32,45 @@ SHARDING = {
     "hybrid": ShardingStrategy.HYBRID_SHARD,
 }
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs).
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
 
 
 def mixed_precision(precision: str) -> MixedPrecision | None:
-    """Compute, communicate and keep buffers in the low precision; the optimizer's master
-    copy of the (sharded) parameters stays fp32."""
-    if precision == "fp32":
-        return None
+    """Compute in the low precision; reduce gradients in fp32, as DDP does under autocast (its
+    parameters, hence gradients, stay fp32), so that one --precision means the same numerics
+    and the same bytes on the wire for both strategies. The optimizer's master copy of the
+    (sharded) parameters stays fp32."""
     dtype = DTYPES[precision]
-    return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+    if dtype == torch.float32:
+        return None
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
+
+
+def effective_sharding(model: nn.Module) -> str:
+    """The sharding FSDP really applies: at world size 1 it falls back to NO_SHARD, whatever
+    was asked, so a 1-GPU FSDP baseline is DDP-like."""
+    root = getattr(model, "_orig_mod", model)  # under torch.compile
+    if not isinstance(root, FSDP):
+        return "replicate"
+    names = {strategy: name for name, strategy in SHARDING.items()}
+    return names.get(root.sharding_strategy, root.sharding_strategy.name.lower())
+
+
+def check_ranks_by_node(ranks_per_node: int, device: torch.device) -> None:
+    """Hybrid sharding shards within a node over the mesh's rows: ranks 0..k-1 must share a
+    node, then k..2k-1, and so on (srun's and torchrun's default block layout). A cyclic
+    layout (srun --distribution=cyclic) would shard across the network instead: refuse it."""
+    hosts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(hosts, socket.gethostname())
+    for rank, host in enumerate(hosts):
+        first = hosts[rank - rank % ranks_per_node]
+        if host != first:
+            raise UsageError(f"hybrid sharding needs ranks laid out in blocks of "
+                             f"{ranks_per_node} per node, but rank {rank} runs on {host} and "
+                             f"rank {rank - rank % ranks_per_node} on {first}: use srun's "
+                             "default (block) distribution")
 
 
 def get_fsdp_model(model: nn.Module, device: torch.device, sharding: str = "full",
@@ -53,6 +84,7 @@ def get_fsdp_model(model: nn.Module, device: torch.device, sharding: str = "full
         if not ranks_per_node or world % ranks_per_node:
             raise UsageError(f"hybrid sharding needs equal ranks per node; world size {world}, "
                              f"ranks per node {ranks_per_node}")
+        check_ranks_by_node(ranks_per_node, device)
         mesh = init_device_mesh(device.type, (world // ranks_per_node, ranks_per_node),
                                 mesh_dim_names=("replicate", "shard"))
     return FSDP(

@@ -13,6 +13,7 @@ one `[CONFIG]` line with the resolved configuration, progress, and one `[METRIC]
 """
 
 import argparse
+import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass
@@ -25,9 +26,9 @@ import data
 import distributed_utils
 from config import Config, add_options, validate
 from ddp_utils import get_ddp_model
-from fsdp_utils import DTYPES, get_fsdp_model
+from fsdp_utils import DTYPES, effective_sharding, get_fsdp_model
 from model import build_model, count_parameters
-from train import MetricLabels, Precision, Trainer
+from train import Diverged, MemoryMeter, MetricLabels, Precision, Trainer
 from utils import UsageError, format_config, is_rank_zero, log0
 
 # The exit statuses, for scripts that run main.py.
@@ -36,6 +37,7 @@ EXIT_STATUS = {
     "peer_failed": 1,  # another rank died or hung; its own log says why
     "usage": 2,  # bad input: one `error:` line
     "stopped": 3,  # SIGUSR1/SIGTERM: a checkpoint was saved; resume to finish
+    "diverged": 4,  # the training loss became NaN or infinite; the last good checkpoint stays
 }
 
 
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="exit status: 0 finished, 1 another rank died or hung, 2 bad input, 3 stopped by "
-               "SIGUSR1/SIGTERM after saving a checkpoint (resume to finish)")
+               "SIGUSR1/SIGTERM after saving a checkpoint (resume to finish), 4 diverged (the "
+               "training loss became NaN or infinite)")
     add_options(parser)
     parser.add_argument("--check", nargs="*", type=int, metavar="N",
                         help="validate the configuration for world sizes N (default: the "
@@ -83,8 +86,28 @@ def make_precision(cfg: Config, device: torch.device) -> Precision:
     else:
         scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     # FSDP casts through its MixedPrecision policy; DDP needs autocast.
-    autocast = DTYPES[cfg.precision] if cfg.strategy == "ddp" and cfg.precision != "fp32" else None
-    return Precision(autocast, scaler)
+    low = DTYPES[cfg.precision] if DTYPES[cfg.precision] != torch.float32 else None
+    return Precision(low if cfg.strategy == "ddp" else None, scaler)
+
+
+def set_fp32_math(precision: str) -> str:
+    """GPUs compute fp32 convolutions in TF32 unless told otherwise (cuDNN's default): make
+    fp32 mean IEEE fp32, and tf32 ask for TF32 in convolutions and matrix products alike.
+    Returns what fp32 operations run as. (No effect on a CPU.)"""
+    math = "tf32" if precision == "tf32" else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = math
+    torch.backends.cudnn.conv.fp32_precision = math
+    torch.backends.cudnn.rnn.fp32_precision = math
+    return math
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels only (an error names any op that has none); cuBLAS needs its
+    workspace fixed before CUDA starts for that."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
 
 
 def check(cfg: Config, world_sizes: list[int]) -> int:
@@ -137,11 +160,15 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
                                           cfg.val_samples, cfg.download)
     check_world(cfg, env.world_size, len(train_set))
     precision = make_precision(cfg, env.device)
+    fp32_math = set_fp32_math(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     loaders = data.build_loaders(train_set, val_set, spec, kind=cfg.loader, rank=env.rank,
                                  world_size=env.world_size, global_batch=cfg.batch_size,
                                  seed=cfg.seed, augment=augment, device=env.device,
                                  num_workers=cfg.num_workers, memory_format=memory_format)
+    sizes = {"train_size": len(train_set), "val_size": len(val_set)}
+    del train_set, val_set  # the loaders hold what they need: the baseline must not count these
+    memory = MemoryMeter(env.device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model)
     parameters = count_parameters(model)
@@ -152,13 +179,15 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         run={"strategy": cfg.strategy, "world_size": env.world_size, "nodes": nodes,
              "global_batch": cfg.batch_size, "local_batch": cfg.batch_size // env.world_size},
         setting={"precision": cfg.precision, "device": env.device.type, "dataset": cfg.dataset,
-                 "seed": cfg.seed, "job_id": distributed_utils.job_id()})
+                 "seed": cfg.seed, "job_id": distributed_utils.job_id()},
+        later={"sharding": effective_sharding(model)})
     resolved = {**asdict(cfg), **labels.run, "augment": augment, "backend": env.backend,
+                "fp32_math": fp32_math, "deterministic": torch.are_deterministic_algorithms_enabled(),
                 "rendezvous": rendezvous_text(env), "threads": torch.get_num_threads(),
-                "train_size": len(train_set), "val_size": len(val_set),
+                **sizes,
                 "steps_per_epoch": len(loaders.train), "parameters": parameters,
                 "torch": torch.__version__, **labels.setting}
-    trainer = Trainer(model, optimizer, loaders, precision, env, labels, cfg.print_every)
+    trainer = Trainer(model, optimizer, loaders, precision, env, labels, cfg.print_every, memory)
     return trainer, resolved
 
 
@@ -177,6 +206,7 @@ class Outcome:
     history: list[dict]  # the [METRIC] fields of the epochs this process finished
     stopped_at: checkpoint.Position | None  # where a stop left training, if one came
     folder: Path | None  # where the checkpoints are
+    diverged: str | None = None  # why training was given up, if it diverged
 
 
 def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
@@ -203,7 +233,12 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
             log0(f"[CHECKPOINT] saved {path}")
 
     with checkpoint.StopRequest() as stop:
-        history, stopped_at = trainer.fit(position, cfg.epochs, stop, save)
+        try:
+            history, stopped_at = trainer.fit(position, cfg.epochs, stop, save)
+        except Diverged as e:
+            last = checkpoint.latest(folder) if folder else None
+            return Outcome(trainer, [], None, folder, f"{e}: training diverged (try a lower "
+                           f"--lr); the last good checkpoint is {last or 'none'}")
     return Outcome(trainer, history, stopped_at, folder)
 
 
@@ -245,6 +280,10 @@ def train(cfg: Config, argv: list[str]) -> int:
         return EXIT_STATUS["peer_failed"]
     finally:
         distributed_utils.cleanup()
+    if outcome.diverged:
+        if is_rank_zero():
+            print(f"error: {outcome.diverged}", file=sys.stderr, flush=True)
+        return EXIT_STATUS["diverged"]
     if outcome.stopped_at:
         log0(stop_report(outcome, cfg.epochs, argv))
         return EXIT_STATUS["stopped"]
@@ -256,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     with checkpoint.catch_stop_signals():  # a warning during start-up must not kill us either
         try:
             cfg, world_sizes = parse_command_line(argv)
+            set_deterministic(cfg.deterministic)
             if world_sizes is not None:
                 return check(cfg, world_sizes)
             return train(cfg, argv)

@@ -56,16 +56,86 @@ def reset_peak_memory(device: torch.device) -> None:
             f.write("5")
 
 
+def _process_memory_bytes(field: str) -> int | None:
+    """VmRSS (resident now) or VmHWM (peak resident) of this process, from /proc."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+        if match:
+            return int(match.group(1)) * 1024
+    return None
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _process_memory_bytes("VmRSS") or 0
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """This rank's peak since reset_peak_memory: CUDA allocator peak, or peak RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    with contextlib.suppress(OSError), open("/proc/self/status") as f:
-        match = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M)
-        if match:
-            return int(match.group(1)) * 1024
-    import resource  # no /proc: lifetime peak instead of per-epoch
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _process_memory_bytes("VmHWM")
+    if peak is None:
+        import resource  # no /proc: lifetime peak instead of per-epoch
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak
+
+
+def reserved_peak_bytes(device: torch.device) -> int:
+    """What the process really took at its peak: the CUDA caching allocator's reserved peak
+    (allocations plus its cache), or on CPU the peak resident set, libraries included."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device)
+    return peak_memory_bytes(device)
+
+
+class MemoryMeter:
+    """Training memory: the peak above a baseline taken once the data set is resident on the
+    device and before the model exists. It counts the model, its gradients, optimizer state,
+    activations and batches, not the data set (reported on its own) nor, on CPU, torch's own
+    libraries: so it compares with a run that keeps its data on the host, as the course's does,
+    and it means the same on a GPU and on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.baseline = current_memory_bytes(device)
+
+    def reset(self) -> None:
+        reset_peak_memory(self.device)
+
+    def training_peak(self) -> int:
+        return max(0, peak_memory_bytes(self.device) - self.baseline)
+
+
+class StageTimer:
+    """Seconds spent in one stage of every step (fetching the next batch), over an epoch.
+
+    On CUDA a call returns once the stage's kernels are queued, so the wall clock would see only
+    their launch: events recorded on the stream around the stage measure the device's time
+    (including any wait for the host), and are read once, when the epoch has synchronized. On
+    the CPU the work is done when the call returns: the wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds, self.events = 0.0, []
+
+    @contextlib.contextmanager
+    def measure(self):
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - t0
+
+    def total(self) -> float:
+        """Call after the device has synchronized."""
+        return self.seconds + sum(s.elapsed_time(e) for s, e in self.events) / 1000
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -111,17 +181,29 @@ class Progress:
             print(text, flush=True)
 
 
+# The measurements the project's first [METRIC] lines carried, between the run's labels and
+# its setting. Keys added since go at the end, so that positions readers rely on stay put.
+FIRST_MEASURED = ("train_loss", "val_time", "throughput", "data_wait", "state_mem")
+
+
 @dataclass
 class MetricLabels:
     """The fields of a `[METRIC]` line that are not measured: after the course's five, those
-    that name the run; at the end, those that say how it ran."""
+    that name the run; after the first measurements, those that say how it ran; at the end,
+    labels added since (e.g. the sharding FSDP really used)."""
     run: dict  # strategy, world_size, nodes, global_batch, local_batch
     setting: dict  # precision, device, dataset, seed, job_id
+    later: dict  # sharding
 
     def line(self, measured: dict) -> dict:
         course = {name: measured[name] for name, _ in COURSE_FIELDS}
-        rest = {k: v for k, v in measured.items() if k not in course}
-        return {**course, **self.run, **rest, **self.setting}
+        first = {k: measured[k] for k in FIRST_MEASURED}
+        added = {k: v for k, v in measured.items() if k not in course and k not in first}
+        return {**course, **self.run, **first, **self.setting, **added, **self.later}
+
+
+class Diverged(Exception):
+    """The training loss became NaN or infinite: every further step is wasted."""
 
 
 @dataclass
@@ -134,11 +216,13 @@ class Trainer:
     env: DistEnv
     labels: MetricLabels
     print_every: int
+    memory: MemoryMeter
 
     def fit(self, start: Position, epochs: int, stop: StopRequest,
             save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
         """Epochs from `start` to `epochs`, each saved when done. Returns the `[METRIC]` fields
-        of the epochs finished and, if a stop was agreed, the position saved (else None)."""
+        of the epochs finished and, if a stop was agreed, the position saved (else None).
+        Raises Diverged, saving nothing, after an epoch whose training loss is not finite."""
         history, position = [], start
         while position.epoch <= epochs:
             reached, measured = self.run_epoch(position, stop)
@@ -146,6 +230,9 @@ class Trainer:
             if measured is None:  # a stop came mid-epoch: keep what this epoch has done
                 save(reached)
                 return history, reached
+            if not math.isfinite(measured["train_loss"]):  # the same on every rank: all-reduced
+                raise Diverged(f"epoch {reached.epoch}: the training loss is "
+                               f"{measured['train_loss']}")
             history.append(self.labels.line(measured))
             log0(format_metric(history[-1]))
             position = Position(epoch=position.epoch + 1)
@@ -162,17 +249,15 @@ class Trainer:
         mid-epoch.
         """
         device = self.env.device
-        reset_peak_memory(device)
+        self.memory.reset()
         reached, complete = self.train_epoch(start, stop)
         if not complete:
             return reached, None
         val = self.evaluate()
-        peak, state = all_reduce([peak_memory_bytes(device),
-                                  state_bytes(self.model, self.optimizer)],
-                                 device, dist.ReduceOp.MAX)
+        peak, state, reserved = all_reduce(
+            [self.memory.training_peak(), state_bytes(self.model, self.optimizer),
+             reserved_peak_bytes(device)], device, dist.ReduceOp.MAX)
         train_loss = reached.loss_sum / max(reached.seen, 1)
-        if not math.isfinite(train_loss):
-            log0(f"warning: epoch {reached.epoch} training loss is {train_loss}")
         return reached, {
             "epoch": reached.epoch,
             "time": reached.time,
@@ -184,6 +269,8 @@ class Trainer:
             "throughput": reached.seen / reached.time,
             "data_wait": reached.data_wait,
             "state_mem": int(state),
+            "data_mem": round(self.loaders.device_bytes() / 2**20),
+            "reserved_mem": round(reserved / 2**20),
         }
 
     def train_epoch(self, start: Position, stop: StopRequest | None = None
@@ -201,16 +288,15 @@ class Trainer:
         self.loaders.set_position(start.epoch, start.step)
         total = len(self.loaders.train)
         progress = Progress(start.epoch, total, self.print_every, is_rank_zero(), start.step)
-        data_wait = 0.0
+        data_wait = StageTimer(device)
 
         synchronize(device)
         t_start = time.perf_counter()
         batches = iter(self.loaders.train)
         step = start.step
         while step < total and not (stop and stop.poll()):
-            t0 = time.perf_counter()
-            images, labels = next(batches)
-            data_wait += time.perf_counter() - t0
+            with data_wait.measure():
+                images, labels = next(batches)
 
             optimizer.zero_grad(set_to_none=True)
             with self.precision.autocast(device):
@@ -228,7 +314,7 @@ class Trainer:
         elapsed = time.perf_counter() - t_start
 
         loss_sum, seen = all_reduce([loss_sum, seen], device)
-        data_wait = all_reduce([data_wait], device, dist.ReduceOp.MAX)[0]
+        data_wait = all_reduce([data_wait.total()], device, dist.ReduceOp.MAX)[0]
         reached = Position(start.epoch, step, start.loss_sum + loss_sum, start.seen + int(seen),
                            start.data_wait + data_wait, start.time + elapsed)
         return reached, step == total

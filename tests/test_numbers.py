@@ -1,0 +1,166 @@
+"""Every reported number means what the README says, and no run goes wrong silently: the parts
+of the GPU path that a CPU can show (the rest is in test_gpu.py, which needs CUDA)."""
+
+import math
+
+import pytest
+import torch
+
+import checkpoint
+import train
+from config import Config
+from conftest import TINY, assert_one_line_error, metrics_in, run_main
+from dist_harness import spawn, spawn_outcomes
+from main import build_trainer, run
+from utils import parse_config
+
+CFG = dict(dataset="synthetic", train_samples=256, val_samples=64, batch_size=32, epochs=1,
+           print_every=10**6, checkpoint=False)
+
+
+def config_line(stdout: str) -> dict:
+    return next(filter(None, map(parse_config, stdout.splitlines())))
+
+
+# ----------------------------------------------------------------------------- memory
+
+def peak_and_data(*args: str) -> tuple[int, int]:
+    done = run_main([*TINY, "--batch-size", "64", "--epochs", "2", "--no-checkpoint", *args])
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = metrics_in(done.stdout)[-1]
+    return last["peak_mem"], last["data_mem"]
+
+
+def test_peak_mem_counts_training_not_the_data_set():
+    """peak_mem is the training peak above a baseline taken with the data set resident: 8x the
+    images leaves it as it is (the data set has its own key), a 4x wider model raises it."""
+    small, small_data = peak_and_data("--train-samples", "2048")
+    large, large_data = peak_and_data("--train-samples", "16384")
+    wide, _ = peak_and_data("--train-samples", "2048", "--model", "cnn-wide")
+    print(f"peak_mem: 2,048 images {small} MB, 16,384 images {large} MB, cnn-wide {wide} MB; "
+          f"data_mem {small_data} and {large_data} MB")
+    assert large_data - small_data >= 40  # 14,336 more images of 3 KB
+    assert large <= small + 10, "the data set leaked into peak_mem"
+    assert wide >= small + 20, "a wider model's activations and state must show"
+
+
+# ----------------------------------------------------------------------------- precision
+
+def precision_facts(env, cfg):
+    trainer, resolved = build_trainer(cfg, env)
+    model = trainer.model
+    reduce = getattr(getattr(model, "mixed_precision", None), "reduce_dtype", None)
+    return {"conv": torch.backends.cudnn.conv.fp32_precision,
+            "matmul": torch.backends.cuda.matmul.fp32_precision,
+            "fp32_math": resolved["fp32_math"], "autocast": trainer.precision.autocast_dtype,
+            "reduce": reduce, "scaler": trainer.precision.scaler.is_enabled(),
+            "grad_dtype": next(model.parameters()).dtype}
+
+
+@pytest.mark.parametrize("precision,math_mode", [("fp32", "ieee"), ("tf32", "tf32")])
+def test_fp32_is_ieee_and_tf32_is_asked_for(precision, math_mode):
+    facts = spawn(precision_facts, 1, Config(**CFG, precision=precision))[0]
+    assert (facts["conv"], facts["matmul"], facts["fp32_math"]) == (math_mode,) * 3
+    assert facts["autocast"] is None and not facts["scaler"]
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_ddp_and_fsdp_compute_low_and_reduce_fp32(precision, dtype):
+    """The same --precision means the same numerics and traffic for both strategies: compute in
+    the low precision, gradients reduced in fp32 (DDP: its fp32 parameters' gradients)."""
+    ddp = spawn(precision_facts, 2, Config(**CFG, precision=precision))[0]
+    fsdp = spawn(precision_facts, 2, Config(**CFG, precision=precision, strategy="fsdp"))[0]
+    assert ddp["autocast"] == dtype and ddp["grad_dtype"] == torch.float32
+    assert fsdp["reduce"] == torch.float32
+    assert ddp["scaler"] == fsdp["scaler"] == (precision == "fp16")
+
+
+# ----------------------------------------------------------------------------- sharding
+
+def sharding_of(env, cfg):
+    return run(cfg, env).history[-1]["sharding"]
+
+
+@pytest.mark.parametrize("strategy,world_size,expected", [
+    ("fsdp", 1, "no_shard"), ("fsdp", 2, "full"), ("ddp", 2, "replicate")])
+def test_metric_line_reports_the_sharding_really_used(strategy, world_size, expected):
+    """FSDP at world size 1 falls back to NO_SHARD: a 1-GPU FSDP baseline is DDP-like."""
+    assert spawn(sharding_of, world_size, Config(**CFG, strategy=strategy))[0] == expected
+
+
+def hybrid_on_fake_nodes(env, cfg, layout):
+    """Two "nodes" of two ranks each: `layout` says which node each rank's hostname names."""
+    import os
+    import socket
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # distributed_utils.num_nodes: 4 ranks on 2 nodes
+    socket.gethostname = lambda: f"node{layout[env.rank]}"
+    build_trainer(cfg, env)
+    return "built"
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_sharding_needs_ranks_in_blocks_per_node():
+    cfg = Config(**{**CFG, "batch_size": 64}, strategy="fsdp", sharding="hybrid")
+    assert spawn(hybrid_on_fake_nodes, 4, cfg, [0, 0, 1, 1]) == ["built"] * 4
+    outcomes = spawn_outcomes(hybrid_on_fake_nodes, 4, cfg, [0, 1, 0, 1])
+    assert all(status == "error" for status, _ in outcomes)
+    assert "ranks laid out in blocks of 2 per node" in outcomes[0][1]
+
+
+# ----------------------------------------------------------------------------- divergence
+
+def diverge_in_epoch_2(env, cfg):
+    run_epoch = train.Trainer.run_epoch
+
+    def poisoned(self, start, stop=None):
+        reached, measured = run_epoch(self, start, stop)
+        if measured and measured["epoch"] == 2:
+            measured["train_loss"] = math.nan
+        return reached, measured
+
+    train.Trainer.run_epoch = poisoned
+    outcome = run(cfg, env)
+    return outcome.diverged, [h["epoch"] for h in outcome.history]
+
+
+def test_a_diverged_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    cfg = Config(**{**CFG, "epochs": 3, "checkpoint": True}, checkpoint_dir=str(tmp_path))
+    diverged, epochs = spawn(diverge_in_epoch_2, 2, cfg)[0]
+    assert "epoch 2: the training loss is nan" in diverged
+    assert f"last good checkpoint is {tmp_path / 'ckpt_e0002_s000000'}" in diverged
+    assert checkpoint.latest(tmp_path).name == "ckpt_e0002_s000000"  # epoch 2 not saved
+
+
+def test_a_diverged_run_is_one_line_and_exit_status_4():
+    done = run_main([*TINY, "--batch-size", "64", "--epochs", "3", "--no-checkpoint",
+                     "--lr", "1e9"])
+    assert_one_line_error(done, "the training loss is", "training diverged", status=4)
+    assert len(metrics_in(done.stdout)) < 3
+
+
+# ----------------------------------------------------------------------------- across devices
+
+def test_resume_from_a_checkpoint_of_another_device_type(tmp_path):
+    """A GPU checkpoint resumed on a CPU (faked: the loader stream marked as CUDA's) trains on,
+    with fresh random streams, instead of failing to seed a generator of another device."""
+    args = [*TINY, "--batch-size", "64", "--checkpoint-dir", str(tmp_path)]
+    assert run_main([*args, "--epochs", "1"]).returncode == 0
+    rng = tmp_path / "ckpt_e0002_s000000" / "rng_rank0.pt"
+    state = torch.load(rng, weights_only=False)
+    state.update(loader_device="cuda", loader=torch.zeros(16, dtype=torch.uint8))
+    torch.save(state, rng)
+    done = run_main([*args, "--epochs", "2", "--resume", "auto"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "written on another device type: the random streams start afresh" in done.stdout
+    assert [m["epoch"] for m in metrics_in(done.stdout)] == [2]
+
+
+# ----------------------------------------------------------------------------- determinism
+
+def test_deterministic_switches_torch_to_deterministic_kernels():
+    done = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint",
+                     "--deterministic"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert config_line(done.stdout)["deterministic"] == "True"
+    plain = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint"])
+    assert config_line(plain.stdout)["deterministic"] == "False"
