@@ -130,7 +130,7 @@ def scaling_run(strategy: str, world_size: int, batch: int, samples: int, epochs
            f"--nproc_per_node={world_size}", str(ROOT / "main.py"), "--strategy", strategy,
            "--dataset", "synthetic", "--train-samples", str(samples), "--val-samples", "1024",
            "--batch-size", str(batch), "--epochs", str(epochs), "--print-every", str(10**9),
-           "--no-checkpoint"]
+           "--no-checkpoint", "--augment"]  # crop and flip, as CIFAR-10 runs do
     # One thread per rank at every world size, so efficiency compares like with like.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -183,7 +183,7 @@ def main(argv=None) -> None:
             base = base or m["throughput"]
             rows.append((strategy, n, f"{m['throughput']:,.0f}", f"{m['time']:.2f}",
                          f"{100 * m['throughput'] / (n * base):.0f}%", m["peak_mem"]))
-    print(f"Scaling: global batch {b}, {samples:,} synthetic images, one "
+    print(f"Scaling: global batch {b}, {samples:,} synthetic images with crop and flip, one "
           f"{'GPU' if gpu else 'CPU thread'} per rank, second epoch:\n")
     print(table(rows))
     if gpu:

@@ -232,7 +232,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
                                    trainer.loaders.generator)
             log0(f"[CHECKPOINT] saved {path}")
 
-    with checkpoint.StopRequest() as stop:
+    with checkpoint.StopRequest(cfg.pg_timeout) as stop:
         try:
             history, stopped_at = trainer.fit(position, cfg.epochs, stop, save)
         except Diverged as e:

@@ -53,7 +53,9 @@ def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight, strateg
 
 
 def signal_rank_then_train(env, cfg, at_poll, rank=1):
-    """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step."""
+    """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step. The ranks
+    agree on stops every 4 steps (a shorter interval than the default, to stop mid-epoch)."""
+    checkpoint.STOP_POLL_EVERY = 4
     if env.rank == rank:
         poll, calls = checkpoint.StopRequest.poll, []
 
@@ -72,11 +74,12 @@ def signal_rank_then_train(env, cfg, at_poll, rank=1):
 def test_stop_on_signal_mid_epoch_then_resume_equals_straight(tmp_path, straight, strategy):
     ref_state, ref_history = straight[strategy]
     common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path), epochs=4)
-    # 12 steps per epoch: the 17th poll comes before epoch 2's fifth step (index 4). The
-    # ranks' all-reduce of their flags agrees one poll later: both stop after 5 steps.
+    # 12 steps per epoch: the 17th poll comes before epoch 2's fifth step (index 4), and it is
+    # one of the polls that start an agreement (the 1st, 5th, 9th, ...). The ranks read its
+    # result at the next one, the 21st poll: both stop after 8 steps of epoch 2.
     _, first = spawn(signal_rank_then_train, 2, Config(**common), 17)[0]
     saved = checkpoint.latest(tmp_path)
-    assert saved.name == "ckpt_e0002_s000005"
+    assert saved.name == "ckpt_e0002_s000008"
     assert [h["epoch"] for h in first] == [1]  # the interrupted epoch printed no [METRIC] line
 
     state, rest = spawn(train_and_gather, 2, Config(**common, resume="auto"))[0]

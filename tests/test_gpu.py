@@ -1,0 +1,90 @@
+"""The CUDA/NCCL path, on a machine with at least one GPU: `make test-gpu` (pytest -m gpu).
+
+Skipped, with the reason, where torch sees no CUDA device; CI has none. One GPU suffices:
+every run here is one process, as on one GPU of a cluster node.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, metrics_in, run_main
+from utils import parse_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
+
+
+def run_gpu(args: list, timeout: int = 300):
+    done = run_main(args, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = next(filter(None, map(parse_config, done.stdout.splitlines())))
+    return config, metrics_in(done.stdout)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+def test_one_gpu_trains_at_every_precision(strategy, precision):
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    config, metrics = run_gpu([*QUICK, "--strategy", strategy, "--precision", precision,
+                               "--epochs", "3", "--train-samples", "2048"])
+    assert config["backend"] == "nccl" and metrics[-1]["device"] == "cuda"
+    assert config["fp32_math"] == ("tf32" if precision == "tf32" else "ieee")
+    assert metrics[-1]["acc"] > 30, "synthetic data is learnable: far above 10% chance"
+    assert metrics[-1]["sharding"] == ("no_shard" if strategy == "fsdp" else "replicate")
+
+
+@pytest.mark.parametrize("flag", ["--channels-last", "--compile"])
+def test_one_gpu_memory_format_and_compile(flag):
+    _, metrics = run_gpu([*QUICK, flag, "--epochs", "2"], timeout=600)
+    assert metrics[-1]["acc"] > 15
+
+
+def test_peak_memory_counts_training_not_the_data_set():
+    """On CUDA the data set lives on the GPU: peak_mem must leave it out, data_mem holds it."""
+    _, small = run_gpu([*QUICK, "--epochs", "1", "--train-samples", "2048"])
+    _, large = run_gpu([*QUICK, "--epochs", "1", "--train-samples", "16384"])
+    assert large[-1]["data_mem"] - small[-1]["data_mem"] >= 40
+    assert abs(large[-1]["peak_mem"] - small[-1]["peak_mem"]) <= 2
+    assert large[-1]["reserved_mem"] >= large[-1]["peak_mem"]
+
+
+def test_data_wait_is_device_time():
+    """With CUDA events around the fetch, data_wait includes the augmentation kernels: it is a
+    real share of the epoch, not the microseconds of launching them."""
+    _, metrics = run_gpu([*QUICK, "--epochs", "2", "--train-samples", "8192", "--augment"])
+    last = metrics[-1]
+    assert 0 < last["data_wait"] < last["time"]
+    print(f"data_wait {last['data_wait']:.4f} s of {last['time']:.4f} s")
+
+
+def test_checkpoint_and_resume_on_cuda_and_across_devices(tmp_path):
+    args = [*TINY, "--batch-size", "64", "--checkpoint-dir", str(tmp_path)]
+    run_gpu([*args, "--epochs", "1"])
+    config, metrics = run_gpu([*args, "--epochs", "2", "--resume", "auto"])
+    assert [m["epoch"] for m in metrics] == [2]
+    # The same checkpoint folder resumed on the CPU: fresh random streams, no traceback.
+    done = run_main([*args, "--epochs", "3", "--resume", "auto"],
+                    CUDA_VISIBLE_DEVICES="")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "written on another device type" in done.stdout
+
+
+def test_benchmark_runs_and_reports_the_one_gpu_epoch():
+    done = subprocess.run([sys.executable, "benchmark.py", "--quick"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "One epoch of" in done.stdout and "on one GPU" in done.stdout
+    print(done.stdout)
+
+
+def test_deterministic_runs_repeat_to_the_bit():
+    args = [*QUICK, "--epochs", "1", "--deterministic"]
+    first, second = (run_gpu(args)[1][-1] for _ in range(2))
+    assert json.dumps(first["val_loss"]) == json.dumps(second["val_loss"])
