@@ -127,3 +127,18 @@ def slurm_env() -> dict:
     if not was_running:
         _stop(env)
 
+
+
+def start_ranks(args: list, world_size: int, cwd=REPO, **env) -> list[subprocess.Popen]:
+    """main.py as world_size processes started directly, as srun starts its tasks (no torchrun
+    agent between the test and the ranks): each rank's own signals and exit status are seen."""
+    from dist_harness import free_port
+    port = str(free_port())
+    return [subprocess.Popen([sys.executable, "main.py", *map(str, args)], cwd=cwd, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=clean_environment(RANK=str(rank), LOCAL_RANK=str(rank),
+                                                   WORLD_SIZE=str(world_size),
+                                                   LOCAL_WORLD_SIZE=str(world_size),
+                                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                                   OMP_NUM_THREADS="1", **env))
+            for rank in range(world_size)]

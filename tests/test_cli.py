@@ -10,7 +10,7 @@ import pytest
 
 import main
 from conftest import (REPO, TINY, assert_one_line_error, clean_environment, metrics_in,
-                      run_main)
+                      run_main, start_ranks)
 from utils import COURSE_METRIC_RE, format_metric, parse_config, parse_metric
 
 QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
@@ -223,6 +223,34 @@ def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
                              capture_output=True, text=True, timeout=120, env=clean_environment())
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "[CHECKPOINT] resumed from checkpoints/local-" in resumed.stdout
+    assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGUSR1", "SIGTERM"])
+def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(repo_copy, signal_name):
+    """SLURM's warning (SIGUSR1) or a preemption/scancel (SIGTERM), sent from outside to rank 1
+    alone: both ranks agree on a step, save one checkpoint mid-epoch and exit with status 3;
+    resuming finishes the run."""
+    args = ["--dataset", "synthetic", "--train-samples", "16384", "--val-samples", "64",
+            "--batch-size", "32", "--epochs", "2", "--print-every", "20",
+            "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
+    ranks = start_ranks(args, 2, cwd=repo_copy)
+    try:
+        for line in ranks[0].stdout:
+            if line.startswith("epoch 1 step"):
+                ranks[1].send_signal(getattr(signal, signal_name))
+                break
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [3, 3], outputs[0][1][-2000:]
+    assert "stopped on a signal to another rank at epoch 1 step" in outputs[0][0]
+    saved = sorted(p.name for p in (repo_copy / "ckpt").iterdir())
+    assert len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != \
+        "ckpt_e0001_s000000", saved
+    resumed = run_main([*args, "--resume", "auto"], nproc=2, cwd=repo_copy)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
 
 
