@@ -191,6 +191,17 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     return trainer, resolved
 
 
+def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:
+    """Across nodes, NCCL outside CSCS's container has no Slingshot plugin and falls back to
+    TCP sockets without a word: a scaling study would then measure TCP."""
+    if nodes > 1 and backend == "nccl" and not environ.get("NCCL_NET"):
+        return ("warning: NCCL across nodes without NCCL_NET: without the network plugin it "
+                "falls back to TCP sockets; run in the container (EDF=$PWD/edf.toml sbatch "
+                "run.sh), which sets NCCL_NET=\"AWS Libfabric\" and fails if the plugin is "
+                "missing")
+    return None
+
+
 def rendezvous_text(env: distributed_utils.DistEnv) -> str:
     if env.world_size == 1:
         return "none"  # a world of one meets nobody
@@ -221,6 +232,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         position = checkpoint.load(source, fits, trainer.model, trainer.optimizer,
                                    trainer.loaders.generator)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
+    if warning := network_warning(resolved["nodes"], env.backend):
+        log0(warning)
     if source:
         log0(f"[CHECKPOINT] resumed from {source}: epoch {position.epoch}, step {position.step}")
     elif cfg.resume == "auto":

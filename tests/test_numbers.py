@@ -164,3 +164,11 @@ def test_deterministic_switches_torch_to_deterministic_kernels():
     assert config_line(done.stdout)["deterministic"] == "True"
     plain = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint"])
     assert config_line(plain.stdout)["deterministic"] == "False"
+
+
+def test_multi_node_nccl_without_the_network_plugin_is_warned():
+    from main import network_warning
+    assert "falls back to TCP" in network_warning(2, "nccl", {})
+    assert network_warning(2, "nccl", {"NCCL_NET": "AWS Libfabric"}) is None
+    assert network_warning(1, "nccl", {}) is None  # one node: NVLink, no network
+    assert network_warning(2, "gloo", {}) is None
