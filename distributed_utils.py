@@ -1,17 +1,20 @@
 """Who am I, how many are we, and where do we meet: one answer for every launcher.
 
 The same program runs as a plain script (world size 1), under `torchrun` (which exports
-RANK/LOCAL_RANK/WORLD_SIZE) and under `srun` (which exports SLURM_PROCID/SLURM_LOCALID/
-SLURM_NTASKS). The rendezvous point is MASTER_ADDR:MASTER_PORT; under SLURM it defaults to the
-first host of the allocation and a port derived from the job id, so two jobs sharing a node
-never collide. With CUDA present each rank drives `cuda:(local_rank % device_count)` over NCCL
-(this also covers `--gpus-per-task=1`, where every task sees one GPU); otherwise the CPU over gloo.
+RANK/LOCAL_RANK/WORLD_SIZE and MASTER_ADDR/MASTER_PORT) and under `srun` (which exports
+SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). This module is the only owner of that contract: the
+launch scripts export none of it. Under SLURM the rendezvous point is the first host of the
+step's node list (expanded here, without scontrol, so that it also works inside a container)
+and a port derived from the job id, so two jobs sharing a node never collide. With CUDA present
+each rank drives `cuda:(local_rank % device_count)` over NCCL (this also covers
+`--gpus-per-task=1`, where every task sees one GPU); otherwise the CPU over gloo.
 """
 
 import datetime
 import gc
+import itertools
 import os
-import subprocess
+import re
 import time
 from dataclasses import dataclass
 
@@ -66,15 +69,34 @@ def read_ranks(env=os.environ) -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM nodelist such as 'nid[001234-001237]', expanded by scontrol."""
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist],
-                             capture_output=True, text=True, check=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise UsageError(f"cannot expand SLURM_JOB_NODELIST={nodelist!r} with scontrol ({e}); "
-                         "set MASTER_ADDR") from None
-    return out.split()[0]
+def expand_hostlist(nodelist: str) -> list[str]:
+    """The hosts of a SLURM node list, in SLURM's order, as `scontrol show hostnames` prints them:
+    'nid[001234-001235,001240]' -> nid001234, nid001235, nid001240; 'a[1-2],b3' -> a1, a2, b3;
+    'rack[1-2]-n[01-02]' -> rack1-n01, rack1-n02, rack2-n01, rack2-n02. Zero padding is the
+    width of a range's first number, as in SLURM."""
+    items = re.findall(r"(?:[^,\[\]]+|\[[^\[\]]*\])+", nodelist)
+    if not nodelist or ",".join(items) != nodelist:
+        raise UsageError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
+    hosts = []
+    for item in items:
+        # re.split with a group: text, bracket, text, bracket, ..., text
+        parts = re.split(r"\[([^\[\]]*)\]", item)
+        choices = [[part] if i % 2 == 0 else _expand_ranges(part, nodelist)
+                   for i, part in enumerate(parts)]
+        hosts += ["".join(host) for host in itertools.product(*choices)]
+    return hosts
+
+
+def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
+    """'001-003,007' -> 001, 002, 003, 007: the inside of one pair of brackets."""
+    numbers = []
+    for piece in ranges.split(","):
+        low, _, high = piece.partition("-")
+        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
+            raise UsageError(f"cannot read {piece!r} in the SLURM node list {nodelist!r}; "
+                             "set MASTER_ADDR")
+        numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high or low) + 1)]
+    return numbers
 
 
 def master_port_for_job(job_id: str) -> int:
@@ -82,11 +104,12 @@ def master_port_for_job(job_id: str) -> int:
 
 
 def rendezvous(env=os.environ) -> tuple[str, int]:
-    """MASTER_ADDR and MASTER_PORT: the environment's, else derived from the SLURM job."""
+    """MASTER_ADDR and MASTER_PORT: the environment's (torchrun's, or the user's), else derived
+    from the SLURM job: task 0 runs on the first node of its step, so that node hosts the store."""
     addr = env.get("MASTER_ADDR")
     if not addr:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        addr = first_slurm_host(nodelist) if nodelist else "127.0.0.1"
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        addr = expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1"
     if env.get("MASTER_PORT"):
         port = _int_env(env, "MASTER_PORT")
     elif env.get("SLURM_JOB_ID", "").isdigit():
@@ -102,28 +125,34 @@ def pick_device(local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+# The store every rank met at, kept for the check-in after a failed collective (silent_ranks):
+# torch offers no public way to get it back from the process group.
+_store = None
+
+
 def setup(timeout_s: float = 300.0) -> DistEnv:
     """Join (or, alone, create) the process group and bind this process to its device.
 
     A world of one still gets a process group, from an in-memory store: DDP and FSDP need one,
-    and no port is opened for nobody.
+    and no port is opened for nobody. Otherwise rank 0 hosts the store at rendezvous(), or,
+    under torchrun, its agent already does there and every rank is a client (dist.rendezvous
+    knows which).
     """
+    global _store
     rank, local_rank, world_size = read_ranks()
     device, backend = pick_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        _store = dist.HashStore()
     else:
-        # env:// rather than our own TCPStore: under torchrun the agent already hosts the store.
         addr, port = rendezvous()
-        os.environ.setdefault("MASTER_ADDR", addr)
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        _store, _, _ = next(dist.rendezvous(f"tcp://{addr}:{port}", rank=rank,
+                                            world_size=world_size, timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", _store), rank=rank,
+                            world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
     return DistEnv(rank, local_rank, world_size, device, backend)
 
 
@@ -168,7 +197,13 @@ def on_rank0(fn, *args):
 
 
 def is_peer_failure(error: BaseException) -> bool:
-    """A collective that failed because another rank died or hung (not a bug of ours)."""
+    """A collective that failed because another rank died or hung (not a bug of ours).
+
+    NCCL and the store raise DistError's subclasses. gloo raises a plain RuntimeError (torch
+    2.14, measured: "[.../gloo/transport/tcp/pair.cc:545] Read error ...: Connection reset by
+    peer" for a killed peer, "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting
+    5000ms for recv operation" for a stopped one), so for gloo its text is all there is.
+    """
     return isinstance(error, dist.DistError) or (
         isinstance(error, RuntimeError) and "gloo" in str(error))
 
@@ -181,11 +216,11 @@ def silent_ranks(grace_s: float = 3.0) -> list[int]:
     little for the others'. Whoever is missing died or hung.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"checkin/{rank}", "alive")
+    store = dist.PrefixStore("checkin", _store)
+    store.set(str(rank), "alive")
     deadline = time.monotonic() + grace_s
     while True:
-        missing = [r for r in range(world) if not store.check([f"checkin/{r}"])]
+        missing = [r for r in range(world) if not store.check([str(r)])]
         if not missing or time.monotonic() > deadline:
             return missing
         time.sleep(0.1)

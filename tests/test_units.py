@@ -32,18 +32,41 @@ def test_bad_rank_variables_are_usage_errors():
 
 def test_rendezvous_prefers_environment_then_slurm_job():
     assert du.rendezvous({"MASTER_ADDR": "h1", "MASTER_PORT": "1234"}) == ("h1", 1234)
-    addr, port = du.rendezvous({"MASTER_ADDR": "h1", "SLURM_JOB_ID": "123456"})
-    assert port == du.DEFAULT_PORT + 123456 % du.PORT_RANGE
-    # Two jobs sharing a node get different ports.
-    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "7"})[1] != \
-        du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "8"})[1]
-    assert du.rendezvous({}) == ("127.0.0.1", du.DEFAULT_PORT)
+    # 29500 + job id % 20000: ports 29500..49499, two jobs sharing a node never collide.
+    assert du.rendezvous({"MASTER_ADDR": "h1", "SLURM_JOB_ID": "123456"}) == ("h1", 32956)
+    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "7"}) == ("h", 29507)
+    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "8"}) == ("h", 29508)
+    assert du.rendezvous({}) == ("127.0.0.1", 29500)
 
 
-def test_master_addr_from_nodelist_needs_scontrol(monkeypatch):
-    monkeypatch.setenv("PATH", "/nonexistent")
+def test_rendezvous_inside_srun_is_the_steps_first_node():
+    job = {"SLURM_JOB_ID": "40001", "SLURM_JOB_NODELIST": "nid[001234-001237]"}
+    assert du.rendezvous(job) == ("nid001234", 29501)
+    # A step on part of the allocation: its task 0 runs on the step's first node.
+    assert du.rendezvous({**job, "SLURM_STEP_NODELIST": "nid[001236-001237]"}) == \
+        ("nid001236", 29501)
+    # torchrun's (or the user's) own MASTER_ADDR wins over SLURM's.
+    assert du.rendezvous({**job, "MASTER_ADDR": "login1"}) == ("login1", 29501)
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("nid[001234-001237,001240]",
+     ["nid001234", "nid001235", "nid001236", "nid001237", "nid001240"]),
+    ("node1,node2", ["node1", "node2"]),
+    ("a[1-2],b3", ["a1", "a2", "b3"]),
+    ("nid[001-002]-ib", ["nid001-ib", "nid002-ib"]),  # zero padding kept, a suffix after it
+    ("n[8-10]", ["n8", "n9", "n10"]),  # no padding: the width of the first number
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("login", ["login"]),
+])
+def test_hostlist_expands_as_scontrol_does(nodelist, hosts):
+    assert du.expand_hostlist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["", "a[1-", "a]b", "n[3-1]", "n[a-b]", "a,,b", "n[]"])
+def test_unreadable_hostlist_says_to_set_master_addr(nodelist):
     with pytest.raises(UsageError, match="set MASTER_ADDR"):
-        du.rendezvous({"SLURM_JOB_NODELIST": "nid[001-002]"})
+        du.expand_hostlist(nodelist)
 
 
 def test_device_and_backend_follow_cuda(monkeypatch):
