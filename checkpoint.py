@@ -7,7 +7,8 @@ on load, so a run may resume at another world size. Both go through `get_state_d
 
 A checkpoint is a folder `ckpt_e{epoch}_s{step}`: where training continues. Everything is
 written into `<name>.tmp/` first and rank 0 renames it once every rank has finished, so a crash
-mid-write leaves the previous checkpoint as the latest. Nothing here deletes a checkpoint.
+mid-write leaves the previous checkpoint as the latest. Only `prune` deletes checkpoints: the
+oldest of a run beyond --keep-last, never the one resumed from.
 A run's checkpoints share a folder (`folder_for`); a fresh run never writes into a folder that
 holds another run's checkpoints.
 
@@ -20,6 +21,7 @@ import contextlib
 import datetime
 import os
 import re
+import shutil
 import signal
 import time
 import warnings
@@ -32,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from config import SHARDED
 from distributed_utils import barrier, job_id
 from utils import UsageError, is_rank_zero, log0
 
@@ -110,14 +113,16 @@ def _set_rng_state(state: dict, generator: torch.Generator | None) -> bool:
     return True
 
 
+def _whole(identity: "Identity") -> bool:
+    """Whether every rank holds the whole model (one file from rank 0), or a shard (DCP)."""
+    return identity.strategy not in SHARDED
+
+
 def save(directory: Path, position: Position, identity: Identity, model, optimizer,
-         generator: torch.Generator | None) -> Path:
-    """Every rank calls this. Returns the checkpoint's folder."""
+         generator: torch.Generator | None, scheduler=None) -> Path:
+    """Every rank calls this. Returns the checkpoint's folder (replacing one of that name)."""
     directory = Path(directory)
     final = directory / position.name
-    if (final / META_FILE).is_file():
-        # Stopped again before its first step after resuming: that state is saved already.
-        return final
     tmp = directory / (position.name + ".tmp")
     if is_rank_zero():
         directory.mkdir(parents=True, exist_ok=True)
@@ -127,7 +132,7 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
         tmp.mkdir(exist_ok=True)
     barrier()
 
-    full = identity.strategy == "ddp"
+    full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         model_state, optim_state = get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
@@ -139,12 +144,25 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
     torch.save(_rng_state(generator), tmp / f"rng_rank{_rank()}.pt")
     if is_rank_zero():
         torch.save({"position": asdict(position), "identity": asdict(identity),
-                    "world_size": _world()}, tmp / META_FILE)
+                    "world_size": _world(),
+                    "scheduler": scheduler.state_dict() if scheduler else None}, tmp / META_FILE)
     barrier()
     if is_rank_zero():
-        os.replace(tmp, final)  # atomic: the folder appears complete or not at all
+        _move_into_place(tmp, final)
     barrier()
     return final
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename a finished checkpoint folder to its name: atomic, so it appears complete or not at
+    all. One already there (an unreadable one passed over on resuming) is set aside first and
+    deleted only once the new one is in place."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
@@ -183,14 +201,31 @@ def prepare_folder(checkpoint_dir: str | None, resume: str | None) -> Path:
     return folder
 
 
-def latest(directory: Path) -> Path | None:
-    """The newest finished checkpoint in `directory`, or None."""
+def finished(directory: Path) -> list[Path]:
+    """The finished checkpoints in `directory`, oldest first (a `.tmp` one is being written)."""
     directory = Path(directory)
     if not directory.is_dir():
-        return None
+        return []
     found = [(tuple(map(int, m.groups())), p) for p in directory.iterdir()
              if (m := NAME_RE.match(p.name)) and (p / META_FILE).is_file()]
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found)]
+
+
+def latest(directory: Path) -> Path | None:
+    """The newest finished checkpoint in `directory`, or None."""
+    found = finished(directory)
+    return found[-1] if found else None
+
+
+def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest `keep` finished checkpoints (0: keep all), never `protect`
+    (the one the run resumed from) nor one being written. Rank 0 calls this. Returns what went:
+    a sweep of large models' checkpoints would otherwise fill a quota."""
+    old = finished(directory)[:-keep] if keep else []
+    gone = [p for p in old if protect is None or p.resolve() != Path(protect).resolve()]
+    for path in gone:
+        shutil.rmtree(path)
+    return gone
 
 
 def resolve(resume: str, directory: Path) -> Path | None:
@@ -205,13 +240,25 @@ def resolve(resume: str, directory: Path) -> Path | None:
     return path
 
 
-def load(path: Path, identity: Identity, model, optimizer,
-         generator: torch.Generator | None) -> Position:
-    """Restore model, optimizer and (at the same world size) every rank's random streams."""
+class Unreadable(UsageError):
+    """A checkpoint whose files cannot be read (a disk fault, a file cut short)."""
+
+
+@contextlib.contextmanager
+def _reading(path: Path):
     try:
-        meta = torch.load(path / META_FILE, weights_only=False)
+        yield
     except Exception as e:
-        raise UsageError(f"cannot read checkpoint {path} ({type(e).__name__}: {e})") from None
+        raise Unreadable(f"cannot read checkpoint {path} ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+
+
+def load(path: Path, identity: Identity, model, optimizer,
+         generator: torch.Generator | None, scheduler=None) -> Position:
+    """Restore model, optimizer, scheduler and (at the same world size) every rank's random
+    streams."""
+    with _reading(path):
+        meta = torch.load(path / META_FILE, weights_only=False)
     theirs = Identity(**meta["identity"])
     if (theirs.strategy, theirs.model, theirs.parameters) != (
             identity.strategy, identity.model, identity.parameters):
@@ -224,25 +271,50 @@ def load(path: Path, identity: Identity, model, optimizer,
         raise UsageError(f"checkpoint {path} stopped mid-epoch at global batch "
                          f"{theirs.global_batch}; resume it with --batch-size "
                          f"{theirs.global_batch}, or from an end-of-epoch checkpoint")
-    full = identity.strategy == "ddp"
+    full = _whole(identity)
     with _quiet_fsdp1_state_dict():
-        if full:
-            state = torch.load(path / DDP_FILE, map_location="cpu", weights_only=False)
-        else:
-            model_state, optim_state = get_state_dict(model, optimizer)  # shapes to read into
-            state = {"model": model_state, "optim": optim_state}
-            dcp.load(state, checkpoint_id=path)
+        with _reading(path):
+            if full:
+                state = torch.load(path / DDP_FILE, map_location="cpu", weights_only=False)
+            else:
+                model_state, optim_state = get_state_dict(model, optimizer)  # shapes to fill
+                state = {"model": model_state, "optim": optim_state}
+                dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"],
                        options=StateDictOptions(full_state_dict=full))
+    if scheduler is not None and meta.get("scheduler"):
+        scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng_rank{_rank()}.pt"
     # At another world size the ranks' streams do not map onto the new ranks: keep fresh ones.
     if meta["world_size"] != _world():
         log0(f"[CHECKPOINT] written at world size {meta['world_size']}, resumed at {_world()}: "
              "the random streams start afresh")
-    elif rng.is_file() and not _set_rng_state(torch.load(rng, weights_only=False), generator):
-        log0("[CHECKPOINT] written on another device type: the random streams start afresh")
+    elif rng.is_file():
+        with _reading(path):
+            streams = torch.load(rng, weights_only=False)
+        if not _set_rng_state(streams, generator):
+            log0("[CHECKPOINT] written on another device type: the random streams start afresh")
     return position
+
+
+def load_newest_readable(directory: Path, identity: Identity, model, optimizer,
+                         generator: torch.Generator | None, scheduler=None
+                         ) -> tuple[Path | None, Position]:
+    """`--resume auto`: the newest checkpoint that every rank can read. One that any rank
+    cannot read (a disk fault) is passed over, saying so, for the next newest; the ranks
+    decide together, so that all of them resume from the same one."""
+    for path in reversed(finished(directory)):
+        try:
+            position, error = load(path, identity, model, optimizer, generator, scheduler), None
+        except Unreadable as e:
+            position, error = None, str(e)
+        errors = [None] * _world()
+        dist.all_gather_object(errors, error)
+        if not any(errors):
+            return path, position
+        log0(f"[CHECKPOINT] {next(filter(None, errors))}: trying an older one")
+    return None, Position()
 
 
 _stop_signal: str | None = None  # set by the handler: the name of the signal received

@@ -14,13 +14,16 @@ from dataclasses import dataclass, field, fields
 
 from utils import UsageError
 
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "fsdp2", "dp", "single")
+SHARDED = ("fsdp", "fsdp2")  # strategies whose ranks each hold a shard (checkpoints per rank)
+ONE_PROCESS = ("dp", "single")  # baselines that drive every device from one process
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 SHARDINGS = ("full", "grad_op", "hybrid")
 OPTIMIZERS = ("adam", "sgd")
-MODELS = ("cnn", "cnn-wide")
+MODELS = ("cnn", "cnn-wide", "resnet18", "resnet50")
 DATASETS = ("cifar10", "synthetic")
 LOADERS = ("tensor", "classic")
+LR_SCHEDULES = ("none", "step", "cosine")
 
 
 def option(default, help: str, *, choices=None, aliases=(), metavar=None, minimum=None,
@@ -37,13 +40,31 @@ def option(default, help: str, *, choices=None, aliases=(), metavar=None, minimu
 
 @dataclass
 class Config:
-    strategy: str = option("ddp", "DDP replicates the model on every rank; FSDP shards it",
-                           choices=STRATEGIES, aliases=("--method",))
+    strategy: str = option("ddp", "ddp replicates the model on every rank; fsdp (FSDP1, the "
+                           "course's) and fsdp2 (fully_shard) shard it; dp (DataParallel: one "
+                           "process drives every visible GPU) and single (one device, no "
+                           "wrapper) are one-process baselines", choices=STRATEGIES,
+                           aliases=("--method",))
     epochs: int = option(10, "training epochs", minimum=1)
     batch_size: int = option(256, "global batch size, split evenly over all ranks", minimum=1,
                              aliases=("--batch_size",))
     lr: float = option(1e-3, "learning rate", minimum=0)
     optimizer: str = option("adam", "Adam, or SGD with momentum 0.9", choices=OPTIMIZERS)
+    lr_schedule: str = option("none", "learning rate over the run: constant, divided by 10 at "
+                              "half and three quarters of the epochs (step), or a cosine to "
+                              "zero; after --warmup-epochs of linear warm-up",
+                              choices=LR_SCHEDULES)
+    warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up from lr/steps",
+                                minimum=0, metavar="N")
+    grad_accum: int = option(1, "micro-batches per optimizer step: each rank splits its share "
+                             "of the global batch into K and all-reduces gradients only after "
+                             "the last (--batch-size stays the global batch of one step)",
+                             minimum=1, metavar="K")
+    clip_grad: float | None = option(None, "clip the global gradient norm (over all ranks and "
+                                     "shards) to NORM (default: no clipping)", minimum=0,
+                                     metavar="NORM")
+    sync_bn: bool = option(False, "DDP: synchronize BatchNorm statistics over all ranks (models "
+                           "with BatchNorm: the ResNets; needs GPUs)", flag="--sync-bn")
     precision: str = option("fp32", "compute precision, the same numerics for DDP (autocast) "
                             "and FSDP (MixedPrecision; gradients reduced in fp32 by both): fp32 "
                             "is IEEE fp32 also on GPUs, tf32 lets them use TensorFloat-32 for "
@@ -54,7 +75,8 @@ class Config:
                            choices=SHARDINGS)
     cpu_offload: bool = option(False, "FSDP: keep parameter shards in host memory (GPU only)",
                                flag="--cpu-offload")
-    model: str = option("cnn", "the course CNN, or the same with 4x its channels",
+    model: str = option("cnn", "the course CNN (32x32 images), the same with 4x its channels, "
+                        "or a ResNet adapted to small images (3x3 stem, no max-pool)",
                         choices=MODELS)
     dataset: str = option("cifar10", "CIFAR-10, or a learnable synthetic stand-in generated "
                           "from the seed (no download: smoke tests, benchmarks, offline "
@@ -94,6 +116,9 @@ class Config:
         metavar="auto|PATH")
     checkpoint: bool = option(True, "write no checkpoints (default: one per epoch)",
                               flag="--no-checkpoint")
+    keep_last: int = option(3, "keep the newest N checkpoints of the run, delete older ones "
+                            "(never the one resumed from; 0: keep all)", minimum=0,
+                            metavar="N")
 
 
 def _flag(name: str) -> str:

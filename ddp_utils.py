@@ -1,4 +1,5 @@
-"""DistributedDataParallel: every rank holds the whole model; gradients are averaged.
+"""DistributedDataParallel: every rank holds the whole model; gradients are averaged. And its
+one-process ancestor, DataParallel, kept as a baseline.
 
 DDP registers hooks that all-reduce gradient buckets while backward is still running, so
 communication overlaps computation. After `optimizer.step()` every replica is identical again,
@@ -9,9 +10,23 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from utils import log0
+
 
 def get_ddp_model(model: nn.Module, device: torch.device) -> DDP:
     model = model.to(device)
     # On a GPU, name it: DDP then places inputs and its buckets there. On CPU, device_ids=None.
     device_ids = [device.index] if device.type == "cuda" else None
     return DDP(model, device_ids=device_ids)
+
+
+def get_dp_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """DataParallel: one process scatters each batch over every visible GPU, replicates the
+    model onto them at every forward and gathers the outputs on the first. It is what DDP
+    replaces: one Python thread drives all GPUs. Without GPUs it runs the model on the CPU as
+    one device, and says so."""
+    model = model.to(device)
+    if device.type != "cuda":
+        log0("dp: no GPU here: DataParallel runs the model on the CPU as one device")
+        return nn.DataParallel(model, device_ids=[])
+    return nn.DataParallel(model)

@@ -1,29 +1,39 @@
-"""FullyShardedDataParallel: each rank stores only 1/world_size of parameters, gradients and
-optimizer state.
+"""Fully sharded data parallel: each rank stores only 1/world_size of parameters, gradients and
+optimizer state. Two APIs, one idea:
 
-FSDP wraps every block named by the wrap policy (model.SHARDABLE_BLOCKS: the conv blocks and
-the classifier) as its own unit. Just before a unit runs, its full parameters are all-gathered;
-right after, they are freed again; in backward, gradients are reduce-scattered so each rank keeps
-the shard it owns. Peak memory is one unit's full parameters plus this rank's shards, bought with
-more communication than DDP: worth it for models too large for one GPU, not for this small CNN.
+- `--strategy fsdp`: `FullyShardedDataParallel` (FSDP1, what the course uses). A wrap policy
+  makes each of the model's `shard_units()` (the CNN's conv blocks and classifier, a ResNet's
+  stages) its own FSDP unit.
+- `--strategy fsdp2`: `fully_shard` (PyTorch's current FSDP), applied explicitly to each unit,
+  then to the root; parameters become DTensors sharded over a device mesh.
 
-Sharding strategies:
-  full     (FULL_SHARD)    parameters, gradients and optimizer state sharded (ZeRO-3)
-  grad_op  (SHARD_GRAD_OP) gradients and optimizer state sharded, parameters kept after forward
-  hybrid   (HYBRID_SHARD)  full sharding inside a node, replication across nodes
+Just before a unit runs, its full parameters are all-gathered; right after, they are freed
+again; in backward, gradients are reduce-scattered so each rank keeps the shard it owns. Peak
+memory is one unit's full parameters plus this rank's shards, bought with more communication
+than DDP: worth it for models too large for one GPU, not for this small CNN.
+
+Sharding (`--sharding`):
+  full     parameters, gradients and optimizer state sharded (ZeRO-3): FULL_SHARD, or
+           fully_shard(reshard_after_forward=True)
+  grad_op  gradients and optimizer state sharded, parameters kept from forward to backward
+           (ZeRO-2): SHARD_GRAD_OP, or reshard_after_forward=False
+  hybrid   full sharding inside a node, replication across nodes: HYBRID_SHARD, or a 2-D
+           (replicate, shard) mesh
 NO_SHARD is deprecated upstream: for replicated training, use DDP (--strategy ddp).
+
+Mixed precision: compute in bf16/fp16, reduce gradients in fp32 (as DDP under autocast does).
 """
 
 import socket
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (CPUOffload, CPUOffloadPolicy, FSDPModule, MixedPrecision,
+                                    MixedPrecisionPolicy, ShardingStrategy, fully_shard)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.fsdp.wrap import CustomPolicy
 
-from model import SHARDABLE_BLOCKS
 from utils import UsageError
 
 SHARDING = {
@@ -37,28 +47,12 @@ DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
           "fp16": torch.float16}
 
 
-def mixed_precision(precision: str) -> MixedPrecision | None:
-    """Compute in the low precision; reduce gradients in fp32, as DDP does under autocast (its
-    parameters, hence gradients, stay fp32), so that one --precision means the same numerics
-    and the same bytes on the wire for both strategies. The optimizer's master copy of the
-    (sharded) parameters stays fp32."""
+def low_precision(precision: str) -> torch.dtype | None:
     dtype = DTYPES[precision]
-    if dtype == torch.float32:
-        return None
-    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
+    return None if dtype == torch.float32 else dtype
 
 
-def effective_sharding(model: nn.Module) -> str:
-    """The sharding FSDP really applies: at world size 1 it falls back to NO_SHARD, whatever
-    was asked, so a 1-GPU FSDP baseline is DDP-like."""
-    root = getattr(model, "_orig_mod", model)  # under torch.compile
-    if not isinstance(root, FSDP):
-        return "replicate"
-    names = {strategy: name for name, strategy in SHARDING.items()}
-    return names.get(root.sharding_strategy, root.sharding_strategy.name.lower())
-
-
-def check_ranks_by_node(ranks_per_node: int, device: torch.device) -> None:
+def check_ranks_by_node(ranks_per_node: int) -> None:
     """Hybrid sharding shards within a node over the mesh's rows: ranks 0..k-1 must share a
     node, then k..2k-1, and so on (srun's and torchrun's default block layout). A cyclic
     layout (srun --distribution=cyclic) would shard across the network instead: refuse it."""
@@ -73,30 +67,70 @@ def check_ranks_by_node(ranks_per_node: int, device: torch.device) -> None:
                              "default (block) distribution")
 
 
+def hybrid_mesh(device: torch.device, ranks_per_node: int | None) -> DeviceMesh:
+    """A (replicate, shard) mesh: one row per node. Explicit, because FSDP's own guess of the
+    node size counts GPUs, which is wrong on CPU and under --gpus-per-task=1."""
+    world = torch.distributed.get_world_size()
+    if not ranks_per_node or world % ranks_per_node:
+        raise UsageError(f"hybrid sharding needs equal ranks per node; world size {world}, "
+                         f"ranks per node {ranks_per_node}")
+    check_ranks_by_node(ranks_per_node)
+    return init_device_mesh(device.type, (world // ranks_per_node, ranks_per_node),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def get_fsdp_model(model: nn.Module, device: torch.device, sharding: str = "full",
                    precision: str = "fp32", cpu_offload: bool = False,
                    ranks_per_node: int | None = None) -> FSDP:
-    mesh = None
-    if sharding == "hybrid":
-        # Explicit (replicate, shard) mesh: FSDP's own guess of the node size counts GPUs,
-        # which is wrong on CPU and under --gpus-per-task=1.
-        world = torch.distributed.get_world_size()
-        if not ranks_per_node or world % ranks_per_node:
-            raise UsageError(f"hybrid sharding needs equal ranks per node; world size {world}, "
-                             f"ranks per node {ranks_per_node}")
-        check_ranks_by_node(ranks_per_node, device)
-        mesh = init_device_mesh(device.type, (world // ranks_per_node, ranks_per_node),
-                                mesh_dim_names=("replicate", "shard"))
+    """FSDP1: the wrap policy makes every shard unit of the model an FSDP unit."""
+    units = {id(unit) for unit in model.shard_units()}
+    dtype = low_precision(precision)
     return FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy(SHARDABLE_BLOCKS),
+        auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),
         sharding_strategy=SHARDING[sharding],
-        mixed_precision=mixed_precision(precision),
+        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32,
+                                       buffer_dtype=dtype) if dtype else None,
         cpu_offload=CPUOffload(offload_params=cpu_offload),
         # Also on CPU: without device_id, FSDP in torch 2.14 demands an accelerator.
         device_id=device,
-        device_mesh=mesh,
+        device_mesh=hybrid_mesh(device, ranks_per_node) if sharding == "hybrid" else None,
         # Expose the original parameters (as views of the shards): torch.compile needs it,
         # and the optimizer then sees per-layer tensors.
         use_orig_params=True,
     )
+
+
+def get_fsdp2_model(model: nn.Module, device: torch.device, sharding: str = "full",
+                    precision: str = "fp32", cpu_offload: bool = False,
+                    ranks_per_node: int | None = None) -> nn.Module:
+    """FSDP2: fully_shard each unit, then the root (which holds what no unit does)."""
+    world = torch.distributed.get_world_size()
+    mesh = (hybrid_mesh(device, ranks_per_node) if sharding == "hybrid"
+            else init_device_mesh(device.type, (world,)))
+    dtype = low_precision(precision)
+    options = dict(
+        mesh=mesh,
+        reshard_after_forward=sharding != "grad_op",
+        mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype else MixedPrecisionPolicy(),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else None)
+    options = {k: v for k, v in options.items() if v is not None}
+    model = model.to(device)
+    for unit in model.shard_units():
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def effective_sharding(model: nn.Module, sharding: str) -> str:
+    """The sharding really applied, for the [METRIC] line: FSDP falls back to NO_SHARD at world
+    size 1 whatever was asked (FSDP2 on a mesh of one rank likewise holds everything), so a
+    1-GPU FSDP baseline is DDP-like. Not FSDP: `replicate`."""
+    root = getattr(model, "_orig_mod", model)  # under torch.compile
+    if isinstance(root, FSDP):
+        names = {strategy: name for name, strategy in SHARDING.items()}
+        return names.get(root.sharding_strategy, root.sharding_strategy.name.lower())
+    if isinstance(root, FSDPModule):
+        return "no_shard" if torch.distributed.get_world_size() == 1 else sharding
+    return "replicate"

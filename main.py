@@ -13,6 +13,7 @@ one `[CONFIG]` line with the resolved configuration, progress, and one `[METRIC]
 """
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -24,9 +25,9 @@ import torch
 import checkpoint
 import data
 import distributed_utils
-from config import Config, add_options, validate
-from ddp_utils import get_ddp_model
-from fsdp_utils import DTYPES, effective_sharding, get_fsdp_model
+from config import ONE_PROCESS, Config, add_options, validate
+from ddp_utils import get_ddp_model, get_dp_model
+from fsdp_utils import DTYPES, effective_sharding, get_fsdp2_model, get_fsdp_model
 from model import build_model, count_parameters
 from train import Diverged, MemoryMeter, MetricLabels, Precision, Trainer
 from utils import UsageError, format_config, is_rank_zero, log0
@@ -64,9 +65,15 @@ def parse_command_line(argv: list[str]) -> tuple[Config, list[int] | None]:
 # ----------------------------------------------------------------------------- checks
 
 def check_world(cfg: Config, world_size: int, train_size: int) -> None:
+    if cfg.strategy in ONE_PROCESS and world_size > 1:
+        raise UsageError(f"--strategy {cfg.strategy} drives every device from one process; "
+                         f"start one process (python main.py), not {world_size}")
     if cfg.batch_size < world_size or cfg.batch_size % world_size:
         raise UsageError(f"global batch size {cfg.batch_size} must be a multiple of the world "
                          f"size {world_size} (each rank gets an equal share)")
+    if (cfg.batch_size // world_size) % cfg.grad_accum:
+        raise UsageError(f"each rank's {cfg.batch_size // world_size} images per step do not "
+                         f"split into --grad-accum {cfg.grad_accum} equal micro-batches")
     if train_size < cfg.batch_size:
         raise UsageError(f"{train_size} training images make no full global batch of "
                          f"{cfg.batch_size}")
@@ -79,6 +86,10 @@ def make_precision(cfg: Config, device: torch.device) -> Precision:
     if cfg.cpu_offload and device.type != "cuda":
         raise UsageError("--cpu-offload moves FSDP's shards from the GPU to the CPU; "
                          "without a GPU they are on the CPU already")
+    if cfg.sync_bn and device.type != "cuda":
+        raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
+    if cfg.sync_bn and cfg.strategy != "ddp":
+        raise UsageError("--sync-bn is for --strategy ddp")
     fp16 = cfg.precision == "fp16"
     if cfg.strategy == "fsdp":  # FSDP's gradients are sharded: the scaler must see them all
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -137,12 +148,41 @@ def wrap_model(cfg: Config, env: distributed_utils.DistEnv, nodes: int,
                model: torch.nn.Module) -> torch.nn.Module:
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    shard = dict(sharding=cfg.sharding, precision=cfg.precision, cpu_offload=cfg.cpu_offload,
+                 ranks_per_node=env.world_size // nodes)
     if cfg.strategy == "ddp":
         model = get_ddp_model(model, env.device)
-    else:
-        model = get_fsdp_model(model, env.device, cfg.sharding, cfg.precision, cfg.cpu_offload,
-                               ranks_per_node=env.world_size // nodes)
+    elif cfg.strategy == "fsdp":
+        model = get_fsdp_model(model, env.device, **shard)
+    elif cfg.strategy == "fsdp2":
+        model = get_fsdp2_model(model, env.device, **shard)
+    elif cfg.strategy == "dp":
+        model = get_dp_model(model, env.device)
+    else:  # single
+        model = model.to(env.device)
     return torch.compile(model) if cfg.compile else model
+
+
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer,
+                   steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """The learning rate per optimizer step: linear warm-up, then constant, step or cosine."""
+    if cfg.lr_schedule == "none" and not cfg.warmup_epochs:
+        return None
+    warmup, total = cfg.warmup_epochs * steps_per_epoch, cfg.epochs * steps_per_epoch
+    milestones = [int(total * 0.5), int(total * 0.75)]
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_schedule == "step":
+            return 0.1 ** sum(step >= m for m in milestones)
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -180,14 +220,16 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
              "global_batch": cfg.batch_size, "local_batch": cfg.batch_size // env.world_size},
         setting={"precision": cfg.precision, "device": env.device.type, "dataset": cfg.dataset,
                  "seed": cfg.seed, "job_id": distributed_utils.job_id()},
-        later={"sharding": effective_sharding(model)})
+        later={"sharding": effective_sharding(model, cfg.sharding)})
     resolved = {**asdict(cfg), **labels.run, "augment": augment, "backend": env.backend,
                 "fp32_math": fp32_math, "deterministic": torch.are_deterministic_algorithms_enabled(),
                 "rendezvous": rendezvous_text(env), "threads": torch.get_num_threads(),
                 **sizes,
                 "steps_per_epoch": len(loaders.train), "parameters": parameters,
                 "torch": torch.__version__, **labels.setting}
-    trainer = Trainer(model, optimizer, loaders, precision, env, labels, cfg.print_every, memory)
+    scheduler = make_scheduler(cfg, optimizer, len(loaders.train))
+    trainer = Trainer(model, optimizer, loaders, precision, env, labels, cfg.print_every, memory,
+                      scheduler, cfg.grad_accum, cfg.clip_grad)
     return trainer, resolved
 
 
@@ -226,11 +268,14 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     folder = (distributed_utils.on_rank0(checkpoint.prepare_folder, cfg.checkpoint_dir,
                                          cfg.resume) if cfg.checkpoint else None)
     fits = checkpoint.Identity(cfg.strategy, cfg.model, resolved["parameters"], cfg.batch_size)
-    source = checkpoint.resolve(cfg.resume, folder or Path(".")) if cfg.resume else None
-    position = checkpoint.Position()
-    if source:
-        position = checkpoint.load(source, fits, trainer.model, trainer.optimizer,
-                                   trainer.loaders.generator)
+    resumable = (trainer.model, trainer.optimizer, trainer.loaders.generator, trainer.scheduler)
+    source, position = None, checkpoint.Position()
+    if cfg.resume == "auto":
+        source, position = checkpoint.load_newest_readable(folder or Path("."), fits,
+                                                           *resumable)
+    elif cfg.resume:
+        source = checkpoint.resolve(cfg.resume, folder or Path("."))
+        position = checkpoint.load(source, fits, *resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
     if warning := network_warning(resolved["nodes"], env.backend):
         log0(warning)
@@ -240,10 +285,12 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         log0(f"[CHECKPOINT] --resume auto: no checkpoint in {folder or '.'}; starting fresh")
 
     def save(at: checkpoint.Position) -> None:
-        if folder:
-            path = checkpoint.save(folder, at, fits, trainer.model, trainer.optimizer,
-                                   trainer.loaders.generator)
-            log0(f"[CHECKPOINT] saved {path}")
+        if not folder or (source and source.resolve() == (folder / at.name).resolve()):
+            return  # nothing trained since resuming (a stop during start-up): saved already
+        log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, *resumable)}")
+        if is_rank_zero():
+            for old in checkpoint.prune(folder, cfg.keep_last, protect=source):
+                log0(f"[CHECKPOINT] deleted {old} (--keep-last {cfg.keep_last})")
 
     with checkpoint.StopRequest(cfg.pg_timeout) as stop:
         try:

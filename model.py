@@ -1,14 +1,16 @@
-"""The course CNN for 32x32 RGB images, built from blocks that FSDP can shard one by one.
+"""The models, built from blocks that FSDP can shard one by one.
 
-Nothing here knows about distribution: DDP and FSDP wrap this model unchanged. The blocks
-(`ConvBlock`, `Classifier`) are the units of FSDP's wrap policy (see fsdp_utils.py): each one's
-parameters are gathered just before it runs and freed right after.
+Nothing here knows about distribution: DDP and FSDP wrap these models unchanged. Each model
+names its sharding units (`shard_units()`): the course CNN's conv blocks and classifier, a
+ResNet's four residual stages. FSDP (fsdp_utils.py) gathers each unit's parameters just before
+it runs and frees them right after.
 """
 
 import torch
 import torch.nn as nn
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
-IMAGE_SHAPE = (3, 32, 32)
+IMAGE_SHAPE = (3, 32, 32)  # what the course CNN takes
 NUM_CLASSES = 10
 
 
@@ -60,20 +62,36 @@ class CNN(nn.Module):
         assert x.shape == (n, self.num_classes), x.shape
         return x
 
+    def shard_units(self) -> list[nn.Module]:
+        return [self.conv1, self.conv2, self.conv3, self.classifier]
 
-# Model choices by name, as `--model` offers them. `cnn-wide` keeps the architecture and
-# quadruples the channels: a heavier compute load for scaling studies.
+
+class SmallImageResNet(ResNet):
+    """torchvision's ResNet for 32x32 and 64x64 images: a 3x3 stride-1 stem and no max-pool
+    (the ImageNet stem, 7x7 stride 2 and a pool, would shrink a 32x32 image to 8x8 before the
+    first residual stage), as is usual for CIFAR."""
+
+    def __init__(self, block, layers: list[int], num_classes: int):
+        super().__init__(block, layers, num_classes=num_classes)
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        self.maxpool = nn.Identity()
+
+    def shard_units(self) -> list[nn.Module]:
+        return [self.layer1, self.layer2, self.layer3, self.layer4]
+
+
+# Model choices by name (config.MODELS), each given the data set's number of classes. cnn-wide
+# keeps the architecture and quadruples the channels: a heavier compute load for scaling studies.
 MODELS = {
-    "cnn": lambda: CNN(width=16),
-    "cnn-wide": lambda: CNN(width=64),
+    "cnn": lambda classes: CNN(width=16, num_classes=classes),
+    "cnn-wide": lambda classes: CNN(width=64, num_classes=classes),
+    "resnet18": lambda classes: SmallImageResNet(BasicBlock, [2, 2, 2, 2], classes),
+    "resnet50": lambda classes: SmallImageResNet(Bottleneck, [3, 4, 6, 3], classes),
 }
 
-# The blocks FSDP wraps as units (fsdp_utils.py reads this).
-SHARDABLE_BLOCKS = {ConvBlock, Classifier}
 
-
-def build_model(name: str) -> nn.Module:
-    return MODELS[name]()
+def build_model(name: str, num_classes: int = NUM_CLASSES) -> nn.Module:
+    return MODELS[name](num_classes)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -10,6 +10,7 @@ is the maximum over ranks, and throughput counts the images of all ranks.
 """
 
 import contextlib
+import ctypes
 import math
 import re
 import sys
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from checkpoint import Position, StopRequest
 from data import Loaders, validation_weights
@@ -90,6 +93,15 @@ def reserved_peak_bytes(device: torch.device) -> int:
     return peak_memory_bytes(device)
 
 
+def release_free_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's malloc_trim). Memory freed
+    before the baseline (e.g. the temporaries of decoding or generating the data set) would
+    otherwise stay resident, inflate the baseline, and be reused by training unseen: the
+    training peak would then vary by tens of MB from run to run."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 class MemoryMeter:
     """Training memory: the peak above a baseline taken once the data set is resident on the
     device and before the model exists. It counts the model, its gradients, optimizer state,
@@ -99,6 +111,8 @@ class MemoryMeter:
 
     def __init__(self, device: torch.device):
         self.device = device
+        if device.type == "cpu":
+            release_free_heap()
         self.baseline = current_memory_bytes(device)
 
     def reset(self) -> None:
@@ -141,12 +155,14 @@ class StageTimer:
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Exact bytes of parameters, gradients and optimizer state held by this rank.
 
-    Under FSDP, model.parameters() are this rank's flat shards, so this shrinks with sharding.
+    Under FSDP, model.parameters() are this rank's shards (FSDP1: views of its flat shard;
+    FSDP2: DTensors, whose local part is counted), so this shrinks with sharding.
     """
     tensors = list(model.parameters())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def all_reduce(values: list[float | torch.Tensor], device: torch.device,
@@ -179,6 +195,31 @@ class Progress:
             print(f"\r[{bar:<30}] {text}", end="\n" if done == self.steps else "", flush=True)
         else:
             print(text, flush=True)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Reduce gradients over the ranks in this backward, or only accumulate them locally (all
+    micro-batches but the last): DDP's and FSDP1's `no_sync`, FSDP2's own switch."""
+    root = getattr(model, "_orig_mod", model)  # under torch.compile
+    if isinstance(root, FSDPModule):
+        root.set_requires_gradient_sync(enabled)
+        yield
+    elif not enabled and hasattr(root, "no_sync"):
+        with root.no_sync():
+            yield
+    else:
+        yield
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their norm over all ranks and shards is at most max_norm.
+    FSDP1's flat shards need its own method; DDP's gradients are whole and equal on every
+    rank, and FSDP2's are DTensors whose norm torch's function already takes over all shards."""
+    root = getattr(model, "_orig_mod", model)
+    if isinstance(root, FSDP):
+        return root.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 # The measurements the project's first [METRIC] lines carried, between the run's labels and
@@ -217,6 +258,9 @@ class Trainer:
     labels: MetricLabels
     print_every: int
     memory: MemoryMeter
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    grad_accum: int = 1
+    clip_grad: float | None = None
 
     def fit(self, start: Position, epochs: int, stop: StopRequest,
             save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
@@ -280,8 +324,7 @@ class Trainer:
         Returns the position reached, its sums global (all ranks) and including `start`'s, and
         whether the epoch is complete.
         """
-        model, optimizer, scaler = self.model, self.optimizer, self.precision.scaler
-        model.train()
+        self.model.train()
         device = self.env.device
         loss_sum = torch.zeros((), device=device)
         seen = torch.zeros((), device=device)
@@ -298,15 +341,8 @@ class Trainer:
             with data_wait.measure():
                 images, labels = next(batches)
 
-            optimizer.zero_grad(set_to_none=True)
-            with self.precision.autocast(device):
-                logits = model(images)
-            loss = F.cross_entropy(logits.float(), labels)
-            scaler.scale(loss).backward()  # without fp16 the scaler passes everything through
-            scaler.step(optimizer)
-            scaler.update()
-
-            loss_sum += loss.detach() * len(labels)
+            loss = self.step(images, labels)
+            loss_sum += loss * len(labels)
             seen += len(labels)
             progress.update(step, loss)
             step += 1
@@ -318,6 +354,32 @@ class Trainer:
         reached = Position(start.epoch, step, start.loss_sum + loss_sum, start.seen + int(seen),
                            start.data_wait + data_wait, start.time + elapsed)
         return reached, step == total
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on this rank's share of the global batch, in `grad_accum`
+        micro-batches whose gradients are reduced over the ranks once, after the last.
+        Returns the share's mean loss (detached, on the device)."""
+        model, scaler = self.model, self.precision.scaler
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = list(zip(images.chunk(self.grad_accum), labels.chunk(self.grad_accum)))
+        total = torch.zeros((), device=images.device)
+        for i, (x, y) in enumerate(micro):
+            with gradient_sync(model, enabled=i == len(micro) - 1):
+                with self.precision.autocast(x.device):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float(), y)
+                # Each micro-batch's share of the mean: the gradients add up to the whole
+                # share's. Without fp16 the scaler passes everything through.
+                scaler.scale(loss * (len(y) / len(labels))).backward()
+            total += loss.detach() * len(y)
+        if self.clip_grad is not None:
+            scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            clip_gradients(model, self.clip_grad)
+        scaler.step(self.optimizer)
+        scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return total / len(labels)
 
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -38,7 +38,8 @@ def reference():
 
 
 @pytest.mark.parametrize("strategy,sharding,world_size", [
-    ("ddp", "full", 2), ("ddp", "full", 3), ("fsdp", "full", 2), ("fsdp", "grad_op", 2)])
+    ("ddp", "full", 2), ("ddp", "full", 3), ("fsdp", "full", 2), ("fsdp", "grad_op", 2),
+    ("fsdp2", "full", 2), ("fsdp2", "full", 3), ("fsdp2", "grad_op", 2)])
 def test_same_parameters_as_one_process(reference, strategy, sharding, world_size):
     ref_state, ref_history = reference
     results = spawn(train_and_gather, world_size,

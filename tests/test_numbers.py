@@ -40,8 +40,10 @@ def test_peak_mem_counts_training_not_the_data_set():
     print(f"peak_mem: 2,048 images {small} MB, 16,384 images {large} MB, cnn-wide {wide} MB; "
           f"data_mem {small_data} and {large_data} MB")
     assert large_data - small_data >= 40  # 14,336 more images of 3 KB
-    assert large <= small + 10, "the data set leaked into peak_mem"
-    assert wide >= small + 20, "a wider model's activations and state must show"
+    # The C heap's fragmentation over 8x the steps moves a CPU peak by some MB (about 10 seen):
+    # far less than the data set's growth, which would show whole if it leaked in.
+    assert large - small < (large_data - small_data) / 2, "the data set leaked into peak_mem"
+    assert wide >= small + 30, "a wider model's activations and state must show"
 
 
 # ----------------------------------------------------------------------------- precision

@@ -36,14 +36,14 @@ def assert_same_run(state, history, ref_state, ref_history, epochs):
 def straight(tmp_path_factory):
     """Four uninterrupted epochs per strategy, at world size 2."""
     runs = {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy in ("ddp", "fsdp", "fsdp2"):
         cfg = Config(**CFG, strategy=strategy, epochs=4,
                      checkpoint_dir=str(tmp_path_factory.mktemp(strategy)))
         runs[strategy] = spawn(train_and_gather, 2, cfg)[0]
     return runs
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
 def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight, strategy):
     ref_state, ref_history = straight[strategy]
     common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path))
@@ -52,9 +52,10 @@ def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight, strateg
     assert_same_run(state, history, ref_state, ref_history, epochs=[3, 4])
 
 
-def signal_rank_then_train(env, cfg, at_poll, rank=1):
-    """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step. The ranks
-    agree on stops every 4 steps (a shorter interval than the default, to stop mid-epoch)."""
+def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
+    """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step, while
+    train(env, cfg) runs. The ranks agree on stops every 4 steps (a shorter interval than the
+    default, to stop mid-epoch)."""
     checkpoint.STOP_POLL_EVERY = 4
     if env.rank == rank:
         poll, calls = checkpoint.StopRequest.poll, []
@@ -67,10 +68,10 @@ def signal_rank_then_train(env, cfg, at_poll, rank=1):
 
         checkpoint.StopRequest.poll = poll_and_signal
     with checkpoint.catch_stop_signals():  # as main() does
-        return train_and_gather(env, cfg)
+        return train(env, cfg)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
 def test_stop_on_signal_mid_epoch_then_resume_equals_straight(tmp_path, straight, strategy):
     ref_state, ref_history = straight[strategy]
     common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path), epochs=4)
@@ -99,7 +100,7 @@ def fresh_streams(env, cfg):
     return torch.get_rng_state(), outcome.trainer.loaders.generator.get_state()
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2", "ddp"])
 def test_resume_at_another_world_size_loads_the_weights_exactly(tmp_path, strategy):
     """A world-size-2 checkpoint loads at world size 1: the same weights to the bit, and the
     random streams start afresh (the ranks' saved streams map onto no new rank)."""
