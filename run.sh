@@ -75,24 +75,16 @@ pick_python() {
     fi
 }
 
-# Inside srun every task turns SLURM's numbering into the variables torchrun would set
-# (RANK, LOCAL_RANK, WORLD_SIZE), which main.py reads. It changes into the repository first,
-# because a container starts in the image's working directory, not in the job's.
+# Each task changes into the repository first: a container starts in the image's working
+# directory, not in the job's. main.py itself reads its rank, world size and rendezvous point
+# from SLURM's variables (distributed_utils.py): nothing about them is decided here.
 # shellcheck disable=SC2016  # expanded by each task, not here
-TASK_SETUP='cd "$1" && shift
-export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS
-exec "$@"'
+TASK_SETUP='cd "$1" && shift && exec "$@"'
 
 run_slurm() {
     local in_container=no
     [ -n "${EDF:-}" ] && in_container=yes
     PYTHON=$(pick_python "$in_container")
-
-    # Every task meets rank 0 on the allocation's first node. The port comes from the job id
-    # (as in distributed_utils.master_port_for_job), so two jobs sharing a node never collide.
-    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-    MASTER_PORT=$((29500 + SLURM_JOB_ID % 20000))
-    export MASTER_ADDR MASTER_PORT
 
     # Recommended by CSCS for PyTorch with NCCL: abort the job on an NCCL error instead of
     # hanging; keep GPU-aware MPICH out of NCCL's way (it can deadlock); no JIT cache on the
@@ -110,16 +102,25 @@ run_slurm() {
     [ "$in_container" = yes ] && srun_args+=(--environment="$EDF")
 
     echo "run.sh: job $SLURM_JOB_ID: ${SLURM_NTASKS:-?} tasks on $SLURM_JOB_NUM_NODES node(s)" \
-         "($SLURM_JOB_NODELIST), rendezvous $MASTER_ADDR:$MASTER_PORT, $PYTHON${EDF:+ in $EDF}"
-    # srun runs in the background so that this shell can take SLURM's warning signal while the
-    # tasks train. --resume auto comes first: the user's own --resume wins.
-    local srun_pid status=0 requeue=no
-    trap 'requeue=yes; kill -USR1 "$srun_pid" 2>/dev/null' USR1
-    trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
-    srun "${srun_args[@]}" bash -c "$TASK_SETUP" task "$REPO" "$PYTHON" -u main.py \
-        --resume auto "$@" &
-    srun_pid=$!
-    wait_for "$srun_pid" || status=$?
+         "($SLURM_JOB_NODELIST), $PYTHON${EDF:+ in $EDF}"
+    # SLURM's warning may come at any time from here on: remember it, and pass it to srun once
+    # srun runs. --resume auto comes first: the user's own --resume wins.
+    local srun_pid="" status=0 requeue=no
+    trap 'requeue=yes; [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null' USR1
+    # Bad input fails here, in one process on this node, rather than in every task. The
+    # container's Python is reachable only through srun: there, the tasks find it themselves.
+    if [ "$in_container" = no ]; then
+        # shellcheck disable=SC2086  # no task count: main.py's default
+        "$PYTHON" main.py --resume auto "$@" --check ${SLURM_NTASKS:-} || return
+    fi
+    if [ "$requeue" = no ]; then
+        trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
+        # In the background, so that this shell can take SLURM's warning while the tasks train.
+        srun "${srun_args[@]}" bash -c "$TASK_SETUP" task "$REPO" "$PYTHON" -u main.py \
+            --resume auto "$@" &
+        srun_pid=$!
+        wait_through_signals "$srun_pid" || status=$?
+    fi
     trap - USR1 TERM
     # A line that outlives the job: SLURM forgets finished jobs after a while.
     echo "run.sh: job $SLURM_JOB_ID exit status $status"
@@ -133,7 +134,7 @@ run_slurm() {
 }
 
 # `wait` returns early when a trapped signal arrives: wait again until the process is gone.
-wait_for() {
+wait_through_signals() {
     local status=0
     wait "$1" || status=$?
     while kill -0 "$1" 2>/dev/null; do
@@ -161,8 +162,54 @@ run_local() {
     local cores
     cores=$(nproc)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cores > procs ? cores / procs : 1))}
-    echo "run.sh: no SLURM job: $procs process(es) on this machine through torchrun, $PYTHON"
-    exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" main.py "$@"
+    # Bad input fails here, in one process and a couple of seconds, with main.py's one line.
+    "$PYTHON" main.py "$@" --check "$procs" || exit
+    # Each rank's stderr and torchrun's own report go to files, so that a failure ends with
+    # the failed rank's one line instead of torchrun's report; rank 0's stdout stays here.
+    local folder status=0
+    folder=logs/torchrun/$(date +%Y%m%d-%H%M%S)-$$
+    mkdir -p "$folder"
+    echo "run.sh: no SLURM job: $procs process(es) on this machine through torchrun, $PYTHON;" \
+         "stderr in $folder"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" \
+        --log-dir "$folder" --redirects 2 main.py "$@" 2>"$folder/torchrun.log" || status=$?
+    [ "$status" -eq 0 ] || report_failure "$folder" "$status"
+}
+
+# After torchrun failed: the exit status of the rank that failed first, and the first error:
+# line of any rank (rank 0's first), printed last. torchrun itself exits 1 whatever the ranks'
+# statuses; its report ("Root Cause (first observed failure)") names that rank and its status.
+report_failure() {
+    local folder=$1 status=$2 rank="" line
+    read -r rank status < <(sed -n '/Root Cause/,$p' "$folder/torchrun.log" | awk '
+        $1 == "rank" { rank = $3 }
+        $1 == "exitcode" { print rank, $3; exit }') || rank=""
+    if [ -z "$rank" ]; then   # torchrun failed before any rank did (its report says why)
+        echo "error: torchrun failed (exit status $2); its report: $folder/torchrun.log" >&2
+        exit "$2"
+    fi
+    [ "$status" -lt 0 ] && status=$((128 - status))   # killed by a signal, as bash counts it
+    if [ "$status" -eq 3 ]; then   # main.py's own: stopped by a signal, checkpoint saved
+        echo "run.sh: stopped by a signal after saving a checkpoint (exit status 3): resumable" >&2
+        exit 3
+    fi
+    line=$(first_error_line "$folder") \
+        || line="error: rank $rank ended with exit status $status: $(last_line "$folder" "$rank")"
+    echo "run.sh: each rank's stderr and torchrun's report are in $folder" >&2
+    echo "$line" >&2
+    exit "$status"
+}
+
+first_error_line() {   # of the ranks' stderr under torchrun's --log-dir $1, in rank order
+    local file
+    for file in $(printf '%s\n' "$1"/*/attempt_*/*/stderr.log | sort -V); do
+        grep -m 1 '^error: ' "$file" && return
+    done
+    return 1
+}
+
+last_line() {   # of rank $2's stderr under torchrun's --log-dir $1: a traceback's last line
+    grep -hv '^\s*$' "$1"/*/attempt_*/"$2"/stderr.log 2>/dev/null | tail -n 1
 }
 
 REPO=$(find_repo)

@@ -1,40 +1,26 @@
 """The launchers without SLURM: run.sh's local mode and header, edf.toml, and run_benchmarks.py's
 job scripts, checks and errors (its real SLURM runs are in test_slurm.py)."""
 
+import os
 import re
 import shutil
-import subprocess
 import sys
+import time
 import tomllib
 
 import pytest
 
-from conftest import REPO, clean_environment
-from utils import parse_metric
-
-TINY = ["--dataset", "synthetic", "--train-samples", "128", "--val-samples", "32",
-        "--batch-size", "32", "--print-every", "1000"]
+from conftest import REPO, TINY, assert_one_line_error, metrics_in, run
 
 
-def metrics_in(text: str) -> list[dict]:
-    return [m for m in map(parse_metric, text.splitlines()) if m]
-
-
-def run(command: list, cwd=REPO, timeout=30, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in command], cwd=cwd, env=clean_environment(**env),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def benchmarks(*args, cwd=REPO, **env) -> subprocess.CompletedProcess:
+def benchmarks(*args, cwd=REPO, **env):
     return run([sys.executable, cwd / "run_benchmarks.py", *args], cwd=cwd, **env)
 
 
-def assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert done.returncode != 0
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
+def config_line(text: str) -> dict:
+    """The fields of the run's own `[CONFIG]` line."""
+    line = next(line for line in text.splitlines() if line.startswith("[CONFIG] "))
+    return dict(field.split("=", 1) for field in line.split()[1:])
 
 
 # ----------------------------------------------------------------------------- edf.toml
@@ -87,22 +73,45 @@ def test_run_sh_defaults_are_the_course_job():
     assert not {"--account", "-A", "--reservation"} & set(options)
 
 
-def test_run_sh_sets_what_the_course_points_to():
-    text = (REPO / "run.sh").read_text()
-    for needle in ("MASTER_ADDR", "MASTER_PORT", "RANK=$SLURM_PROCID", "LOCAL_RANK=$SLURM_LOCALID",
-                   "WORLD_SIZE=$SLURM_NTASKS", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                   "MPICH_GPU_SUPPORT_ENABLED", "OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK",
-                   "--environment="):
-        assert needle in text
-
-
 @pytest.mark.timeout(180)
 def test_run_sh_trains_locally_with_torchrun(repo_copy):
-    done = run(["bash", "run.sh", *TINY, "--epochs", "2"], cwd=repo_copy, timeout=170, NPROC="2")
+    """What run.sh decides, seen in what the ranks used: torchrun's world and rendezvous, and
+    the cores shared between the processes (OMP_NUM_THREADS, main.py's `threads`)."""
+    done = run(["bash", "run.sh", *TINY, "--batch-size", "32", "--epochs", "2"], cwd=repo_copy,
+               timeout=170, NPROC="2", OMP_NUM_THREADS="")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = metrics_in(done.stdout)
     assert [m["epoch"] for m in metrics] == [1, 2]
     assert all(m["world_size"] == 2 and m["job_id"] == "local" for m in metrics)
+    config = config_line(done.stdout)
+    assert (config["world_size"], config["nodes"]) == ("2", "1")
+    assert re.fullmatch(r"[\w.-]+:\d+", config["rendezvous"]), config["rendezvous"]
+    assert config["threads"] == str(max(1, os.cpu_count() // 2))
+    assert done.stdout.startswith("check: ok: strategy=ddp world sizes 2")
+
+
+def test_run_sh_refuses_bad_input_before_starting_ranks(repo_copy):
+    t0 = time.monotonic()
+    done = run(["bash", "run.sh", "--batch-size", "3"], cwd=repo_copy, NPROC="2")
+    elapsed = time.monotonic() - t0
+    assert_one_line_error(done, "global batch size 3 must be a multiple of the world size 2")
+    assert "torchrun" not in done.stdout + done.stderr
+    assert not (repo_copy / "logs" / "torchrun").exists()  # no rank was started
+    assert elapsed < 30, elapsed  # about 8 s on the 2-core development machine
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_failing_at_run_time_ends_with_its_own_line_and_status(repo_copy, tmp_path):
+    """No internet: rank 0's download fails. The user sees its one line last and its exit
+    status 2, not torchrun's report and status 1; the report is kept in a file."""
+    done = run(["bash", "run.sh", "--data-dir", tmp_path, "--epochs", "1"], cwd=repo_copy,
+               timeout=110, NPROC="2", PYTHONPATH=str(REPO / "tests" / "offline"))
+    line = assert_one_line_error(done, "downloading CIFAR-10", "--dataset synthetic")
+    assert done.stderr.strip().splitlines()[-1] == line
+    assert "ChildFailedError" not in done.stdout + done.stderr
+    [report] = (repo_copy / "logs" / "torchrun").glob("*/torchrun.log")
+    assert "Root Cause" in report.read_text()
+    assert str(report.parent.relative_to(repo_copy)) in done.stderr
 
 
 def test_run_sh_rejects_a_bad_nproc():
@@ -158,7 +167,7 @@ def test_local_dry_run_lists_the_torchrun_sweep():
 
 def test_missing_sbatch_is_a_clear_error(tmp_path):
     done = benchmarks("--gpus", "1", PATH=str(tmp_path))  # a PATH without sbatch
-    assert_one_line_error(done, "sbatch not found")
+    assert_one_line_error(done, "sbatch not found", status=1)
 
 
 @pytest.mark.parametrize("args,fragment", [
