@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import distributed_utils as du
 from utils import parse_metric
 
 pytestmark = pytest.mark.slurm
@@ -40,12 +41,17 @@ def test_step_id_is_set_inside_srun_only(slurm_env, tmp_path):
     """distributed_utils reads SLURM's ranks only where SLURM_STEP_ID is set: in srun's tasks,
     not in the batch script, which also carries SLURM_PROCID=0 and the job's task count."""
     script = ('echo "batch ${SLURM_STEP_ID:-unset}"; '
+              'echo "nodes $SLURM_JOB_NODELIST" $(scontrol show hostnames "$SLURM_JOB_NODELIST"); '
               'srun bash -c \'echo "task $SLURM_PROCID ${SLURM_STEP_ID:-unset}"\'')
     done = sh(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--output=out.txt",
                "--wrap", script], tmp_path, slurm_env, 100)
     assert done.returncode == 0, done.stderr
     lines = sorted((tmp_path / "out.txt").read_text().split("\n"))
-    assert [line for line in lines if line] == ["batch unset", "task 0 0", "task 1 0"]
+    nodes = next(line.split() for line in lines if line.startswith("nodes "))
+    assert [line for line in lines if line and not line.startswith("nodes ")] == [
+        "batch unset", "task 0 0", "task 1 0"]
+    # distributed_utils expands SLURM's node list as scontrol does, without it.
+    assert du.expand_hostlist(nodes[1]) == nodes[2:] == ["node1", "node2"]
 
 
 @pytest.mark.timeout(240)
@@ -62,8 +68,14 @@ def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
     for m in metrics:
         assert (m["world_size"], m["nodes"], m["local_batch"]) == (4, 2, 8)
         assert str(m["job_id"]) == job_id
-    # The rendezvous: the allocation's first node, a port from the job id.
-    assert f"rendezvous node1:{29500 + int(job_id) % 20000}" in log
+    # What the ranks used, from their own [CONFIG] line: SLURM's world and nodes, the
+    # rendezvous found by main.py (first node, a port from the job id), one thread per CPU.
+    config_line = next(line for line in log.splitlines() if line.startswith("[CONFIG] "))
+    config = dict(field.split("=", 1) for field in config_line.split()[1:])
+    assert (config["world_size"], config["nodes"], config["threads"]) == ("4", "2", "1")
+    assert config["rendezvous"] == f"node1:{29500 + int(job_id) % 20000}"
+    # The configuration was checked once, before srun started the tasks.
+    assert log.count("check: ok: strategy=ddp world sizes 4,") == 1
     assert f"run.sh: job {job_id} exit status 0" in log
 
 
