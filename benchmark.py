@@ -110,7 +110,7 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
         preloaded = list(trainer.loaders.train)
         ours, theirs, wait = [], [], []
         for epoch in range(1, rounds + 2):  # the first round is warm-up
-            result, _ = trainer.train_epoch(Position(epoch))
+            result, _, _ = trainer.train_epoch(Position(epoch))
             t_bare = timed(lambda: bare_loop(bare, bare_opt, preloaded), device)
             if epoch > 1:
                 ours.append(result.time)

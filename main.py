@@ -28,8 +28,9 @@ import distributed_utils
 from config import ONE_PROCESS, Config, add_options, validate
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import DTYPES, effective_sharding, get_fsdp2_model, get_fsdp_model
-from model import build_model, count_parameters
-from train import Diverged, MemoryMeter, MetricLabels, Precision, Trainer
+from model import NUM_CLASSES, build_model, count_parameters
+from train import (ComputeCalibration, Diverged, MemoryMeter, MetricLabels, Precision,
+                   Trainer)
 from utils import UsageError, format_config, is_rank_zero, log0
 
 # The exit statuses, for scripts that run main.py.
@@ -207,7 +208,10 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
                                  seed=cfg.seed, augment=augment, device=env.device,
                                  num_workers=cfg.num_workers, memory_format=memory_format)
     sizes = {"train_size": len(train_set), "val_size": len(val_set)}
+    image_shape = tuple(train_set.images.shape[1:])
     del train_set, val_set  # the loaders hold what they need: the baseline must not count these
+    # Before the baseline: the calibration's own model and optimizer are not the training's.
+    calibration = calibrate_compute(cfg, env, image_shape, memory_format)
     memory = MemoryMeter(env.device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model)
@@ -229,8 +233,22 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
                 "torch": torch.__version__, **labels.setting}
     scheduler = make_scheduler(cfg, optimizer, len(loaders.train))
     trainer = Trainer(model, optimizer, loaders, precision, env, labels, cfg.print_every, memory,
-                      scheduler, cfg.grad_accum, cfg.clip_grad)
+                      scheduler, cfg.grad_accum, cfg.clip_grad, calibration)
     return trainer, resolved
+
+
+def calibrate_compute(cfg: Config, env: distributed_utils.DistEnv, image_shape: tuple,
+                      memory_format: torch.memory_format) -> ComputeCalibration:
+    """An unwrapped copy of the training step for t_compute, built with the random streams
+    restored afterwards, so that training is exactly as without it. Not compiled: for --compile
+    runs t_compute is the eager model's."""
+    forked = [env.device] if env.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked):
+        model = build_model(cfg.model).to(env.device, memory_format=memory_format)
+        bare = Trainer(model, make_optimizer(cfg, model), None, make_precision(cfg, env.device),
+                       env, None, cfg.print_every, None, None, cfg.grad_accum, cfg.clip_grad)
+        return ComputeCalibration(bare, cfg.batch_size // env.world_size, image_shape,
+                                  NUM_CLASSES)
 
 
 def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:

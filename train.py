@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import math
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -43,10 +44,15 @@ class Precision:
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait until this rank's queued device work is done, then for every other rank."""
+def synchronize_device(device: torch.device) -> None:
+    """Wait until this rank's queued device work is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until this rank's queued device work is done, then for every other rank."""
+    synchronize_device(device)
     barrier()
 
 
@@ -243,6 +249,35 @@ class MetricLabels:
         return {**course, **self.run, **first, **self.setting, **added, **self.later}
 
 
+@dataclass
+class Segment:
+    """What this rank did in the part of an epoch this process trained (the whole epoch unless
+    it resumed mid-way): its wall time, its own time fetching batches, and its steps."""
+    elapsed: float
+    data: float
+    steps: int
+
+
+def time_breakdown(segment: Segment, step_seconds: float, device: torch.device) -> dict:
+    """Where the epoch's time went, in seconds, each the mean over ranks; they add up to the
+    segment's time by construction:
+
+    t_compute  the steps' forward, backward and optimizer work as one process does it on this
+               rank's local batch, unwrapped (ComputeCalibration: step_seconds x steps)
+    t_data     fetching batches (the data_wait of this rank)
+    t_wait     waiting for the slowest rank: the busiest rank's compute + data, minus this
+               rank's own
+    t_comm     the rest: communication and the wrapper's work not hidden behind compute
+    """
+    compute, data = step_seconds * segment.steps, segment.data
+    slowest = all_reduce([compute + data], device, dist.ReduceOp.MAX)[0]
+    wait = slowest - (compute + data)
+    comm = segment.elapsed - compute - data - wait
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    means = [v / world for v in all_reduce([compute, data, comm, wait], device)]
+    return dict(zip(("t_compute", "t_data", "t_comm", "t_wait"), means))
+
+
 class Diverged(Exception):
     """The training loss became NaN or infinite: every further step is wasted."""
 
@@ -261,6 +296,7 @@ class Trainer:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     grad_accum: int = 1
     clip_grad: float | None = None
+    calibration: "ComputeCalibration | None" = None  # for t_compute (see time_breakdown)
 
     def fit(self, start: Position, epochs: int, stop: StopRequest,
             save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
@@ -294,9 +330,11 @@ class Trainer:
         """
         device = self.env.device
         self.memory.reset()
-        reached, complete = self.train_epoch(start, stop)
+        reached, complete, segment = self.train_epoch(start, stop)
         if not complete:
             return reached, None
+        step_seconds = self.calibration.seconds_per_step() if self.calibration else 0.0
+        breakdown = time_breakdown(segment, step_seconds, device)
         val = self.evaluate()
         peak, state, reserved = all_reduce(
             [self.memory.training_peak(), state_bytes(self.model, self.optimizer),
@@ -315,14 +353,15 @@ class Trainer:
             "state_mem": int(state),
             "data_mem": round(self.loaders.device_bytes() / 2**20),
             "reserved_mem": round(reserved / 2**20),
+            **breakdown,
         }
 
     def train_epoch(self, start: Position, stop: StopRequest | None = None
-                    ) -> tuple[Position, bool]:
+                    ) -> tuple[Position, bool, Segment]:
         """Train from `start` until the epoch ends or a stop is agreed.
 
-        Returns the position reached, its sums global (all ranks) and including `start`'s, and
-        whether the epoch is complete.
+        Returns the position reached, its sums global (all ranks) and including `start`'s,
+        whether the epoch is complete, and this rank's own timing of what it trained.
         """
         self.model.train()
         device = self.env.device
@@ -349,11 +388,12 @@ class Trainer:
         synchronize(device)
         elapsed = time.perf_counter() - t_start
 
+        segment = Segment(elapsed, data_wait.total(), step - start.step)
         loss_sum, seen = all_reduce([loss_sum, seen], device)
-        data_wait = all_reduce([data_wait.total()], device, dist.ReduceOp.MAX)[0]
+        data_wait = all_reduce([segment.data], device, dist.ReduceOp.MAX)[0]
         reached = Position(start.epoch, step, start.loss_sum + loss_sum, start.seen + int(seen),
                            start.data_wait + data_wait, start.time + elapsed)
-        return reached, step == total
+        return reached, step == total, segment
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One optimizer step on this rank's share of the global batch, in `grad_accum`
@@ -408,3 +448,31 @@ class Trainer:
         assert int(count) == loaders.val_size, (count, loaders.val_size)
         return {"val_loss": loss_sum / count, "acc": 100.0 * correct / count,
                 "val_correct": int(correct), "val_time": elapsed}
+
+
+class ComputeCalibration:
+    """One optimizer step's compute as one process does it on this rank's local batch: an
+    unwrapped model of its own (built by the caller), stepped like the real one (micro-batches,
+    precision, clipping) on fixed random data. Timed after every epoch's training, on every
+    rank at once, so that it sees the machine as the epoch just did; it touches neither the
+    trained model nor any random stream."""
+
+    def __init__(self, bare: Trainer, local_batch: int, image_shape: tuple, num_classes: int):
+        device = bare.env.device
+        self.bare = bare
+        self.images = torch.randn(local_batch, *image_shape, device=device)
+        self.labels = torch.randint(0, num_classes, (local_batch,), device=device)
+        self.bare.step(self.images, self.labels)  # first-step allocations, kernel choices
+
+    def seconds_per_step(self, budget_s: float = 0.25, most: int = 10) -> float:
+        """The median of as many steps as fit in budget_s, at most `most` (a median: a shared
+        machine's other work lands on some steps)."""
+        device, times = self.bare.env.device, []
+        start = time.perf_counter()
+        while len(times) < most and time.perf_counter() - start < budget_s:
+            synchronize_device(device)
+            t0 = time.perf_counter()
+            self.bare.step(self.images, self.labels)
+            synchronize_device(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)

@@ -174,3 +174,31 @@ def test_multi_node_nccl_without_the_network_plugin_is_warned():
     assert network_warning(2, "nccl", {"NCCL_NET": "AWS Libfabric"}) is None
     assert network_warning(1, "nccl", {}) is None  # one node: NVLink, no network
     assert network_warning(2, "gloo", {}) is None
+
+
+# ----------------------------------------------------------------------------- time breakdown
+
+def test_time_breakdown_accounts_for_the_epoch():
+    """t_compute + t_data + t_comm + t_wait is the epoch's time; compute is measured (not
+    zero), waiting and fetching are never negative."""
+    done = run_main([*TINY, "--batch-size", "64", "--epochs", "2", "--no-checkpoint"], nproc=2)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for m in metrics_in(done.stdout):
+        parts = m["t_compute"] + m["t_data"] + m["t_comm"] + m["t_wait"]
+        assert parts == pytest.approx(m["time"], rel=1e-3, abs=0.01)
+        assert m["t_compute"] > 0 and m["t_data"] >= 0 and m["t_wait"] >= 0
+
+
+def training_result(env, cfg, calibrate):
+    import main
+    if not calibrate:
+        main.calibrate_compute = lambda *args: None
+    outcome = main.run(cfg, env)
+    return [{k: h[k] for k in ("train_loss", "val_loss", "acc")} for h in outcome.history]
+
+
+def test_the_compute_calibration_leaves_training_exactly_as_it_was():
+    """The calibration steps a model of its own on data of its own: with it or without it, the
+    same losses to the bit."""
+    cfg = Config(**{**CFG, "epochs": 2, "augment": True})
+    assert spawn(training_result, 1, cfg, True)[0] == spawn(training_result, 1, cfg, False)[0]
