@@ -4,13 +4,16 @@ job scripts, checks and errors (its real SLURM runs are in test_slurm.py)."""
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, assert_one_line_error, metrics_in, run
+from conftest import REPO, TINY, assert_one_line_error, clean_environment, metrics_in, run
 
 
 def benchmarks(*args, cwd=REPO, **env):
@@ -112,6 +115,36 @@ def test_a_rank_failing_at_run_time_ends_with_its_own_line_and_status(repo_copy,
     [report] = (repo_copy / "logs" / "torchrun").glob("*/torchrun.log")
     assert "Root Cause" in report.read_text()
     assert str(report.parent.relative_to(repo_copy)) in done.stderr
+
+
+def descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [p for child in map(int, children) for p in (child, *descendants(child))]
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_run_exits_3_through_run_sh(repo_copy):
+    """SIGUSR1 to one rank: both save and exit 3 (resumable), and so does run.sh, although
+    torchrun itself exits 1; a stop is not an error."""
+    script = subprocess.Popen(
+        ["bash", "run.sh", *TINY[:2], "--train-samples", "40000", "--batch-size", "32",
+         "--epochs", "1", "--print-every", "20"], cwd=repo_copy, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_environment(NPROC="2"))
+    try:
+        for line in script.stdout:  # rank 0's progress lines: training is under way
+            if line.startswith("epoch 1 step"):
+                break
+        ranks = [p for p in descendants(script.pid)
+                 if b"main.py" in Path(f"/proc/{p}/cmdline").read_bytes()
+                 and b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGUSR1)
+        out, err = script.communicate(timeout=150)
+    finally:
+        script.kill()
+    assert script.returncode == 3, err[-3000:]
+    assert "continue with: main.py" in out
+    assert "error:" not in out + err and "Traceback" not in out + err
 
 
 def test_run_sh_rejects_a_bad_nproc():
