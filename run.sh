@@ -104,7 +104,7 @@ run_slurm() {
     echo "run.sh: job $SLURM_JOB_ID: ${SLURM_NTASKS:-?} tasks on $SLURM_JOB_NUM_NODES node(s)" \
          "($SLURM_JOB_NODELIST), $PYTHON${EDF:+ in $EDF}"
     # SLURM's warning may come at any time from here on: remember it, and pass it to srun once
-    # srun runs. --resume auto comes first: the user's own --resume wins.
+    # srun runs. --resume auto comes first, here and below: the user's own --resume wins.
     local srun_pid="" status=0 requeue=no
     trap 'requeue=yes; [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null' USR1
     # Bad input fails here, in one process on this node, rather than in every task. The
