@@ -17,7 +17,8 @@ CFG = dict(dataset="synthetic", augment=True, train_samples=384, val_samples=96,
            print_every=10**6, seed=5)
 # [METRIC] fields that measure the machine's speed and memory, not the training: they differ
 # between any two runs. Every other field must be the same after a resume.
-MACHINE_FIELDS = {"time", "val_time", "throughput", "data_wait", "peak_mem", "reserved_mem"}
+MACHINE_FIELDS = {"time", "val_time", "throughput", "data_wait", "peak_mem", "reserved_mem",
+                  "t_compute", "t_data", "t_comm", "t_wait"}
 
 
 def assert_same_run(state, history, ref_state, ref_history, epochs):
