@@ -167,3 +167,48 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
     assert collect.returncode == 0, collect.stderr
     with open(repo_copy / "one.csv", newline="") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(1, epochs + 1))
+
+
+def pid_of_task(job_id: str, rank: int) -> int | None:
+    """The process of one task of a job on this machine (the loopback nodes share it)."""
+    from pathlib import Path
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (f"SLURM_JOB_ID={job_id}".encode() in environ and
+                f"SLURM_PROCID={rank}".encode() in environ and b"main.py" in cmdline and
+                b"--check" not in cmdline):
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_copy):
+    """srun --kill-on-bad-exit: when one rank dies the job ends within a minute, not at its
+    30-minute limit, and the log says which rank."""
+    submit = sh(["sbatch", "--parsable", "--time=00:30:00", "--nodes=1", "--ntasks-per-node=2",
+                 "--cpus-per-task=1", "run.sh", "--dataset", "synthetic", "--train-samples",
+                 "50000", "--val-samples", "64", "--batch-size", "32", "--epochs", "5",
+                 "--print-every", "20", "--no-checkpoint"], repo_copy, slurm_env, 60)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    deadline, log = time.monotonic() + 120, repo_copy / "train.log"
+    while not log.exists() or "epoch 1 step" not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(1)
+    victim = pid_of_task(job_id, 1)
+    assert victim, "no process of task 1"
+    killed_at = time.monotonic()
+    subprocess.run(["kill", "-9", str(victim)], check=True)
+    while job_fields(job_id, slurm_env).get("JobState") not in (None, "FAILED", "COMPLETED",
+                                                                "CANCELLED"):
+        assert time.monotonic() - killed_at < 90, "the job outlived its dead rank"
+        time.sleep(1)
+    log = log.read_text(errors="replace")
+    err = (repo_copy / "train.err").read_text(errors="replace")
+    print(f"the job ended {time.monotonic() - killed_at:.0f} s after task 1 was killed")
+    assert f"run.sh: job {job_id} exit status 0" not in log
+    assert "rank(s) 1 died or hung" in err or "task 1" in err, err[-2000:]
