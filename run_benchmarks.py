@@ -30,16 +30,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from config import ONE_PROCESS, PRECISIONS, STRATEGIES
 from utils import fail
 
 REPO = Path(__file__).resolve().parent
 JOBS_DIR = REPO / "jobs"
 LOGS_DIR = REPO / "logs"
 
-# main.py's --strategy and --precision choices (tests/test_run_sh.py checks they agree); kept
-# here so that a bad value fails before anything is queued, without importing torch.
-STRATEGIES = ("ddp", "fsdp")
-PRECISIONS = ("fp32", "bf16", "fp16")
+# The course's sweep; config.STRATEGIES has more (fsdp2, and the one-process dp and single).
+DEFAULT_STRATEGIES = ("ddp", "fsdp")
 
 # squeue states after which a job no longer runs (COMPLETED is the only good one).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -82,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Arguments after -- go to main.py, e.g. -- --dataset synthetic --compile")
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="GPU counts, one task each (default: 1 2 4 8)")
-    p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
-                   help="default: both")
+    p.add_argument("--strategies", nargs="+", choices=STRATEGIES,
+                   default=list(DEFAULT_STRATEGIES),
+                   help="default: ddp fsdp (dp and single run one process: --gpus 1 only)")
     p.add_argument("--gpus-per-node", type=int, default=4, help="default: %(default)s")
     p.add_argument("--epochs", type=int, default=5, help="default: %(default)s")
     p.add_argument("--batch-size", type=int, default=256,
@@ -125,6 +125,10 @@ def check_args(args) -> None:
         fail("--environment needs SLURM (srun starts the container); leave it out with --local")
     if args.poll_interval <= 0:
         fail(f"--poll-interval must be positive, got {args.poll_interval}")
+    one_process = sorted(set(args.strategies) & set(ONE_PROCESS))
+    if one_process and any(g > 1 for g in args.gpus):
+        fail(f"--strategies {' '.join(one_process)} run one process: sweep them with --gpus 1 "
+             "(in a sweep of their own)")
     for gpus in args.gpus:
         if gpus < 1:
             fail(f"--gpus: every count must be at least 1, got {gpus}")
