@@ -29,19 +29,12 @@ PORT_RANGE = 20000  # ports DEFAULT_PORT .. DEFAULT_PORT + PORT_RANGE - 1 are de
 
 @dataclass(frozen=True)
 class DistEnv:
+    """This rank's place in the run. Whether it is rank 0 is utils.is_rank_zero()'s to say."""
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
     backend: str
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
 
 
 def _int_env(env, name: str) -> int:
