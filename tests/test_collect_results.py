@@ -11,10 +11,8 @@ import collect_results
 from utils import format_metric
 
 REPO = Path(__file__).resolve().parents[1]
-COURSE_LOGS = REPO.parent / "shared" / "fixtures" / "alps-course-logs"
+COURSE_LOGS = REPO / "tests" / "fixtures" / "alps-course-logs"  # the course's real outputs
 COURSE_LOG = "ddp_4gpu_15epochs.train.log"
-needs_course_logs = pytest.mark.skipif(not COURSE_LOGS.is_dir(),
-                                       reason=f"course fixtures not found at {COURSE_LOGS}")
 
 
 def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **changes) -> dict:
@@ -63,7 +61,6 @@ def skip_reason(reports: list[str], name: str) -> str:
 
 # ---- the course's real log ----
 
-@needs_course_logs
 def test_course_log_parses(tmp_path):
     results, reports = collect(COURSE_LOGS)
     run = results[results["log"] == COURSE_LOG].set_index("epoch")
@@ -76,7 +73,6 @@ def test_course_log_parses(tmp_path):
     assert set(results["log"]) == {COURSE_LOG}
 
 
-@needs_course_logs
 def test_course_log_summary():
     results, _ = collect(COURSE_LOGS)
     row = collect_results.summarize(results).iloc[0]

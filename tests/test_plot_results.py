@@ -41,7 +41,6 @@ def test_every_png_from_a_small_csv(tmp_path, capsys):
     assert out.split() == [str(tmp_path / "plots" / name) for name in plot_results.FIGURES]
 
 
-@pytest.mark.skipif(not course_csv.is_file(), reason=f"course fixtures not found at {COURSE_LOGS}")
 def test_course_results_csv(tmp_path, capsys):
     # The course's shape: method (not strategy), final epoch only, no throughput.
     code, _, err = run_main(capsys, "--csv", course_csv, "--out-dir", tmp_path)
