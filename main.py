@@ -359,8 +359,7 @@ def train(cfg: Config, argv: list[str]) -> int:
     finally:
         distributed_utils.cleanup()
     if outcome.diverged:
-        if is_rank_zero():
-            print(f"error: {outcome.diverged}", file=sys.stderr, flush=True)
+        log0(f"error: {outcome.diverged}", file=sys.stderr)
         return EXIT_STATUS["diverged"]
     if outcome.stopped_at:
         log0(stop_report(outcome, cfg.epochs, argv))
@@ -378,9 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 return check(cfg, world_sizes)
             return train(cfg, argv)
         except UsageError as e:
-            # Usage errors are the same on every rank: one line, from rank 0.
-            if is_rank_zero():
-                print(f"error: {e}", file=sys.stderr, flush=True)
+            log0(f"error: {e}", file=sys.stderr)  # the same on every rank: one line, rank 0's
             return EXIT_STATUS["usage"]
 
 
