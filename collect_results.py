@@ -1,7 +1,13 @@
 """Collect the `[METRIC]` lines of every training log into one CSV, and print a summary.
 
-    python collect_results.py                          # logs/ -> results.csv, table on stdout
-    python collect_results.py --logs DIR --out FILE
+    python collect_results.py                          # newest sweep in logs/ -> results.csv
+    python collect_results.py --all-sweeps             # every sweep in logs/, merged
+    python collect_results.py --logs DIR [--logs DIR2] --out FILE
+
+Each sweep of run_benchmarks.py keeps its logs in a folder of its own, logs/sweep-<date-time>/;
+a folder of such sweeps is read as its newest sweep, unless --all-sweeps merges them (and says
+so). Any other folder is read as it is (e.g. the course's logs). The CSV names each run's sweep,
+and a configuration whose runs come from different sweeps is pointed out: its median mixes them.
 
 Reads the project's logs and the course's (`srun -l` rank prefixes, ANSI colours), through
 utils.parse_metric. Each log file is one run. Its identity (strategy, GPUs, nodes, job id)
@@ -25,11 +31,12 @@ from typing import Callable
 
 import pandas as pd
 
-from utils import COURSE_FIELDS, METRIC_TAG, UsageError, fail, parse_config, parse_metric
+from utils import (COURSE_FIELDS, METRIC_TAG, SWEEP_PREFIX, UsageError, fail, parse_config,
+                   parse_metric, sweep_folders)
 
 # The columns that name a run, first in the CSV; a run's rows are those of one log file.
 IDENTITY = ("strategy", "gpus", "nodes", "job_id")
-RUN_COLUMNS = ("log", *IDENTITY)
+RUN_COLUMNS = ("sweep", "log", *IDENTITY)
 COURSE_COLUMNS = tuple(name for name, _ in COURSE_FIELDS)  # epoch, time, val_loss, acc, peak_mem
 
 # Where each identity column is found in a project metric line (one rank per GPU).
@@ -45,6 +52,9 @@ LOG_NAME_RE = re.compile(r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpu
 # (`RuntimeError: NCCL timeout`) says best why.
 CRASH_MARKERS = ("Traceback (most recent call last)", "srun: error:", "slurmstepd: error:",
                  "CANCELLED AT", "DUE TO TIME LIMIT")
+# srun's report of tasks that stopped on a signal after saving (main.py's exit status 3): the
+# job requeues itself and goes on in the same log, so it is no crash.
+STOPPED_RE = re.compile(r"srun: error: .*Exited with exit code 3$")
 EXCEPTION_RE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
 STDERR_SUFFIX = ".err"
 
@@ -69,7 +79,9 @@ class Scan:
 
 
 @dataclass
-class Run:
+class LoggedRun:
+    """What one log file holds: a run of a sweep, one metric line per epoch."""
+    sweep: str
     log: str
     identity: dict
     epochs: list[dict]  # one metric line per epoch, in epoch order
@@ -89,6 +101,8 @@ def scan_log(text: str) -> Scan:
         elif (config := parse_config(line)) and isinstance(config.get("epochs"), int):
             # main.py's [CONFIG] line says how many epochs a complete run has.
             scan.expected_epochs = config["epochs"]
+        elif STOPPED_RE.search(line.strip()):
+            continue
         elif any(marker in line for marker in CRASH_MARKERS) or (
                 scan.crash_lines and EXCEPTION_RE.search(line)):
             scan.crash_lines.append(line.strip()[:160])
@@ -170,7 +184,7 @@ def run_identity(metrics: list[dict], log_name: str) -> tuple[dict, list[str]]:
     return identity, notes
 
 
-def read_run(path: Path, stderr: Path | None = None) -> Run:
+def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
     """The run one log holds, or Skip with the reason it cannot be used."""
     scan = scan_log(read_text(path))
     if stderr is not None:
@@ -187,7 +201,13 @@ def read_run(path: Path, stderr: Path | None = None) -> Run:
         notes.append(f"epoch(s) {', '.join(map(str, repeated))} logged more than once "
                      "(requeued?): kept the last")
     identity, identity_notes = run_identity(epochs, path.name)
-    return Run(path.name, identity, epochs, notes + identity_notes)
+    return LoggedRun(sweep_name(path.parent), path.name, identity, epochs,
+                     notes + identity_notes)
+
+
+def sweep_name(folder: Path) -> str:
+    """A sweep's name in the CSV: its folder's, without the prefix (20261122-141500)."""
+    return folder.name.removeprefix(SWEEP_PREFIX)
 
 
 def log_files(folder: Path) -> list[Path]:
@@ -211,32 +231,67 @@ def pair_stderr(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
     return logs, stderr_of
 
 
-def collect(folder: Path, report: Callable[[str], None]) -> list[Run]:
-    """Every usable run in the folder; each skipped file and each oddity goes to report()."""
-    logs, stderr_of = pair_stderr(log_files(folder))
-    runs = []
-    for path in logs:
-        try:
-            run = read_run(path, stderr_of.get(path))
-        except Skip as e:
-            report(f"skipped {path.name}: {e}")
-            continue
-        for note in run.notes:
-            report(f"note {path.name}: {note}")
-        runs.append(run)
+def choose_folders(given: list[Path], all_sweeps: bool,
+                   report: Callable[[str], None]) -> list[Path]:
+    """The folders to read: each given folder as it is, or, where it holds sweeps, its newest
+    sweep (all of them with all_sweeps). Says which, when there was a choice."""
+    chosen = []
+    for folder in given:
+        sweeps = sweep_folders(folder)
+        if not sweeps:
+            chosen.append(folder)
+        elif all_sweeps:
+            chosen += sweeps
+        else:
+            chosen.append(sweeps[-1])
+            others = f", the newest of {len(sweeps)} (--all-sweeps merges them)" \
+                if len(sweeps) > 1 else ""
+            report(f"reading {sweeps[-1]}{others}")
+    if len(chosen) > 1:
+        report(f"merging {len(chosen)} folders: {', '.join(map(str, chosen))}")
+    return chosen
+
+
+def collect(folders: list[Path], report: Callable[[str], None]) -> list[LoggedRun]:
+    """Every usable run in the folders; each skipped file and each oddity goes to report()."""
+    runs, read = [], 0
+    for folder in folders:
+        logs, stderr_of = pair_stderr(log_files(folder))
+        read += len(logs)
+        for path in logs:
+            try:
+                run = read_run(path, stderr_of.get(path))
+            except Skip as e:
+                report(f"skipped {path}: {e}")
+                continue
+            for note in run.notes:
+                report(f"note {path}: {note}")
+            runs.append(run)
     if not runs:
-        raise UsageError(f"no usable [METRIC] lines in any of the {len(logs)} files in {folder}")
+        raise UsageError(f"no usable [METRIC] lines in any of the {read} files in "
+                         f"{', '.join(map(str, folders))}")
     return runs
 
 
-def results_frame(runs: list[Run]) -> pd.DataFrame:
+def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
+    """A warning for each configuration whose runs come from more than one sweep."""
+    sweeps_of = {}
+    for run in runs:
+        key = (run.identity["strategy"], run.identity["gpus"])
+        sweeps_of.setdefault(key, set()).add(run.sweep)
+    return [f"warning: {strategy} on {gpus} GPU(s) has runs from {len(sweeps)} sweeps "
+            f"({', '.join(sorted(sweeps))}): the summary takes the median over them all"
+            for (strategy, gpus), sweeps in sweeps_of.items() if len(sweeps) > 1]
+
+
+def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
     """One row per run and epoch: the run's identity, the course's fields, then the others."""
     rows = []
     for run in runs:
         for fields in run.epochs:
             # strategy, nodes, job_id are identity columns already; world_size stays as logged
             other = {k: v for k, v in fields.items() if k not in IDENTITY}
-            rows.append({"log": run.log, **run.identity, **other})
+            rows.append({"sweep": run.sweep, "log": run.log, **run.identity, **other})
     frame = pd.DataFrame(rows)  # columns in order of first appearance
     leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
     return frame[leading + [c for c in frame.columns if c not in leading]]
@@ -280,7 +335,9 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                      "val_loss": final["val_loss"], "acc": final["acc"],
                      "time": median_after_first(run, "time"),
                      "throughput": median_after_first(run, "throughput"),
-                     "peak_mem": run["peak_mem"].max()})
+                     "peak_mem": run["peak_mem"].max(),
+                     "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
+                     "device": final.get("device", pd.NA)})
     return pd.DataFrame(rows)
 
 
@@ -292,7 +349,8 @@ def summarize(results: pd.DataFrame) -> pd.DataFrame:
         nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
         runs=("epochs", "size"), epochs=("epochs", "max"), val_loss=("val_loss", "median"),
         acc=("acc", "median"), time=("time", "median"), throughput=("throughput", "median"),
-        peak_mem=("peak_mem", "max"))
+        peak_mem=("peak_mem", "max"), state_mem=("state_mem", "max"),
+        device=("device", lambda d: "/".join(sorted(set(d.dropna())))))
     one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
     table["speedup"] = table["strategy"].map(one_gpu) / table["time"]
     table["efficiency"] = 100 * table["speedup"] / table["gpus"]
@@ -327,9 +385,15 @@ def markdown_table(summary: pd.DataFrame) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--logs", type=Path, default=Path("logs"), help="folder of training logs")
+    p.add_argument("--logs", type=Path, action="append",
+                   help="a folder of training logs, or of sweeps (its newest is read); give it "
+                        "again to merge folders (default: logs)")
+    p.add_argument("--all-sweeps", action="store_true",
+                   help="read every sweep of a folder of sweeps, not only the newest")
     p.add_argument("--out", type=Path, default=Path("results.csv"), help="CSV to write")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.logs = args.logs or [Path("logs")]
+    return args
 
 
 def note(text: str) -> None:
@@ -339,9 +403,11 @@ def note(text: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        runs = collect(args.logs, note)
+        runs = collect(choose_folders(args.logs, args.all_sweeps, note), note)
     except UsageError as e:
         fail(str(e))
+    for warning in mixed_sweeps(runs):
+        note(warning)
     results = results_frame(runs)
     try:
         write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))

@@ -24,6 +24,7 @@ MODELS = ("cnn", "cnn-wide", "resnet18", "resnet50")
 DATASETS = ("cifar10", "synthetic")
 LOADERS = ("tensor", "classic")
 LR_SCHEDULES = ("none", "step", "cosine")
+DEVICES = ("auto", "cuda", "cpu")
 
 
 def option(default, help: str, *, choices=None, aliases=(), metavar=None, minimum=None,
@@ -70,6 +71,9 @@ class Config:
                             "is IEEE fp32 also on GPUs, tf32 lets them use TensorFloat-32 for "
                             "matrix products and convolutions, fp16 adds a gradient scaler",
                             choices=PRECISIONS)
+    device: str = option("auto", "auto: a GPU where torch sees one, else the CPU, but an error "
+                         "where the job was given GPUs that torch cannot see; cuda: a GPU or "
+                         "an error; cpu: the CPU even where there are GPUs", choices=DEVICES)
     sharding: str = option("full", "FSDP sharding strategy: full (ZeRO-3), grad_op (ZeRO-2), "
                            "hybrid (full within a node, replicated across nodes)",
                            choices=SHARDINGS)

@@ -7,7 +7,8 @@ launch scripts export none of it. Under SLURM the rendezvous point is the first 
 step's node list (expanded here, without scontrol, so that it also works inside a container)
 and a port derived from the job id, so two jobs sharing a node never collide. With CUDA present
 each rank drives `cuda:(local_rank % device_count)` over NCCL (this also covers
-`--gpus-per-task=1`, where every task sees one GPU); otherwise the CPU over gloo.
+`--gpus-per-task=1`, where every task sees one GPU; two ranks on one GPU are refused);
+otherwise the CPU over gloo, but not silently where the job was given GPUs torch cannot see.
 """
 
 import datetime
@@ -15,6 +16,7 @@ import gc
 import itertools
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 
@@ -112,10 +114,65 @@ def rendezvous(env=os.environ) -> tuple[str, int]:
     return addr, port
 
 
-def pick_device(local_rank: int) -> tuple[torch.device, str]:
+# Variables through which a launcher gives this process GPUs (SLURM also sets
+# CUDA_VISIBLE_DEVICES, but a container or a user may clear it); "" or -1 hide every GPU.
+GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE")
+
+
+def given_gpus(env=os.environ) -> str | None:
+    """'NAME=value' of the first variable saying this process was given GPUs, else None."""
+    for name in GPU_VARIABLES:
+        value = env.get(name, "").strip()
+        none = ("", "-1", "NoDevFiles", *(("0",) if name == "SLURM_GPUS_ON_NODE" else ()))
+        if value not in none:
+            return f"{name}={value}"
+    return None
+
+
+def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[torch.device, str]:
+    """The device and backend of this rank. `auto` takes a GPU where torch sees one and the
+    CPU otherwise, but never silently where GPUs were given to the job and torch cannot see
+    them (a CPU-only build, no driver in the container): that would train on the CPU for hours."""
+    if wanted == "cpu":
+        return torch.device("cpu"), "gloo"
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    given = given_gpus(env)
+    if wanted == "cuda" or given:
+        why = (f"{given} gives this process GPUs" if given else "--device cuda asks for a GPU")
+        build = ("a CPU-only build of torch: install a CUDA build (on CSCS Alps, run in the "
+                 "container: EDF=...)" if torch.version.cuda is None else
+                 "no GPU visible to it: check nvidia-smi, and the container's GPU hooks")
+        raise UsageError(f"{why}, but torch {torch.__version__} sees none ({build}); "
+                         "--device cpu trains on the CPU on purpose")
     return torch.device("cpu"), "gloo"
+
+
+def shared_gpus(owners: list[str]) -> str | None:
+    """owners[rank] = 'host GPU-uuid': which ranks would drive one GPU together, or None."""
+    ranks_of = {}
+    for rank, owner in enumerate(owners):
+        ranks_of.setdefault(owner, []).append(rank)
+    clashes = [(owner, ranks) for owner, ranks in ranks_of.items() if len(ranks) > 1]
+    if not clashes:
+        return None
+    owner, ranks = clashes[0]
+    return (f"ranks {', '.join(map(str, ranks))} would share one GPU ({owner}; NCCL refuses "
+            f"that): start one task per GPU (--ntasks-per-node = GPUs per node, or "
+            f"--gpus-per-task=1)")
+
+
+def refuse_shared_gpus(store, rank: int, world_size: int, device: torch.device) -> None:
+    """Every rank publishes its GPU at the store and reads all of them, before NCCL starts:
+    a missing LOCAL_RANK or more tasks than GPUs on a node is one clear line, not NCCL's
+    "Duplicate GPU detected" deep in the first collective."""
+    store = dist.PrefixStore("gpus", store)
+    uuid = torch.cuda.get_device_properties(device).uuid
+    store.set(str(rank), f"{socket.gethostname()} GPU {uuid}")
+    owners = [v.decode() for v in store.multi_get([str(r) for r in range(world_size)])]
+    clash = shared_gpus(owners)
+    if clash:
+        raise UsageError(clash)
 
 
 # The store every rank met at, kept for the check-in after a failed collective (silent_ranks):
@@ -123,7 +180,7 @@ def pick_device(local_rank: int) -> tuple[torch.device, str]:
 _store = None
 
 
-def setup(timeout_s: float = 300.0) -> DistEnv:
+def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     """Join (or, alone, create) the process group and bind this process to its device.
 
     A world of one still gets a process group, from an in-memory store: DDP and FSDP need one,
@@ -133,7 +190,7 @@ def setup(timeout_s: float = 300.0) -> DistEnv:
     """
     global _store
     rank, local_rank, world_size = read_ranks()
-    device, backend = pick_device(local_rank)
+    device, backend = pick_device(local_rank, wanted=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -143,6 +200,8 @@ def setup(timeout_s: float = 300.0) -> DistEnv:
         addr, port = rendezvous()
         _store, _, _ = next(dist.rendezvous(f"tcp://{addr}:{port}", rank=rank,
                                             world_size=world_size, timeout=timeout))
+        if device.type == "cuda":
+            refuse_shared_gpus(_store, rank, world_size, device)
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", _store), rank=rank,
                             world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)

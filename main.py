@@ -80,8 +80,10 @@ def check_world(cfg: Config, world_size: int, train_size: int) -> None:
                          f"{cfg.batch_size}")
 
 
-def make_precision(cfg: Config, device: torch.device) -> Precision:
-    if cfg.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+def check_device_options(cfg: Config, device: torch.device) -> None:
+    """Options the device cannot do."""
+    if (cfg.precision == "bf16" and device.type == "cuda" and torch.cuda.is_available()
+            and not torch.cuda.is_bf16_supported()):
         raise UsageError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
                          "use --precision fp16 or fp32")
     if cfg.cpu_offload and device.type != "cuda":
@@ -91,6 +93,10 @@ def make_precision(cfg: Config, device: torch.device) -> Precision:
         raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
     if cfg.sync_bn and cfg.strategy != "ddp":
         raise UsageError("--sync-bn is for --strategy ddp")
+
+
+def make_precision(cfg: Config, device: torch.device) -> Precision:
+    check_device_options(cfg, device)
     fp16 = cfg.precision == "fp16"
     if cfg.strategy == "fsdp":  # FSDP's gradients are sharded: the scaler must see them all
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -122,6 +128,15 @@ def set_deterministic(enabled: bool) -> None:
     torch.use_deterministic_algorithms(enabled)
 
 
+def check_device(cfg: Config) -> tuple[torch.device, str]:
+    """The device the run would take here, or, for `--device cuda` checked on a machine without
+    a GPU (a login node planning a sweep), a GPU assumed: its model is unknown here."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        return torch.device("cuda"), "cuda (no GPU here: bf16 support not checked)"
+    device, _ = distributed_utils.pick_device(0, cfg.device)
+    return device, device.type
+
+
 def check(cfg: Config, world_sizes: list[int]) -> int:
     """`--check`: would this configuration run at these world sizes? One process, no training."""
     world_sizes = world_sizes or [distributed_utils.read_ranks()[2]]
@@ -131,15 +146,14 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
                                         cfg.download)
     for world_size in world_sizes:
         check_world(cfg, world_size, train_size)
-    device, _ = distributed_utils.pick_device(0)
-    make_precision(cfg, device)
+    device, where = check_device(cfg)
+    check_device_options(cfg, device)
     if cfg.resume not in (None, "auto"):
         checkpoint.resolve(cfg.resume, Path("."))
     elif cfg.checkpoint and cfg.checkpoint_dir:
         checkpoint.refuse_overwrite(Path(cfg.checkpoint_dir), cfg.resume)
     print(f"check: ok: strategy={cfg.strategy} world sizes {' '.join(map(str, world_sizes))}, "
-          f"global batch {cfg.batch_size}, {train_size} training images ({source}), "
-          f"{device.type}")
+          f"global batch {cfg.batch_size}, {train_size} training images ({source}), {where}")
     return EXIT_STATUS["finished"]
 
 
@@ -224,7 +238,8 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
              "global_batch": cfg.batch_size, "local_batch": cfg.batch_size // env.world_size},
         setting={"precision": cfg.precision, "device": env.device.type, "dataset": cfg.dataset,
                  "seed": cfg.seed, "job_id": distributed_utils.job_id()},
-        later={"sharding": effective_sharding(model, cfg.sharding)})
+        later={"sharding": effective_sharding(model, cfg.sharding),
+               "train_images": len(loaders.train) * cfg.batch_size})
     resolved = {**asdict(cfg), **labels.run, "augment": augment, "backend": env.backend,
                 "fp32_math": fp32_math, "deterministic": torch.are_deterministic_algorithms_enabled(),
                 "rendezvous": rendezvous_text(env), "threads": torch.get_num_threads(),
@@ -346,7 +361,7 @@ def stop_report(outcome: Outcome, epochs: int, argv: list[str]) -> str:
 
 def train(cfg: Config, argv: list[str]) -> int:
     """Join the other ranks, train, leave; a dead or hung peer ends this rank with one line."""
-    env = distributed_utils.setup(cfg.pg_timeout)
+    env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
     try:
         outcome = run(cfg, env)
     except Exception as e:

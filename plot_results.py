@@ -6,8 +6,10 @@
 Reads the CSV of collect_results.py, or the course's results_*.csv (`method,gpus,epoch,time,
 val_loss,acc,peak_mem`). The points are collect_results.summarize's, so the plots and the
 printed table agree: steady epoch time and throughput are medians of the epochs after the
-first, loss and accuracy are the final epoch's, peak memory is per GPU as measured. Prints the
-path of every PNG written, one per line.
+first, loss and accuracy are the final epoch's, memory is per rank as measured (max over
+ranks). Every figure says under its title what ran: device, data set and images per epoch,
+global batch, epochs and sweep, as far as the CSV tells. Prints the path of every PNG written,
+one per line.
 """
 
 import argparse
@@ -126,8 +128,33 @@ def plot_ideal_scaling(ax, summary: pd.DataFrame, column: str, exponent: int) ->
 
 
 def figure(panels: int = 1) -> tuple[Figure, list]:
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
     return fig, list(axes[0])
+
+
+def values(results: pd.DataFrame, column: str, fmt: str = "{}") -> str | None:
+    """A column's distinct values as text ('a / b' where runs differ), or None if absent."""
+    if column not in results or results[column].isna().all():
+        return None
+    return " / ".join(fmt.format(v) for v in sorted(results[column].dropna().unique()))
+
+
+def context(results: pd.DataFrame) -> str:
+    """What ran, as far as the CSV says: device, data set and size, batch, epochs, sweep."""
+    parts = []
+    if device := values(results, "device"):
+        parts.append(f"device {device}")
+    data = values(results, "dataset")
+    images = values(results, "train_images", "{:,.0f}")
+    if data or images:
+        parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
+    if batch := values(results, "global_batch", "{:.0f}"):
+        parts.append(f"global batch {batch}")
+    epochs = results.groupby(["strategy", "gpus"])["epoch"].max()
+    parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")
+    if sweep := values(results, "sweep"):
+        parts.append(f"sweep {sweep}")
+    return " · ".join(parts)
 
 
 def plot_epoch_time(summary: pd.DataFrame) -> Figure:
@@ -146,17 +173,36 @@ def plot_quality(summary: pd.DataFrame) -> Figure:
     loss_ax.set_title("Validation loss")
     plot_lines(acc_ax, summary, "acc", "validation accuracy (%, final epoch)")
     acc_ax.set_title("Validation accuracy")
-    acc_ax.legend()
+    for ax in (loss_ax, acc_ax):
+        # The values themselves on the axis: an offset ("+1.918") makes 0.001 look like a lot.
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+        ax.legend()
     return fig
 
 
+# What peak_mem measured, by the device the runs trained on (train.MemoryMeter).
+PEAK_MEMORY_LABEL = {
+    "cuda": "CUDA allocator peak above baseline (MB, max over ranks)",
+    "cpu": "process resident-set peak above baseline (MB, max over ranks)",
+}
+
+
 def plot_peak_memory(summary: pd.DataFrame) -> Figure:
-    fig, (ax,) = figure()
-    # As measured: each rank's own peak, the largest over ranks. Not divided by the GPU count.
-    plot_lines(ax, summary, "peak_mem", "peak memory per GPU (MB, max over ranks)")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Peak memory per GPU")
-    ax.legend()
+    """peak_mem as measured (not divided by the GPU count), and beside it state_mem, the
+    parameters, gradients and optimizer state one rank holds: what FSDP shards."""
+    has_state = summary["state_mem"].notna().any()
+    fig, axes = figure(2 if has_state else 1)
+    label = PEAK_MEMORY_LABEL.get(values(summary, "device"))
+    plot_lines(axes[0], summary, "peak_mem", label or "peak memory (MB, max over ranks, as logged)")
+    axes[0].set_title("Peak training memory per rank")
+    if has_state:
+        state = summary.assign(state_mem=summary["state_mem"] / 2**20)
+        plot_lines(axes[1], state, "state_mem",
+                   "parameters + gradients + optimizer state (MB)")
+        axes[1].set_title("Model state held by one rank")
+    for ax in axes:
+        ax.set_ylim(bottom=0)
+        ax.legend()
     return fig
 
 
@@ -197,13 +243,15 @@ FIGURES = {
 }
 
 
-def save_png(fig: Figure, path: Path) -> None:
+def save_png(fig: Figure, path: Path, subtitle: str) -> None:
+    fig.suptitle(subtitle, fontsize="small", color="dimgray")
     fig.tight_layout()
     write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
     plt.close(fig)
 
 
-def plot_all(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
+def plot_all(results: pd.DataFrame, out_dir: Path) -> list[Path]:
+    summary, subtitle = summarize(results), context(results)
     written = []
     for name, draw in FIGURES.items():
         try:
@@ -212,7 +260,7 @@ def plot_all(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
             plt.close("all")
             note(f"not written {name}: {e}")
             continue
-        save_png(fig, out_dir / name)
+        save_png(fig, out_dir / name, subtitle)
         written.append(out_dir / name)
     return written
 
@@ -229,11 +277,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        summary = summarize(read_results(args.csv))
+        results = read_results(args.csv)
     except UsageError as e:
         fail(str(e))
     try:
-        written = plot_all(summary, args.out_dir)
+        written = plot_all(results, args.out_dir)
     except OSError as e:
         fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
     if not written:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Collect the training logs into a CSV (summary table on stdout), then plot it.
 #
-#   ./plot_results.sh                                  # logs/ -> results.csv -> plots/*.png
-#   LOGS=old_logs OUT=old.csv PLOTS=old_plots ./plot_results.sh
+#   ./plot_results.sh                  # newest sweep in logs/ -> results.csv -> plots/*.png
+#   ./plot_results.sh --all-sweeps     # every sweep in logs/, merged (collect_results.py says so)
+#   LOGS=logs/sweep-20261122-141500 OUT=old.csv PLOTS=old_plots ./plot_results.sh
 #
+# Options go to collect_results.py.
 # Works from any directory: the defaults are the repository's logs/, results.csv and plots/;
 # paths you give are taken from where you call it. Uses the repository's .venv when there is
 # one (or $PYTHON). Opens the PNGs only where there is a viewer and a display.
@@ -18,7 +20,7 @@ logs="${LOGS:-$here/logs}"
 csv="${OUT:-$here/results.csv}"
 plots="${PLOTS:-$here/plots}"
 
-"$PYTHON" "$here/collect_results.py" --logs "$logs" --out "$csv"
+"$PYTHON" "$here/collect_results.py" --logs "$logs" --out "$csv" "$@"
 # plot_results.py prints each PNG it wrote, one per line.
 written="$("$PYTHON" "$here/plot_results.py" --csv "$csv" --out-dir "$plots")"
 

@@ -6,19 +6,24 @@
     python run_benchmarks.py --wait                    # block until the sweep ends, report failures
     python run_benchmarks.py --local --gpus 1 2        # no SLURM: torchrun on this machine
 
-Every configuration gets a script in jobs/ that submits run.sh with sbatch, sized for it: one task
-per GPU, ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script
-again to resubmit it. Logs go to logs/<strategy>_<N>gpu_<job id>.log (and .err), so no run
-overwrites another. A last job, started once all the others have ended, runs plot_results.sh:
-results.csv and plots/ appear by themselves (its own log, jobs/collect_<job id>.log, stays out
-of logs/, which the collection reads whole). The global batch size is the same for every GPU
-count, so the runs do the same work and their times compare.
+Each sweep has a folder of its own, logs/sweep-<date-time>/, so two sweeps never mix. First
+every configuration is checked (`main.py --check`, one process per strategy, no training): one
+bad configuration and nothing is written or submitted. Then every configuration gets a script
+in jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one task per GPU,
+ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script again to
+resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job
+id>.log (and .err). A last job, started once all the others have ended, runs plot_results.sh on
+the sweep's folder: results.csv and plots/ appear by themselves (its own log stays in jobs/).
+The global batch size is the same for every GPU count, so the runs do the same work and their
+times compare. Jobs that share nodes or cores measure each other: --one-at-a-time runs them in
+turn, --exclusive asks SLURM for whole nodes.
 
 Arguments after `--` go to main.py. --partition and --account are optional: sbatch also reads
 SBATCH_PARTITION and SBATCH_ACCOUNT.
 """
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -30,8 +35,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import config
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import fail
+from utils import fail, next_sweep_folder
 
 REPO = Path(__file__).resolve().parent
 JOBS_DIR = REPO / "jobs"
@@ -50,8 +56,8 @@ SQUEUE_RETRIES = 5  # a busy controller may time out now and then
 
 
 @dataclass(frozen=True)
-class Run:
-    """One configuration of the sweep."""
+class Configuration:
+    """One point of the sweep: a strategy on a number of GPUs."""
     strategy: str
     gpus: int
     nodes: int
@@ -105,7 +111,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="between two looks at the queue with --wait (default: %(default)s)")
     mode.add_argument("--local", action="store_true",
                       help="no SLURM: run the sweep one after the other here, through torchrun")
+    mode.add_argument("--one-at-a-time", action="store_true",
+                      help="each job waits for the one before it (jobs that share cores "
+                           "measure each other)")
+    mode.add_argument("--exclusive", action="store_true",
+                      help="sbatch --exclusive: no other job on a benchmark's nodes")
     return p
+
+
+def parse_args(ours: list[str]) -> argparse.Namespace:
+    """Our options; one of main.py's given before `--` is named, with where it goes."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(ours)
+    if unknown:
+        main_options = config.add_options(argparse.ArgumentParser())._option_string_actions
+        name = unknown[0].split("=", 1)[0]
+        if name in main_options:
+            fail(f"{name} is an option of main.py: put main.py's options after --, e.g. "
+                 f"python run_benchmarks.py [options] -- {shlex.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -121,8 +146,9 @@ def check_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.local and args.environment:
-        fail("--environment needs SLURM (srun starts the container); leave it out with --local")
+    if args.local and (args.environment or args.exclusive):
+        fail(f"--{'environment' if args.environment else 'exclusive'} needs SLURM; leave it "
+             "out with --local (which runs one configuration at a time anyway)")
     if args.poll_interval <= 0:
         fail(f"--poll-interval must be positive, got {args.poll_interval}")
     one_process = sorted(set(args.strategies) & set(ONE_PROCESS))
@@ -146,13 +172,14 @@ def nodes_for(gpus: int, gpus_per_node: int) -> int:
     return nodes
 
 
-def plan(args) -> list[Run]:
+def plan(args) -> list[Configuration]:
     gpu_counts = list(dict.fromkeys(args.gpus))  # without repeats, in the order given
     nodes = {g: nodes_for(g, args.gpus_per_node) for g in gpu_counts}
-    return [Run(s, g, nodes[g]) for g in gpu_counts for s in dict.fromkeys(args.strategies)]
+    return [Configuration(s, g, nodes[g])
+            for g in gpu_counts for s in dict.fromkeys(args.strategies)]
 
 
-def main_args(run: Run, args, extra: list[str]) -> list[str]:
+def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
     return ["--strategy", run.strategy, "--epochs", str(args.epochs),
             "--batch-size", str(args.batch_size), "--precision", args.precision, *extra]
 
@@ -189,8 +216,12 @@ def slurm_options(args) -> list[str]:
     return options
 
 
-def run_script(run: Run, args, extra: list[str]) -> str:
-    log = f"logs/{run.name}_%j"
+def relative(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
+    log = f"logs/{sweep}/{run.name}_%j"
     options = ["--parsable", f"--job-name=bench-{run.name}",
                f"--nodes={run.nodes}", f"--ntasks-per-node={run.tasks_per_node}",
                f"--gpus-per-node={run.tasks_per_node}", f"--output={log}.log",
@@ -199,31 +230,32 @@ def run_script(run: Run, args, extra: list[str]) -> str:
         options.append(f"--time={args.time}")
     if args.cpus_per_task:
         options.append(f"--cpus-per-task={args.cpus_per_task}")
+    if args.exclusive:
+        options.append("--exclusive")
     env = {"EDF": edf_value(args.environment)} if args.environment else {}
     comment = (f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
                f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
-               f"# Submit again with: bash jobs/{run.name}.sh [more sbatch options]\n"
+               f"# Submit again with: bash jobs/{sweep}/{run.name}.sh [more sbatch options]\n"
                "# run.sh is the launch recipe; these options size the job and name its logs.\n")
     return script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
 
 
-def collect_script(args) -> str:
-    command = "bash plot_results.sh"
+def collect_script(sweep: str, args) -> str:
+    command = f"LOGS=logs/{sweep} bash plot_results.sh"
     if args.environment:  # the host may lack pandas and matplotlib; the image has them
         command = f"srun --environment={shlex.quote(edf_value(args.environment))} {command}"
     command += '; status=$?; echo "exit status $status"; exit $status'
     options = ["--parsable", "--job-name=bench-collect", "--ntasks=1", "--time=00:15:00",
-               "--output=jobs/collect_%j.log", *slurm_options(args)]
-    comment = ("# Collects logs/ into results.csv and plots into plots/. Written by "
+               f"--output=jobs/{sweep}/collect_%j.log", *slurm_options(args)]
+    comment = (f"# Collects logs/{sweep}/ into results.csv and plots into plots/. Written by "
                "run_benchmarks.py,\n# which submits it with --dependency=afterany:<the sweep's "
-               "job ids>.\n# Submit again with: bash jobs/collect.sh [more sbatch options]\n"
-               "# Its own log goes to jobs/: logs/ holds training logs only, all read by the "
-               "collection.\n")
+               f"job ids>.\n# Submit again with: bash jobs/{sweep}/collect.sh [more sbatch "
+               "options]\n")
     return script(comment, options, ["--wrap", command], {})
 
 
 def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.chmod(0o755)
     return path
@@ -256,22 +288,29 @@ def require(*commands: str) -> None:
                  code=1)
 
 
-def submit_sweep(runs: list[Run], args, extra: list[str]) -> list[Job]:
-    jobs = []
+def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]:
+    logs = next_sweep_folder(LOGS_DIR)
+    logs.mkdir(parents=True)
+    sweep, jobs = logs.name, []
+    print(f"sweep {sweep}: logs in {relative(logs)}/, job scripts in jobs/{sweep}/", flush=True)
     try:
         for run in runs:
-            job_id = submit(write(JOBS_DIR / f"{run.name}.sh", run_script(run, args, extra)))
-            jobs.append(Job(run.name, job_id, LOGS_DIR / f"{run.name}_{job_id}.log"))
+            after = [f"--dependency=afterany:{jobs[-1].job_id}"] if (
+                args.one_at_a_time and jobs) else []
+            job_id = submit(write(JOBS_DIR / sweep / f"{run.name}.sh",
+                                  run_script(run, sweep, args, extra)), *after)
+            jobs.append(Job(run.name, job_id, logs / f"{run.name}_{job_id}.log"))
             print(f"{run.name}: job {job_id} ({count(run.nodes, 'node')} x "
-                  f"{count(run.tasks_per_node, 'task')}), log {jobs[-1].log.relative_to(REPO)}",
+                  f"{count(run.tasks_per_node, 'task')}), log {relative(jobs[-1].log)}",
                   flush=True)
         dependency = "--dependency=afterany:" + ":".join(j.job_id for j in jobs)
-        job_id = submit(write(JOBS_DIR / "collect.sh", collect_script(args)), dependency)
+        job_id = submit(write(JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)),
+                        dependency)
     except SubmitError as e:
         submitted = " ".join(j.job_id for j in jobs)
         hint = f" (already queued: {submitted}; scancel {submitted} to drop them)" if jobs else ""
         fail(f"{e}{hint}", code=1)
-    jobs.append(Job("collect", job_id, JOBS_DIR / f"collect_{job_id}.log"))
+    jobs.append(Job("collect", job_id, JOBS_DIR / sweep / f"collect_{job_id}.log"))
     print(f"collect: job {job_id}, after all the others: results.csv and plots/", flush=True)
     return jobs
 
@@ -300,7 +339,7 @@ def state_from_log(log: Path) -> str:
     return "COMPLETED" if statuses[-1] == "0" else "FAILED"
 
 
-def wait_for(jobs: list[Job], poll_interval: float) -> None:
+def wait_for_jobs(jobs: list[Job], poll_interval: float) -> None:
     running = {j.job_id: j for j in jobs}
     print(f"waiting for {len(jobs)} jobs (squeue every {poll_interval:g} s)...", flush=True)
     while running:
@@ -323,17 +362,39 @@ def report(jobs: list[Job]) -> int:
     for job in failed:
         err = job.log.with_suffix(".err")
         where = err if err.exists() and err.stat().st_size else job.log
-        print(f"failed: {job.name} job {job.job_id} {job.state}, see {where.relative_to(REPO)}",
+        print(f"failed: {job.name} job {job.job_id} {job.state}, see {relative(where)}",
               file=sys.stderr)
     print(f"sweep done: {len(jobs) - len(failed)} of {len(jobs)} jobs completed")
     return 1 if failed else 0
 
 
-def dry_run(runs: list[Run], args, extra: list[str]) -> None:
+def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
+    sweep = next_sweep_folder(LOGS_DIR).name
     for run in runs:
-        print(f"# ---- jobs/{run.name}.sh\n{run_script(run, args, extra)}")
-    print(f"# ---- jobs/collect.sh, submitted with --dependency=afterany:<the job ids above>\n"
-          f"{collect_script(args)}", end="")
+        print(f"# ---- jobs/{sweep}/{run.name}.sh\n{run_script(run, sweep, args, extra)}")
+    print(f"# ---- jobs/{sweep}/collect.sh, submitted with --dependency=afterany:<the job ids "
+          f"above>\n{collect_script(sweep, args)}", end="")
+
+
+def check_configurations(runs: list[Configuration], args, extra: list[str]) -> None:
+    """main.py --check for each strategy at every GPU count of the sweep, before anything is
+    written or submitted: a typo fails here, in seconds, not in the queue."""
+    if importlib.util.find_spec("torch") is None:
+        print("note: no torch in this Python: main.py's options are not checked before "
+              "submitting", file=sys.stderr, flush=True)
+        return
+    # A login node has no GPU: unless the sweep says where it runs, check for the GPU nodes'.
+    device = [] if args.local or "--device" in extra else ["--device", "cuda"]
+    for strategy in dict.fromkeys(r.strategy for r in runs):
+        first = next(r for r in runs if r.strategy == strategy)
+        sizes = [str(r.gpus) for r in runs if r.strategy == strategy]
+        done = subprocess.run([sys.executable, "main.py", *main_args(first, args, extra),
+                               *device, "--check", *sizes],
+                              cwd=REPO, capture_output=True, text=True,
+                              env=local_environment(1))
+        if done.returncode:  # main.py's one line, or argparse's "main.py: error: ..."
+            error = last_line(done.stderr or done.stdout).split("error: ", 1)[-1]
+            fail(f"main.py --strategy {strategy}: {error} (nothing submitted)")
 
 
 def local_environment(nproc: int) -> dict:
@@ -342,39 +403,42 @@ def local_environment(nproc: int) -> dict:
     return {**env, "NPROC": str(nproc)}
 
 
-def new_local_log(run: Run) -> Path:
-    """logs/<name>_local-<time>.log: the place of a job id, and never an earlier run's file."""
-    LOGS_DIR.mkdir(exist_ok=True)
+def new_local_log(logs: Path, run: Configuration) -> Path:
+    """<sweep>/<name>_local-<time>.log: the place of a job id, and never an earlier run's file."""
     stem = f"{run.name}_local-{time.strftime('%Y%m%d-%H%M%S')}"
-    log, n = LOGS_DIR / f"{stem}.log", 1
+    log, n = logs / f"{stem}.log", 1
     while log.exists():
         n += 1
-        log = LOGS_DIR / f"{stem}-{n}.log"
+        log = logs / f"{stem}-{n}.log"
     return log
 
 
-def run_locally(runs: list[Run], args, extra: list[str]) -> int:
+def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     """The same sweep through run.sh without SLURM: torchrun, one configuration at a time."""
+    logs = next_sweep_folder(LOGS_DIR)
+    plot = ["bash", "plot_results.sh"]
+    if args.dry_run:
+        for run in runs:
+            command = ["bash", "run.sh", *main_args(run, args, extra)]
+            print(f"NPROC={run.gpus} {shlex.join(command)}")
+        print(f"LOGS={relative(logs)} {shlex.join(plot)}")
+        return 0
+    logs.mkdir(parents=True)
+    print(f"sweep {logs.name}: logs in {relative(logs)}/", flush=True)
     failed = []
     for run in runs:
-        command = ["bash", "run.sh", *main_args(run, args, extra)]
-        if args.dry_run:
-            print(f"NPROC={run.gpus} {shlex.join(command)}")
-            continue
-        log = new_local_log(run)
-        print(f"{run.name}: {count(run.gpus, 'process')} here, log {log.relative_to(REPO)}",
-              flush=True)
+        log = new_local_log(logs, run)
+        print(f"{run.name}: {count(run.gpus, 'process')} here, log {relative(log)}", flush=True)
         with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-            status = subprocess.run(command, cwd=REPO, stdout=out, stderr=err,
+            status = subprocess.run(["bash", "run.sh", *main_args(run, args, extra)], cwd=REPO,
+                                    stdout=out, stderr=err,
                                     env=local_environment(run.gpus)).returncode
         if status:
             failed.append(run.name)
-            print(f"{run.name}: exit status {status}, see {log.with_suffix('.err').name}",
+            print(f"{run.name}: exit status {status}, see {relative(log.with_suffix('.err'))}",
                   file=sys.stderr, flush=True)
-    if args.dry_run:
-        print("bash plot_results.sh")
-        return 0
-    status = subprocess.run(["bash", "plot_results.sh"], cwd=REPO).returncode
+    status = subprocess.run(plot, cwd=REPO,
+                            env={**os.environ, "LOGS": str(logs)}).returncode
     if status:
         failed.append("plot_results.sh")
     print(f"sweep done: {len(runs) + 1 - len(failed)} of {len(runs) + 1} steps succeeded"
@@ -384,9 +448,10 @@ def run_locally(runs: list[Run], args, extra: list[str]) -> int:
 
 def main(argv=None) -> int:
     ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(ours)
+    args = parse_args(ours)
     check_args(args)
     runs = plan(args)
+    check_configurations(runs, args, extra)
     if args.local:
         return run_locally(runs, args, extra)
     if args.dry_run:
@@ -397,7 +462,7 @@ def main(argv=None) -> int:
     if not args.wait:
         return 0
     try:
-        wait_for(jobs, args.poll_interval)
+        wait_for_jobs(jobs, args.poll_interval)
     except KeyboardInterrupt:
         print("\nstopped waiting; the jobs go on (squeue --me)", file=sys.stderr)
         return 130

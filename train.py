@@ -240,7 +240,7 @@ class MetricLabels:
     labels added since (e.g. the sharding FSDP really used)."""
     run: dict  # strategy, world_size, nodes, global_batch, local_batch
     setting: dict  # precision, device, dataset, seed, job_id
-    later: dict  # sharding
+    later: dict  # sharding, train_images
 
     def line(self, measured: dict) -> dict:
         course = {name: measured[name] for name, _ in COURSE_FIELDS}

@@ -12,6 +12,8 @@ course's published regex keeps matching; more `key=value` fields follow:
 import os
 import re
 import sys
+import time
+from pathlib import Path
 from typing import NoReturn
 
 # The course's regex, kept verbatim: the project's lines must always match it.
@@ -100,6 +102,28 @@ def parse_config(line: str) -> dict | None:
     if not line.startswith(CONFIG_TAG):
         return None
     return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(CONFIG_TAG):])}
+
+
+# A sweep's logs live in logs/sweep-<date-time>/, never mixed with another sweep's: the sweep
+# tool makes the folder, the collector reads the newest (or, when asked, several).
+SWEEP_PREFIX = "sweep-"
+
+
+def next_sweep_folder(logs: Path) -> Path:
+    """logs/sweep-<date-time>[-n]: the folder a sweep started now would use (not made here)."""
+    stem = SWEEP_PREFIX + time.strftime("%Y%m%d-%H%M%S")
+    folder, n = logs / stem, 1
+    while folder.exists():
+        n += 1
+        folder = logs / f"{stem}-{n}"
+    return folder
+
+
+def sweep_folders(logs: Path) -> list[Path]:
+    """The sweeps in a logs folder, oldest first (their names sort by time)."""
+    if not logs.is_dir():
+        return []
+    return sorted(p for p in logs.iterdir() if p.is_dir() and p.name.startswith(SWEEP_PREFIX))
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -134,11 +134,13 @@ def start_ranks(args: list, world_size: int, cwd=REPO, **env) -> list[subprocess
     agent between the test and the ranks): each rank's own signals and exit status are seen."""
     from dist_harness import free_port
     port = str(free_port())
+    def rank_environment(rank: int) -> dict:
+        ours = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                    OMP_NUM_THREADS="1")
+        return clean_environment(**{**ours, **env})  # a test may override ours
+
     return [subprocess.Popen([sys.executable, "main.py", *map(str, args)], cwd=cwd, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=clean_environment(RANK=str(rank), LOCAL_RANK=str(rank),
-                                                   WORLD_SIZE=str(world_size),
-                                                   LOCAL_WORLD_SIZE=str(world_size),
-                                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                                   OMP_NUM_THREADS="1", **env))
+                             env=rank_environment(rank))
             for rank in range(world_size)]

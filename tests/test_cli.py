@@ -132,6 +132,7 @@ def test_precision_the_device_cannot_do_is_refused(monkeypatch):
 
     from config import Config
     from utils import UsageError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(UsageError, match="bf16 is not supported on Tesla V100"):

@@ -49,12 +49,12 @@ def run_log(folder: Path, name: str, epochs: int = 3, **changes) -> Path:
 
 def collect(folder: Path) -> tuple[pd.DataFrame, list[str]]:
     reports = []
-    runs = collect_results.collect(folder, reports.append)
+    runs = collect_results.collect([folder], reports.append)
     return collect_results.results_frame(runs), reports
 
 
 def skip_reason(reports: list[str], name: str) -> str:
-    found = [r for r in reports if r.startswith(f"skipped {name}: ")]
+    found = [r for r in reports if r.startswith("skipped ") and f"/{name}: " in r]
     assert found, f"{name} not reported as skipped in {reports}"
     return found[0]
 
@@ -90,7 +90,7 @@ def test_project_log_keeps_every_field(tmp_path):
     write_log(tmp_path / "fsdp_4gpu_987.log", written)
     results, reports = collect(tmp_path)
     assert reports == []
-    assert list(results.columns[:10]) == ["log", "strategy", "gpus", "nodes", "job_id",
+    assert list(results.columns[:11]) == ["sweep", "log", "strategy", "gpus", "nodes", "job_id",
                                           "epoch", "time", "val_loss", "acc", "peak_mem"]
     for fields, (_, row) in zip(written, results.iterrows()):
         for key, value in fields.items():
@@ -285,3 +285,50 @@ def test_unwritable_csv_is_one_line_and_keeps_nothing_half_written(tmp_path, cap
     blocker.write_text("x")
     code, _, err = run_main(capsys, "--logs", logs, "--out", blocker / "r.csv")
     assert code != 0 and err.splitlines()[-1].startswith("error: cannot write")
+
+
+# ---- sweeps ----
+
+def sweep(logs: Path, name: str, time_1gpu: float) -> Path:
+    folder = logs / f"sweep-{name}"
+    folder.mkdir(parents=True)
+    run_log(folder, "ddp_1gpu_1.log", world_size=1, time=time_1gpu)
+    return folder
+
+
+def test_the_newest_sweep_is_read_unless_all_are_asked_for(tmp_path, capsys):
+    """Two sweeps of the same configuration never mix silently: by default the newest alone,
+    with --all-sweeps both, with a warning that the configuration's median mixes them."""
+    logs = tmp_path / "logs"
+    sweep(logs, "20261122-100000", time_1gpu=11.5)
+    sweep(logs, "20261122-120000", time_1gpu=2.5)
+    (logs / "torchrun").mkdir()  # run.sh's torchrun reports: not a sweep
+    out_csv = tmp_path / "r.csv"
+    code, out, err = run_main(capsys, "--logs", logs, "--out", out_csv)
+    assert code == 0, err
+    assert f"reading {logs / 'sweep-20261122-120000'}, the newest of 2" in err
+    results = pd.read_csv(out_csv, dtype={"sweep": str})
+    assert set(results["sweep"]) == {"20261122-120000"} and set(results["time"]) == {2.5}
+    assert "warning" not in err
+
+    code, out, err = run_main(capsys, "--logs", logs, "--all-sweeps", "--out", out_csv)
+    assert code == 0, err
+    assert "merging 2 folders" in err
+    assert "warning: ddp on 1 GPU(s) has runs from 2 sweeps (20261122-100000, " \
+           "20261122-120000)" in err
+    results = pd.read_csv(out_csv, dtype={"sweep": str})
+    assert sorted(set(results["sweep"])) == ["20261122-100000", "20261122-120000"]
+
+
+def test_a_job_stopped_and_requeued_is_no_crash(tmp_path):
+    """A job warned before its time limit saves, exits 3 (srun reports it in the .err), is
+    requeued and finishes in the same log: a complete run, each epoch once."""
+    first = [metric_fields(1)]
+    log = write_log(tmp_path / "ddp_1gpu_77.log", first, expected_epochs=2)
+    with open(log, "a") as f:
+        f.write(log_text([metric_fields(2)], expected_epochs=2))
+    (tmp_path / "ddp_1gpu_77.err").write_text(
+        "srun: error: node1: tasks 0-1: Exited with exit code 3\n")
+    results, reports = collect(tmp_path)
+    assert list(results["epoch"]) == [1, 2], reports
+    assert not any("fail" in r or "skipped" in r for r in reports), reports

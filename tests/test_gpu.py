@@ -88,3 +88,14 @@ def test_deterministic_runs_repeat_to_the_bit():
     args = [*QUICK, "--epochs", "1", "--deterministic"]
     first, second = (run_gpu(args)[1][-1] for _ in range(2))
     assert json.dumps(first["val_loss"]) == json.dumps(second["val_loss"])
+
+
+def test_two_ranks_on_one_gpu_are_refused_in_one_line():
+    """Both ranks see one GPU as their local rank 0 (e.g. LOCAL_RANK lost, more tasks than
+    GPUs): one clear line before NCCL's "Duplicate GPU detected", exit status 2."""
+    from conftest import assert_one_line_error, start_ranks
+    ranks = start_ranks([*QUICK, "--epochs", "1"], 2, CUDA_VISIBLE_DEVICES="0", LOCAL_RANK="0")
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    rank0 = subprocess.CompletedProcess([], ranks[0].returncode, *outputs[0])
+    assert_one_line_error(rank0, "ranks 0, 1 would share one GPU")
+    assert ranks[1].returncode == 2

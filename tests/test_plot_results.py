@@ -116,3 +116,34 @@ def test_unwritable_output_folder_is_one_line(tmp_path, capsys):
     runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).to_csv(csv, index=False)
     code, _, err = run_main(capsys, "--csv", csv, "--out-dir", blocker / "plots")
     assert code != 0 and err.strip().splitlines()[-1].startswith("error: cannot write")
+
+
+def test_figures_say_what_ran_and_what_memory_was_measured():
+    """The subtitle of every figure comes from the CSV (device, data set and size, batch,
+    epochs, sweep); the memory axis names what peak_mem measured on that device."""
+    results = runs_frame({("ddp", 1): [9.0, 8.0], ("fsdp", 2): [6.0, 5.0]}).assign(
+        device="cpu", dataset="synthetic", train_images=2048, global_batch=256,
+        sweep="20261122-141500", state_mem=[8e6, 8e6, 4e6, 4e6])
+    assert plot_results.context(results) == (
+        "device cpu · synthetic (2,048 images/epoch) · global batch 256 · 2 epochs · "
+        "sweep 20261122-141500")
+    fig = plot_results.plot_peak_memory(plot_results.summarize(results))
+    memory, state = fig.axes
+    assert memory.get_ylabel() == plot_results.PEAK_MEMORY_LABEL["cpu"]
+    assert "optimizer state" in state.get_ylabel()
+    assert [line.get_ydata()[0] for line in state.get_lines()] == [8e6 / 2**20, 4e6 / 2**20]
+    # The course's CSV says nothing of device or state: one panel, labelled as logged.
+    course = plot_results.summarize(plot_results.read_results(course_csv))
+    (ax,) = plot_results.plot_peak_memory(course).axes
+    assert "as logged" in ax.get_ylabel()
+    assert plot_results.context(plot_results.read_results(course_csv)) == "10 epochs"
+
+
+def test_quality_panels_show_their_values_and_both_have_legends():
+    results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
+        val_loss=[2.0, 1.9181, 2.0, 1.9191])
+    fig = plot_results.plot_quality(plot_results.summarize(results))
+    fig.canvas.draw()
+    for ax in fig.axes:
+        assert ax.get_legend() is not None
+        assert ax.yaxis.get_major_formatter().get_offset() == ""

@@ -163,20 +163,22 @@ def test_run_sh_needs_main_py(tmp_path):
 def test_dry_run_prints_one_script_per_configuration_and_writes_nothing(repo_copy):
     done = benchmarks("--dry-run", "--", "--dataset", "synthetic", cwd=repo_copy)
     assert done.returncode == 0, done.stderr
-    scripts = dict(re.findall(r"^# ---- jobs/(\S+)\.sh.*?\n(.*?)(?=^# ---- |\Z)", done.stdout,
-                              re.MULTILINE | re.DOTALL))
+    sweep = re.search(r"^# ---- jobs/(sweep-[\d-]+)/", done.stdout, re.MULTILINE).group(1)
+    scripts = dict(re.findall(rf"^# ---- jobs/{sweep}/(\S+)\.sh.*?\n(.*?)(?=^# ---- |\Z)",
+                              done.stdout, re.MULTILINE | re.DOTALL))
     names = {f"{s}_{g}gpu" for s in ("ddp", "fsdp") for g in (1, 2, 4, 8)}
     assert set(scripts) == names | {"collect"}
     eight = scripts["fsdp_8gpu"]
     for option in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
-                   "--output=logs/fsdp_8gpu_%j.log", "--error=logs/fsdp_8gpu_%j.err"):
+                   f"--output=logs/{sweep}/fsdp_8gpu_%j.log",
+                   f"--error=logs/{sweep}/fsdp_8gpu_%j.err"):
         assert option in eight
     # One launch recipe: every job submits run.sh, with main.py's arguments after it.
     assert re.search(r"run\.sh --strategy fsdp --epochs \d+ --batch-size 256 .*--dataset synthetic",
                      eight)
     assert "--nodes=1" in scripts["ddp_1gpu"] and "--ntasks-per-node=1" in scripts["ddp_1gpu"]
-    assert "plot_results.sh" in scripts["collect"]
-    assert not (repo_copy / "jobs").exists()
+    assert f"LOGS=logs/{sweep} bash plot_results.sh" in scripts["collect"]
+    assert not (repo_copy / "jobs").exists() and not list((repo_copy / "logs").iterdir())
 
 
 def test_dry_run_passes_slurm_options_and_the_container(repo_copy):
@@ -192,10 +194,11 @@ def test_dry_run_passes_slurm_options_and_the_container(repo_copy):
 def test_local_dry_run_lists_the_torchrun_sweep():
     done = benchmarks("--local", "--dry-run", "--gpus", "1", "2", "--strategies", "ddp")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
+    lines = done.stdout.splitlines()
+    assert lines[:2] == [
         "NPROC=1 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32",
-        "NPROC=2 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32",
-        "bash plot_results.sh"]
+        "NPROC=2 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32"]
+    assert re.fullmatch(r"LOGS=logs/sweep-[\d-]+ bash plot_results\.sh", lines[2]), lines
 
 
 def test_missing_sbatch_is_a_clear_error(tmp_path):
@@ -210,9 +213,17 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
     (["--gpus", "4", "--batch-size", "30"], "--batch-size 30"),
     (["--local", "--environment", "edf.toml"], "--environment needs SLURM"),
     (["--gpus", "1", "2", "--strategies", "ddp", "single"], "single run one process"),
+    (["--gpus", "1", "--dataset", "synthetic"], "--dataset is an option of main.py: put main.py's "
+                                                "options after --"),
+    (["--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3"],
+     "main.py --strategy ddp: each rank's 128 images per step do not split into --grad-accum 3"),
+    (["--gpus", "2", "--", "--dataset", "synthetic", "--modle", "cnn"], "unrecognized arguments"),
 ])
-def test_bad_sweeps_are_refused_before_anything_runs(args, fragment):
-    assert_one_line_error(benchmarks("--dry-run", *args), fragment)
+def test_bad_sweeps_are_refused_before_anything_runs(args, fragment, repo_copy):
+    """Our own options, and main.py's through main.py --check for every configuration: one
+    line, exit status 2, and no job script or log folder written."""
+    assert_one_line_error(benchmarks("--dry-run", *args, cwd=repo_copy), fragment)
+    assert not (repo_copy / "jobs").exists() and not list((repo_copy / "logs").iterdir())
 
 
 @pytest.mark.timeout(300)
@@ -221,7 +232,8 @@ def test_local_sweep_trains_collects_and_plots(repo_copy):
                       "--batch-size", "32", "--", *TINY[:6], "--print-every", "1000",
                       cwd=repo_copy, timeout=290)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    logs = sorted(p.name for p in (repo_copy / "logs").glob("*.log"))
+    (sweep,) = (repo_copy / "logs").glob("sweep-*")  # the sweep's own folder
+    logs = sorted(p.name for p in sweep.glob("*.log"))
     assert [re.sub(r"_local-[\d-]+", "", name) for name in logs] == ["ddp_1gpu.log",
                                                                      "ddp_2gpu.log"]
     assert (repo_copy / "results.csv").exists()

@@ -14,16 +14,15 @@ import time
 import pytest
 
 import distributed_utils as du
-from utils import parse_metric
+from conftest import REPO
+from conftest import TINY as TINY_RUN, metrics_in
 
 pytestmark = pytest.mark.slurm
 
-TINY = ["--dataset", "synthetic", "--train-samples", "256", "--val-samples", "64",
-        "--print-every", "1000"]
-
-
-def metrics_in(text: str) -> list[dict]:
-    return [m for m in map(parse_metric, text.splitlines()) if m]
+# The cluster's GPUs are fake: SLURM gives them to the jobs, torch sees none, so main.py would
+# refuse to fall back to the CPU silently. These runs ask for the CPU.
+CPU = ["--device", "cpu"]
+TINY = [*TINY_RUN, *CPU]
 
 
 def stderr_tails(logs) -> str:
@@ -79,41 +78,86 @@ def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
     assert f"run.sh: job {job_id} exit status 0" in log
 
 
+@pytest.mark.timeout(120)
+def test_gpus_torch_cannot_see_are_refused_not_replaced_by_the_cpu(slurm_env, repo_copy):
+    """The job is given (fake) GPUs that torch cannot see: one error line before any task
+    starts, instead of hours of training on the CPU; --device cpu is the way to ask for that."""
+    done = sh(["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+               "run.sh", *TINY_RUN, "--epochs", "1", "--batch-size", "32"],
+              repo_copy, slurm_env, 100)
+    assert done.returncode == 2, done.stdout + done.stderr
+    err = (repo_copy / "train.err").read_text()
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "GPUs, but torch" in errors[0] and "--device cpu" in errors[0], err
+    assert "Traceback" not in err and not metrics_in((repo_copy / "train.log").read_text())
+
+
+def queued_jobs(env) -> list[str]:
+    return sh(["squeue", "--noheader", "--format=%i"], REPO, env, 30).stdout.split()
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_with_one_bad_configuration_submits_nothing(slurm_env, repo_copy):
+    before = queued_jobs(slurm_env)
+    done = sh([sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "--", *TINY,
+               "--clip-grad", "-1"], repo_copy, slurm_env, 100)
+    assert done.returncode == 2 and "--clip-grad" in done.stderr, done.stderr
+    assert done.stderr.count("error: ") == 1 and "nothing submitted" in done.stderr
+    assert queued_jobs(slurm_env) == before
+    assert not (repo_copy / "jobs").exists() and not list((repo_copy / "logs").iterdir())
+
+
 @pytest.mark.timeout(60)
 def test_a_refused_job_is_a_clear_error(slurm_env, repo_copy):
     # One node of 8 GPUs: the emulated nodes have 4, so sbatch refuses the job at once.
     done = sh([sys.executable, "run_benchmarks.py", "--gpus", "8", "--gpus-per-node", "8",
-               "--strategies", "ddp"], repo_copy, slurm_env, 50)
-    assert done.returncode == 1
+               "--strategies", "ddp", "--", *TINY], repo_copy, slurm_env, 50)
+    assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: sbatch refused jobs/ddp_8gpu.sh: ")
+    assert len(lines) == 1, lines
+    assert re.match(r"error: sbatch refused jobs/sweep-[\d-]+/ddp_8gpu\.sh: ", lines[0]), lines
 
 
 @pytest.mark.timeout(420)
 def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
+    """The README's loopback sweep: jobs one at a time, logs in the sweep's own folder, the
+    collection job plots it, and plot_results.sh then picks that sweep by default."""
+    from plot_results import FIGURES
     sweep = sh([sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "4", "--wait",
-                "--poll-interval", "2", "--cpus-per-task", "1", "--epochs", "1",
-                "--batch-size", "32", "--", *TINY], repo_copy, slurm_env, 400)
+                "--one-at-a-time", "--poll-interval", "2", "--cpus-per-task", "1",
+                "--epochs", "1", "--batch-size", "32", "--", *TINY], repo_copy, slurm_env, 400)
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr + stderr_tails(repo_copy / "logs")
+    folder = re.search(r"^sweep (sweep-[\d-]+): logs in logs/\1/", sweep.stdout, re.MULTILINE)
+    assert folder, sweep.stdout
+    logs, jobs = repo_copy / "logs" / folder.group(1), repo_copy / "jobs" / folder.group(1)
     job_ids = dict(re.findall(r"^(\w+): job (\d+) \(", sweep.stdout, re.MULTILINE))
     names = {f"{s}_{g}gpu" for s in ("ddp", "fsdp") for g in (1, 2, 4)}
     assert set(job_ids) == names
     for name, job_id in job_ids.items():  # strategy, GPU count and job id in every log's name
-        assert (repo_copy / "logs" / f"{name}_{job_id}.log").exists()
-        assert (repo_copy / "jobs" / f"{name}.sh").exists()
+        assert (logs / f"{name}_{job_id}.log").exists()
+        assert (jobs / f"{name}.sh").exists()
     assert "collect: job" in sweep.stdout and "sweep done: 7 of 7 jobs completed" in sweep.stdout
+    # One at a time: each training job started after the one before it had ended.
+    spans = sorted(job_span(job_id, slurm_env) for job_id in job_ids.values())
+    assert all(start >= end for (_, end), (start, _) in zip(spans, spans[1:])), spans
 
     plots = sh(["./plot_results.sh"], repo_copy, slurm_env, 120)
     assert plots.returncode == 0, plots.stderr
+    assert f"reading logs/{folder.group(1)}" in plots.stderr, plots.stderr
     with open(repo_copy / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(r["strategy"], int(r["gpus"])) for r in rows} == {
         (s, g) for s in ("ddp", "fsdp") for g in (1, 2, 4)}
     assert {r["job_id"] for r in rows} == set(job_ids.values())
-    pngs = [line.strip() for line in plots.stdout.splitlines() if line.strip().endswith(".png")]
-    assert pngs
-    for png in pngs:
-        assert (repo_copy / "plots" / png.rsplit("/", 1)[-1]).stat().st_size > 0
+    assert {r["sweep"] for r in rows} == {folder.group(1).removeprefix("sweep-")}
+    for png in FIGURES:  # every figure the plotter defines: this sweep has data for each
+        assert (repo_copy / "plots" / png).stat().st_size > 0, png
+
+
+def job_span(job_id: str, env) -> tuple[str, str]:
+    """(StartTime, EndTime) of a job, as SLURM's ISO times (they sort as text)."""
+    fields = job_fields(job_id, env)
+    return fields["StartTime"], fields["EndTime"]
 
 
 def job_fields(job_id: str, env) -> dict:
@@ -130,7 +174,7 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
     submit = sh(["sbatch", "--parsable", "--time=00:01:00", "--signal=B:USR1@55",
                  "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "run.sh",
                  "--dataset", "synthetic", "--train-samples", "8192", "--val-samples", "256",
-                 "--batch-size", "64", "--epochs", str(epochs), "--print-every", "20"],
+                 "--batch-size", "64", "--epochs", str(epochs), "--print-every", "20", *CPU],
                 repo_copy, slurm_env, 60)
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
@@ -192,7 +236,7 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
     submit = sh(["sbatch", "--parsable", "--time=00:30:00", "--nodes=1", "--ntasks-per-node=2",
                  "--cpus-per-task=1", "run.sh", "--dataset", "synthetic", "--train-samples",
                  "50000", "--val-samples", "64", "--batch-size", "32", "--epochs", "5",
-                 "--print-every", "20", "--no-checkpoint"], repo_copy, slurm_env, 60)
+                 "--print-every", "20", "--no-checkpoint", *CPU], repo_copy, slurm_env, 60)
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
     deadline, log = time.monotonic() + 120, repo_copy / "train.log"

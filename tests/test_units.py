@@ -71,12 +71,44 @@ def test_unreadable_hostlist_says_to_set_master_addr(nodelist):
 
 def test_device_and_backend_follow_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert du.pick_device(3) == (torch.device("cpu"), "gloo")
+    assert du.pick_device(3, env={}) == (torch.device("cpu"), "gloo")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert du.pick_device(5) == (torch.device("cuda", 1), "nccl")
+    assert du.pick_device(5, env={}) == (torch.device("cuda", 1), "nccl")
+    assert du.pick_device(5, "cpu", env={}) == (torch.device("cpu"), "gloo")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # --gpus-per-task=1
-    assert du.pick_device(3) == (torch.device("cuda", 0), "nccl")
+    assert du.pick_device(3, env={}) == (torch.device("cuda", 0), "nccl")
+
+
+@pytest.mark.parametrize("env,given", [
+    ({}, None), ({"CUDA_VISIBLE_DEVICES": ""}, None), ({"CUDA_VISIBLE_DEVICES": "-1"}, None),
+    ({"SLURM_GPUS_ON_NODE": "0"}, None), ({"SLURM_JOB_GPUS": "NoDevFiles"}, None),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
+    ({"SLURM_GPUS_ON_NODE": "4"}, "SLURM_GPUS_ON_NODE=4"),
+])
+def test_gpus_given_by_the_launcher(env, given):
+    assert du.given_gpus(env) == given
+
+
+def test_no_silent_cpu_fallback_where_gpus_were_given(monkeypatch):
+    """GPUs given to the job but invisible to torch: an error that says why and how to train
+    on the CPU on purpose; --device cuda without a GPU likewise."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match=r"SLURM_GPUS_ON_NODE=4 gives this process GPUs, but "
+                                         r"torch .* sees none .*--device cpu"):
+        du.pick_device(0, env={"SLURM_GPUS_ON_NODE": "4"})
+    with pytest.raises(UsageError, match="--device cuda asks for a GPU"):
+        du.pick_device(0, "cuda", env={})
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(UsageError, match="CPU-only build of torch"):
+        du.pick_device(0, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert du.pick_device(0, "cpu", env={"CUDA_VISIBLE_DEVICES": "0"})[0].type == "cpu"
+
+
+def test_two_ranks_on_one_gpu_are_named():
+    owners = ["n1 GPU a", "n1 GPU b", "n2 GPU a", "n1 GPU a"]  # a GPU uuid is per node here
+    assert du.shared_gpus(owners).startswith("ranks 0, 3 would share one GPU (n1 GPU a;")
+    assert du.shared_gpus(["n1 GPU a", "n1 GPU b", "n2 GPU a"]) is None
 
 
 def test_num_nodes():

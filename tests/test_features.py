@@ -1,0 +1,229 @@
+"""Features a user turns on with one option, each shown by a real run of main.py: hybrid
+sharding, bf16/fp16, --compile with checkpoints, --channels-last, the classic loader, cnn-wide;
+and what the `[METRIC]` fields time, throughput and peak_mem measure, each measured here rather
+than read off the code.
+
+Most runs are compared with one eager fp32 DDP run of the same tiny setting (`reference`): a
+feature that is silently ignored, or that changes the numerics it should not change, shows in
+the losses; one that trains wrongly shows too.
+"""
+
+import math
+
+import pytest
+import torch
+
+from checkpoint import Position
+from config import Config
+from conftest import TINY, metrics_in, run_main
+from dist_harness import spawn
+from main import build_trainer
+from utils import parse_config
+
+# Two epochs of 8 steps on TINY's 256 images: a few seconds per run.
+ARGS = [*TINY, "--batch-size", "32", "--epochs", "2"]
+CFG = dict(dataset="synthetic", train_samples=256, val_samples=64, batch_size=32, epochs=1,
+           print_every=10**6, checkpoint=False)
+
+
+def trained(args: list, nproc: int | None = None, epochs: int = 2, timeout=240, **env):
+    """The [METRIC] lines and the [CONFIG] line of a run that must finish (exit 0) with one
+    finite-loss line per epoch."""
+    done = run_main(args, nproc=nproc, timeout=timeout, **env)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    lines = metrics_in(done.stdout)
+    assert [m["epoch"] for m in lines] == list(range(1, epochs + 1)), done.stdout[-3000:]
+    for m in lines:
+        assert math.isfinite(m["train_loss"]) and math.isfinite(m["val_loss"]), m
+    config = next(filter(None, map(parse_config, done.stdout.splitlines())))
+    return lines, config
+
+
+def losses(lines: list[dict]) -> list[float]:
+    return [m[k] for m in lines for k in ("train_loss", "val_loss")]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, DDP, eager, fp32, tensor loader, the course CNN: what the features are
+    compared with."""
+    lines, config = trained([*ARGS, "--no-checkpoint"])
+    return lines, config
+
+
+# ----------------------------------------------------------------------------- hybrid sharding
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_hybrid_sharding_trains_sharded_within_the_node(reference, strategy):
+    """`--sharding hybrid` on one node of 2 ranks really runs hybrid (the `sharding` field, per
+    fsdp_utils.effective_sharding, says `hybrid`; it falls back to `no_shard` only at world size
+    1), shards inside the node (each rank holds half of DDP's state bytes, as `full` does), and
+    trains as one process does on the same global batches (the same losses, to rounding)."""
+    lines, config = trained([*ARGS, "--no-checkpoint", "--strategy", strategy,
+                             "--sharding", "hybrid"], nproc=2)
+    ref_lines, _ = reference
+    for m, ref in zip(lines, ref_lines):
+        assert (m["sharding"], m["strategy"], m["world_size"], m["nodes"]) == (
+            "hybrid", strategy, 2, 1), m
+        assert 0.49 < m["state_mem"] / ref["state_mem"] < 0.51, (m["state_mem"], ref["state_mem"])
+    assert losses(lines) == pytest.approx(losses(ref_lines), abs=2e-4)
+    assert config["sharding"] == "hybrid"
+
+
+# ----------------------------------------------------------------------------- precision
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_trains_end_to_end(reference, precision):
+    """`--precision bf16|fp16` runs to the end on the CPU (fp16 with its gradient scaler), says
+    so in the `precision` field, and computes in the low precision: finite losses close to
+    fp32's yet not fp32's to the printed digits (an ignored option would repeat them exactly)."""
+    lines, _ = trained([*ARGS, "--no-checkpoint", "--precision", precision])
+    ref_lines, _ = reference
+    assert all(m["precision"] == precision for m in lines), lines
+    assert losses(lines) == pytest.approx(losses(ref_lines), abs=0.02)
+    assert losses(lines) != losses(ref_lines), "the same digits as fp32: low precision unused"
+
+
+# ----------------------------------------------------------------------------- compile
+
+def test_compiled_run_checkpoints_and_resumes(reference, tmp_path):
+    """`--compile` with checkpoints: torch.compile really traces the model (dynamo's own log
+    names model.py's forward), epoch 1 saves a checkpoint, and a compiled `--resume auto` run
+    to 2 epochs resumes from it: it prints epoch 2 only and trains it from the saved weights
+    (the training loss of the uninterrupted eager run's epoch 2, to rounding)."""
+    folder = tmp_path / "ckpt"
+    compiled = [*TINY, "--batch-size", "32", "--compile", "--checkpoint-dir", folder]
+    first = run_main([*compiled, "--epochs", "1"], timeout=300, TORCH_LOGS="dynamo")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert "start tracing forward" in first.stderr and "model.py" in first.stderr, \
+        "torch.compile did not trace the model"
+    assert [m["epoch"] for m in metrics_in(first.stdout)] == [1]
+    assert (folder / "ckpt_e0002_s000000").is_dir(), sorted(p.name for p in folder.iterdir())
+
+    second = run_main([*compiled, "--epochs", "2", "--resume", "auto"], timeout=300)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert "[CHECKPOINT] resumed from" in second.stdout and "ckpt_e0002_s000000" in second.stdout
+    (resumed,) = metrics_in(second.stdout)
+    assert resumed["epoch"] == 2
+    straight = reference[0][1]
+    assert math.isfinite(resumed["val_loss"])
+    assert resumed["train_loss"] == pytest.approx(straight["train_loss"], abs=1e-3)
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- channels_last
+
+def memory_formats(env, cfg):
+    """After one training step: is every 4-d conv weight, its gradient and the input batch
+    channels_last?"""
+    trainer, _ = build_trainer(cfg, env)
+    images, labels = next(iter(trainer.loaders.train))
+    trainer.step(images, labels)
+    convs = [m.weight for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d)]
+    nhwc = torch.channels_last
+    return {"convs": len(convs),
+            "weights": [w.is_contiguous(memory_format=nhwc) for w in convs],
+            "grads": [w.grad.is_contiguous(memory_format=nhwc) for w in convs],
+            "batch": images.is_contiguous(memory_format=nhwc)}
+
+
+def test_channels_last_trains_with_nhwc_weights_and_batches(reference):
+    """`--channels-last` trains (exit 0, the losses of the default layout to rounding: the same
+    math), and really uses NHWC: in the trainer main.py builds, every conv weight, its gradient
+    after a step, and the batches are channels_last (without the option, none is)."""
+    lines, _ = trained([*ARGS, "--no-checkpoint", "--channels-last"])
+    assert losses(lines) == pytest.approx(losses(reference[0]), abs=2e-4)
+    nhwc = spawn(memory_formats, 1, Config(**CFG, channels_last=True))[0]
+    assert nhwc == {"convs": 3, "weights": [True] * 3, "grads": [True] * 3, "batch": True}
+    nchw = spawn(memory_formats, 1, Config(**CFG))[0]
+    assert nchw == {"convs": 3, "weights": [False] * 3, "grads": [False] * 3, "batch": False}
+
+
+# ----------------------------------------------------------------------------- classic loader
+
+def test_classic_loader_trains_like_the_tensor_loader(reference):
+    """`--loader classic` (torchvision transforms in 2 DataLoader workers; synthetic data is
+    allowed) trains: the same epoch lines, and, without augmentation, the same batches as the
+    tensor path, hence its losses to rounding; it keeps no data set on the device
+    (data_mem=0)."""
+    lines, config = trained([*ARGS, "--no-checkpoint", "--loader", "classic"])
+    ref_lines, ref_config = reference
+    assert len(lines) == len(ref_lines)
+    assert config["steps_per_epoch"] == ref_config["steps_per_epoch"] == 256 // 32
+    assert losses(lines) == pytest.approx(losses(ref_lines), abs=2e-4)
+    assert all(m["data_mem"] == 0 for m in lines) and ref_lines[0]["data_mem"] > 0
+
+
+# ----------------------------------------------------------------------------- cnn-wide
+
+def test_cnn_wide_trains_with_far_more_state(reference):
+    """`--model cnn-wide` (4x the channels) trains, and its state_mem (parameters, gradients and
+    Adam's two moments: 16 bytes a parameter, plus Adam's step counters) is that of its own
+    parameter count, more than 4x the course CNN's in the same settings."""
+    lines, config = trained([*ARGS, "--no-checkpoint", "--model", "cnn-wide"])
+    ref_lines, ref_config = reference
+    assert config["parameters"] > 4 * ref_config["parameters"]
+    for m, ref in zip(lines, ref_lines):
+        assert 0 <= m["state_mem"] - 16 * config["parameters"] < 1024, m["state_mem"]
+        assert m["state_mem"] > 4 * ref["state_mem"], (m["state_mem"], ref["state_mem"])
+
+
+# ----------------------------------------------------------------------------- [METRIC] meanings
+
+def test_time_excludes_validation():
+    """`time` is the training part of the epoch only: with one training step and 4,096
+    validation images, validation takes many times longer than `time` (were it inside the
+    timed window, `time` would be at least `val_time`)."""
+    lines, _ = trained([*TINY, "--train-samples", "64", "--val-samples", "4096",
+                        "--batch-size", "64", "--epochs", "2", "--no-checkpoint"])
+    for m in lines:
+        assert m["val_time"] > 0.1, m
+        assert m["time"] * 5 < m["val_time"], (m["time"], m["val_time"])
+
+
+def test_throughput_counts_the_images_of_all_ranks():
+    """`throughput` = training images of all ranks / `time`: at 2 ranks, 3,000 images and a
+    global batch of 256 train 11 full global batches (the last 184 images are dropped), so
+    throughput x time is 2,816, within 1% plus the rounding of the printed time; not one
+    rank's 1,408, nor the 3,000 of the data set."""
+    lines, config = trained([*TINY, "--train-samples", "3000", "--batch-size", "256",
+                             "--epochs", "2", "--no-checkpoint"], nproc=2)
+    assert config["steps_per_epoch"] == 3000 // 256 == 11 and config["world_size"] == 2
+    images = config["steps_per_epoch"] * config["global_batch"]
+    for m in lines:
+        assert m["time"] > 0, m
+        tolerance = 0.01 + 0.005 / m["time"]  # time is printed with 2 decimals
+        assert tolerance < 0.5 * (3000 - images) / images, f"time {m['time']} s too short to tell"
+        assert m["throughput"] * m["time"] == pytest.approx(images, rel=tolerance), m
+
+
+def peak_with_allocation(env, cfg, extra_mb):
+    """One epoch in which this rank also touches extra_mb[rank] MB at its first step (inside
+    the window peak_mem measures). Returns the reported peak_mem and this rank's own peak."""
+    trainer, _ = build_trainer(cfg, env)
+    original, extra = trainer.step, extra_mb[env.rank]
+    allocated = []
+
+    def step(images, labels):
+        if not allocated:
+            block = torch.ones(extra * 2**20 // 4)  # written, so resident
+            allocated.append(float(block[-1]))
+            del block
+        return original(images, labels)
+
+    trainer.step = step
+    _, measured = trainer.run_epoch(Position())
+    assert allocated, "the step was not called"
+    return measured["peak_mem"], trainer.memory.training_peak() / 2**20
+
+
+def test_peak_mem_is_the_maximum_over_ranks():
+    """`peak_mem` is the largest rank's own training peak: with rank 0 touching 100 MB and rank
+    1 300 MB inside the epoch, both ranks report rank 1's own peak (to a couple of MB), not
+    rank 0's (rank 0 alone) nor the two added up (a sum)."""
+    (reported0, own0), (reported1, own1) = spawn(peak_with_allocation, 2, Config(**CFG),
+                                                 [100, 300])
+    assert own1 - own0 > 150, (own0, own1)
+    assert reported0 == reported1, (reported0, reported1)
+    assert abs(reported0 - max(own0, own1)) <= 3, (reported0, own0, own1)
