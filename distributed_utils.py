@@ -178,6 +178,12 @@ def refuse_shared_gpus(store, rank: int, world_size: int, device: torch.device) 
 # The store every rank met at, kept for the check-in after a failed collective (silent_ranks):
 # torch offers no public way to get it back from the process group.
 _store = None
+# Waiting for rank 0's one-off work (a 170 MB download, a cache) is not a hung peer: it gets a
+# CPU group of its own with a long timeout. On NCCL it also keeps that wait off the GPU, where
+# the watchdog would abort the job after --pg-timeout.
+HANDSHAKE_TIMEOUT_S = 3600.0
+_handshake_group = None
+_timeout = datetime.timedelta(seconds=300)  # the run's --pg-timeout, for every group we make
 
 
 def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
@@ -188,12 +194,12 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     under torchrun, its agent already does there and every rank is a client (dist.rendezvous
     knows which).
     """
-    global _store
+    global _store, _handshake_group, _timeout
     rank, local_rank, world_size = read_ranks()
     device, backend = pick_device(local_rank, wanted=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = _timeout = datetime.timedelta(seconds=timeout_s)
     if world_size == 1:
         _store = dist.HashStore()
     else:
@@ -205,19 +211,36 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", _store), rank=rank,
                             world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
+    if world_size > 1:
+        _handshake_group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=HANDSHAKE_TIMEOUT_S))
     return DistEnv(rank, local_rank, world_size, device, backend)
 
 
-def cleanup() -> None:
-    """Destroy the process groups while the interpreter is fully alive.
+def subgroups(rank_lists: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group of a partition of the ranks (every rank calls it with the same lists),
+    with the run's --pg-timeout: torch's own subgroups (a device mesh's) would get the backend's
+    default, 10 minutes for NCCL, 30 for gloo, whatever --pg-timeout says."""
+    group, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=_timeout)
+    return group
 
-    destroy_process_group only forgets the groups; their C++ side dies with the last Python
-    reference. A reference cycle (modules, hooks) can postpone that to the interpreter's
-    teardown, where gloo's threads are torn down unjoined: "terminate called without an
-    active exception", SIGABRT, after all the work was done. Collect the cycles first.
+
+def cleanup(failed: bool = False) -> None:
+    """Destroy the process groups while the interpreter is fully alive; after a peer failed,
+    abort them first.
+
+    On NCCL, work queued towards a dead peer never completes and destroying the group would
+    wait for it: abort drops it. destroy_process_group only forgets the groups; their C++ side
+    dies with the last Python reference. A reference cycle (modules, hooks) can postpone that to
+    the interpreter's teardown, where gloo's threads are torn down unjoined: "terminate called
+    without an active exception", SIGABRT, after all the work was done. Collect the cycles first.
     """
+    global _handshake_group
     if dist.is_initialized():
         gc.collect()
+        if failed:
+            dist.group.WORLD.abort()
+        _handshake_group = None
         dist.destroy_process_group()
         gc.collect()
 
@@ -232,7 +255,8 @@ def on_rank0(fn, *args):
     """Run fn on rank 0 alone and hand its result, or its UsageError, to every rank.
 
     For work only one rank may do (download, create folders): the broadcast is also the
-    barrier, and a failure ends every rank with rank 0's message instead of a hang.
+    barrier, and a failure ends every rank with rank 0's message instead of a hang. The others
+    wait up to HANDSHAKE_TIMEOUT_S, not --pg-timeout: a download takes minutes.
     """
     outcome = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -241,7 +265,7 @@ def on_rank0(fn, *args):
         except UsageError as e:
             outcome = [("error", str(e))]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=_handshake_group)
     status, value = outcome[0]
     if status == "error":
         raise UsageError(value)

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import (CPUOffload, CPUOffloadPolicy, FSDPModule, Mi
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import CustomPolicy
 
+import distributed_utils
 from utils import UsageError
 
 SHARDING = {
@@ -75,8 +76,12 @@ def hybrid_mesh(device: torch.device, ranks_per_node: int | None) -> DeviceMesh:
         raise UsageError(f"hybrid sharding needs equal ranks per node; world size {world}, "
                          f"ranks per node {ranks_per_node}")
     check_ranks_by_node(ranks_per_node)
-    return init_device_mesh(device.type, (world // ranks_per_node, ranks_per_node),
-                            mesh_dim_names=("replicate", "shard"))
+    mesh = torch.arange(world).view(world // ranks_per_node, ranks_per_node)
+    # Groups of our own, with --pg-timeout: init_device_mesh's would get the backend default.
+    replicate = distributed_utils.subgroups(mesh.t().tolist())  # one rank of each node
+    shard = distributed_utils.subgroups(mesh.tolist())  # the ranks of one node
+    return DeviceMesh.from_group([replicate, shard], device.type, mesh,
+                                 mesh_dim_names=("replicate", "shard"))
 
 
 def get_fsdp_model(model: nn.Module, device: torch.device, sharding: str = "full",

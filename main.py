@@ -362,8 +362,10 @@ def stop_report(outcome: Outcome, epochs: int, argv: list[str]) -> str:
 def train(cfg: Config, argv: list[str]) -> int:
     """Join the other ranks, train, leave; a dead or hung peer ends this rank with one line."""
     env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
+    failed = True
     try:
         outcome = run(cfg, env)
+        failed = False
     except Exception as e:
         if not distributed_utils.is_peer_failure(e):
             raise
@@ -372,7 +374,7 @@ def train(cfg: Config, argv: list[str]) -> int:
               flush=True)
         return EXIT_STATUS["peer_failed"]
     finally:
-        distributed_utils.cleanup()
+        distributed_utils.cleanup(failed)
     if outcome.diverged:
         log0(f"error: {outcome.diverged}", file=sys.stderr)
         return EXIT_STATUS["diverged"]

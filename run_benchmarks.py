@@ -201,7 +201,7 @@ def script(comment: str, sbatch_options: list[str], target: list[str], env: dict
     options = " \\\n    ".join(shlex.quote(o) for o in sbatch_options)
     return ("#!/bin/bash\n"
             f"{comment}"
-            'cd "$(dirname "$0")/.." || exit\n'
+            'cd "$(dirname "$0")/../.." || exit  # from jobs/<sweep>/ to the repository\n'
             f"{exports}"
             f"exec sbatch \\\n    {options} \\\n"
             f'    "$@" \\\n'

@@ -28,13 +28,13 @@ def _to_bytes(value) -> bytes:
     return buffer.getvalue()
 
 
-def _worker(fn, rank, world_size, port, queue, args):
+def _worker(fn, rank, world_size, port, queue, args, pg_timeout_s):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)  # as torchrun does: N ranks share 2 cores
     try:
-        env = distributed_utils.setup(timeout_s=60)
+        env = distributed_utils.setup(timeout_s=pg_timeout_s)
         try:
             queue.put((rank, "ok", _to_bytes(fn(env, *args))))
         finally:
@@ -43,21 +43,22 @@ def _worker(fn, rank, world_size, port, queue, args):
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 180) -> list:
+def spawn(fn, world_size: int, *args, timeout: float = 180, pg_timeout_s: float = 60) -> list:
     """fn(env, *args) on every rank; returns the results by rank. Raises if any rank fails."""
-    outcomes = spawn_outcomes(fn, world_size, *args, timeout=timeout)
+    outcomes = spawn_outcomes(fn, world_size, *args, timeout=timeout, pg_timeout_s=pg_timeout_s)
     errors = [f"rank {r}: {value}" for r, (status, value) in enumerate(outcomes) if status != "ok"]
     if errors:
         raise AssertionError("\n".join(errors))
     return [value for _, value in outcomes]
 
 
-def spawn_outcomes(fn, world_size: int, *args, timeout: float = 180) -> list[tuple[str, object]]:
+def spawn_outcomes(fn, world_size: int, *args, timeout: float = 180,
+                   pg_timeout_s: float = 60) -> list[tuple[str, object]]:
     """(status, value) for every rank: ('ok', result) or ('error', message)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args))
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, pg_timeout_s))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -37,11 +37,10 @@ def first_error_line(rank0) -> str:
     return ""
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("failure,signal_sent,bound", [
-    ("dies", signal.SIGKILL, DEAD_S), ("hangs", signal.SIGSTOP, HUNG_S)])
-def test_a_dead_or_hung_peer_ends_rank_0_with_one_line_and_status_1(failure, signal_sent, bound):
-    ranks = start_ranks([*ARGS, "--pg-timeout", PG_TIMEOUT_S], 2, PYTHONUNBUFFERED="1")
+def end_rank1_during_training(args: list, signal_sent) -> tuple[str, int, float]:
+    """Two ranks train; rank 1 gets signal_sent. Rank 0's error line, exit status, and the
+    seconds it took to say so."""
+    ranks = start_ranks([*args, "--pg-timeout", PG_TIMEOUT_S], 2, PYTHONUNBUFFERED="1")
     rank0, rank1 = ranks
     watchdog = threading.Timer(150, rank0.kill)  # a rank 0 that never reacts ends the test
     watchdog.start()
@@ -57,7 +56,62 @@ def test_a_dead_or_hung_peer_ends_rank_0_with_one_line_and_status_1(failure, sig
         for rank in ranks:  # SIGKILL also ends a stopped process
             rank.kill()
             rank.communicate()
+    return error, status, elapsed
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("failure,signal_sent,bound", [
+    ("dies", signal.SIGKILL, DEAD_S), ("hangs", signal.SIGSTOP, HUNG_S)])
+def test_a_dead_or_hung_peer_ends_rank_0_with_one_line_and_status_1(failure, signal_sent, bound):
+    error, status, elapsed = end_rank1_during_training([*ARGS, "--device", "cpu"], signal_sent)
     print(f"rank 1 {failure}: rank 0 said so after {elapsed:.1f} s")
     assert error.startswith("error: rank 0: rank(s) 1 died or hung"), error
     assert status == 1
     assert elapsed < bound, elapsed
+
+
+# The run's --pg-timeout in the next two tests: a wait longer than this is not one that
+# --pg-timeout cut short.
+SHORT_TIMEOUT_S = 2
+
+
+def slow_rank0_work(env, work_s: float) -> str:
+    import distributed_utils
+    return distributed_utils.on_rank0(lambda: time.sleep(work_s) or "done")
+
+
+def test_waiting_for_rank0s_download_outlasts_the_pg_timeout():
+    """A download takes minutes: the others wait on the handshake group, not --pg-timeout."""
+    from dist_harness import spawn
+    assert spawn(slow_rank0_work, 2, 3 * SHORT_TIMEOUT_S, pg_timeout_s=SHORT_TIMEOUT_S,
+                 timeout=120) == ["done", "done"]
+
+
+def late_collective_on_the_hybrid_mesh(env) -> tuple[float, str]:
+    """Rank 1 comes late to an all-reduce of its node's shard group (ranks 0 and 1): how long
+    rank 0 waited before giving up, and why."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_utils import hybrid_mesh
+    group = hybrid_mesh(env.device, ranks_per_node=2).get_group("shard")
+    if env.rank == 1:
+        time.sleep(4 * SHORT_TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        error = ""
+    except RuntimeError as e:
+        error = str(e).splitlines()[0]
+    return time.monotonic() - start, error
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_mesh_groups_time_out_after_the_pg_timeout():
+    """The mesh's own groups get --pg-timeout, not the backend's default of 30 minutes. Four
+    ranks, two "nodes": at two, the shard group would be the whole world, which has it."""
+    from dist_harness import spawn
+    (waited, error), *_ = spawn(late_collective_on_the_hybrid_mesh, 4,
+                               pg_timeout_s=SHORT_TIMEOUT_S, timeout=100)
+    assert error, "rank 0's collective should have timed out"
+    assert SHORT_TIMEOUT_S - 0.5 < waited < 3 * SHORT_TIMEOUT_S, (waited, error)

@@ -99,3 +99,18 @@ def test_two_ranks_on_one_gpu_are_refused_in_one_line():
     rank0 = subprocess.CompletedProcess([], ranks[0].returncode, *outputs[0])
     assert_one_line_error(rank0, "ranks 0, 1 would share one GPU")
     assert ranks[1].returncode == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.timeout(180)
+def test_a_dead_peer_on_nccl_ends_rank_0_with_one_line_and_status_1():
+    """On NCCL too: the stop agreement's gloo all-reduce notices, rank 0 aborts its NCCL
+    communicator (destroying it would wait for the dead peer's work) and exits."""
+    import signal
+
+    from test_failures import ARGS, DEAD_S, end_rank1_during_training
+    error, status, elapsed = end_rank1_during_training([*ARGS, "--device", "cuda"],
+                                                       signal.SIGKILL)
+    assert error.startswith("error: rank 0: rank(s) 1 died or hung"), error
+    assert status == 1
+    assert elapsed < DEAD_S, elapsed
