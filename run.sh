@@ -39,6 +39,7 @@
 #             virtual environment's, else the repository's .venv, else python3 on PATH
 #   NPROC     without SLURM: processes to start; default one per visible GPU, 2 on CPU
 #   REPO_DIR  where main.py is, if the job is not submitted from the repository
+#   SAMPLES_DIR  where the samplers write (default logs); SAMPLE_EVERY their interval (5 s)
 set -euo pipefail
 
 fail() {
@@ -81,6 +82,41 @@ pick_python() {
 # shellcheck disable=SC2016  # expanded by each task, not here
 TASK_SETUP='cd "$1" && shift && exec "$@"'
 
+# What the GPUs and the training processes did while the job ran, sampled on each node every
+# SAMPLE_EVERY seconds until it is sent SIGTERM: gpu_<tag>_<host>.csv (nvidia-smi, where there
+# is one) and cpu_<tag>_<host>.csv (CPU seconds and resident memory of every main.py of this
+# user, from /proc). collect_results.py summarises them. Appends: a requeued job goes on.
+sample_node() {
+    local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program stat rss tick
+    host=${SLURMD_NODENAME:-$(hostname -s)}   # SLURM's name: emulated nodes share a host
+    tick=$(getconf CLK_TCK)
+    mkdir -p "$dir"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total,power.draw \
+            --format=csv,nounits -l "$every" >>"$dir/gpu_${tag}_$host.csv" 2>/dev/null &
+        gpu_pid=$!
+    fi
+    local cpu_csv=$dir/cpu_${tag}_$host.csv
+    [ -s "$cpu_csv" ] || echo "time_s,pid,cpu_s,rss_mb" >"$cpu_csv"
+    trap '[ -z "$gpu_pid" ] || kill "$gpu_pid" 2>/dev/null; exit 0' TERM INT
+    while true; do
+        for pid in $(pgrep -u "$(id -u)" -f '[m]ain[.]py'); do
+            # Ranks only: not srun or a shell with main.py among its arguments, not torchrun.
+            program=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n 1)
+            [[ ${program##*/} == python* ]] || continue
+            grep -qs 'distributed[.]run' "/proc/$pid/cmdline" && continue
+            # utime and stime are fields 14 and 15 of /proc/PID/stat, after "(comm)".
+            stat=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null) || continue
+            rss=$(awk '/^VmRSS:/ { print $2 }' "/proc/$pid/status" 2>/dev/null) || continue
+            echo "$stat" | awk -v t="$(date +%s.%N)" -v pid="$pid" -v rss="${rss:-0}" \
+                -v tick="$tick" '{ printf "%.3f,%s,%.2f,%.1f\n", t, pid, ($12 + $13) / tick,
+                                   rss / 1024 }' >>"$cpu_csv"
+        done
+        sleep "$every" &
+        wait $! || true   # a SIGTERM ends the wait at once, not after the sleep
+    done
+}
+
 run_slurm() {
     local in_container=no
     [ -n "${EDF:-}" ] && in_container=yes
@@ -105,7 +141,7 @@ run_slurm() {
          "($SLURM_JOB_NODELIST), $PYTHON${EDF:+ in $EDF}"
     # SLURM's warning may come at any time from here on: remember it, and pass it to srun once
     # srun runs. --resume auto comes first, here and below: the user's own --resume wins.
-    local srun_pid="" status=0 requeue=no
+    local srun_pid="" sampler_pid="" status=0 requeue=no
     trap 'requeue=yes; [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null' USR1
     # Bad input fails here, in one process on this node, rather than in every task. The
     # container's Python is reachable only through srun: there, the tasks find it themselves.
@@ -114,12 +150,19 @@ run_slurm() {
         "$PYTHON" main.py --resume auto "$@" --check ${SLURM_NTASKS:-} || return
     fi
     if [ "$requeue" = no ]; then
+        # One sampler per node, beside the tasks (--overlap: it takes none of their resources).
+        srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" \
+            --ntasks-per-node=1 bash -c "$(declare -f sample_node); sample_node \"\$@\"" \
+            sampler "$SAMPLES_DIR" "$SLURM_JOB_ID" "$SAMPLE_EVERY" &
+        sampler_pid=$!
         trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
         # In the background, so that this shell can take SLURM's warning while the tasks train.
         srun "${srun_args[@]}" bash -c "$TASK_SETUP" task "$REPO" "$PYTHON" -u main.py \
             --resume auto "$@" &
         srun_pid=$!
         wait_through_signals "$srun_pid" || status=$?
+        kill -TERM "$sampler_pid" 2>/dev/null
+        wait "$sampler_pid" 2>/dev/null || true
     fi
     trap - USR1 TERM
     # A line that outlives the job: SLURM forgets finished jobs after a while.
@@ -171,8 +214,12 @@ run_local() {
     mkdir -p "$folder"
     echo "run.sh: no SLURM job: $procs process(es) on this machine through torchrun, $PYTHON;" \
          "stderr in $folder"
+    sample_node "$SAMPLES_DIR" "local-${folder##*/}" "$SAMPLE_EVERY" &
+    local sampler_pid=$!
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" \
         --log-dir "$folder" --redirects 2 main.py "$@" 2>"$folder/torchrun.log" || status=$?
+    kill -TERM "$sampler_pid" 2>/dev/null
+    wait "$sampler_pid" 2>/dev/null || true
     [ "$status" -eq 0 ] || report_failure "$folder" "$status"
 }
 
@@ -214,6 +261,9 @@ last_line() {   # of rank $2's stderr under torchrun's --log-dir $1: a traceback
 
 REPO=$(find_repo)
 cd "$REPO"
+SAMPLES_DIR=$(realpath -m "${SAMPLES_DIR:-logs}")
+SAMPLE_EVERY=${SAMPLE_EVERY:-5}
+[[ "$SAMPLE_EVERY" =~ ^[1-9][0-9]*$ ]] || fail "SAMPLE_EVERY must be whole seconds: '$SAMPLE_EVERY'"
 if [ -n "${SLURM_JOB_ID:-}" ]; then
     run_slurm "$@"
 else

@@ -232,7 +232,9 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
         options.append(f"--cpus-per-task={args.cpus_per_task}")
     if args.exclusive:
         options.append("--exclusive")
-    env = {"EDF": edf_value(args.environment)} if args.environment else {}
+    env = {"SAMPLES_DIR": f"logs/{sweep}"}  # run.sh's GPU and CPU samplers: beside the logs
+    if args.environment:
+        env["EDF"] = edf_value(args.environment)
     comment = (f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
                f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
                f"# Submit again with: bash jobs/{sweep}/{run.name}.sh [more sbatch options]\n"
@@ -391,16 +393,16 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> N
         done = subprocess.run([sys.executable, "main.py", *main_args(first, args, extra),
                                *device, "--check", *sizes],
                               cwd=REPO, capture_output=True, text=True,
-                              env=local_environment(1))
+                              env=without_slurm())
         if done.returncode:  # main.py's one line, or argparse's "main.py: error: ..."
             error = last_line(done.stderr or done.stdout).split("error: ", 1)[-1]
             fail(f"main.py --strategy {strategy}: {error} (nothing submitted)")
 
 
-def local_environment(nproc: int) -> dict:
-    # Without SLURM's variables: inside an allocation, run.sh would otherwise launch with srun.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    return {**env, "NPROC": str(nproc)}
+def without_slurm() -> dict:
+    """This environment without SLURM's variables: inside an allocation, run.sh would otherwise
+    launch with srun, and main.py would take the allocation's ranks for its own."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 
 
 def new_local_log(logs: Path, run: Configuration) -> Path:
@@ -432,7 +434,8 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
         with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
             status = subprocess.run(["bash", "run.sh", *main_args(run, args, extra)], cwd=REPO,
                                     stdout=out, stderr=err,
-                                    env=local_environment(run.gpus)).returncode
+                                    env={**without_slurm(), "NPROC": str(run.gpus),
+                                         "SAMPLES_DIR": str(logs)}).returncode
         if status:
             failed.append(run.name)
             print(f"{run.name}: exit status {status}, see {relative(log.with_suffix('.err'))}",

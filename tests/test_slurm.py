@@ -6,6 +6,7 @@ Needs root (the cluster installs packages and starts daemons); skipped, with the
 the cluster cannot start."""
 
 import csv
+import os
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import pytest
 
 import distributed_utils as du
+import samples
 from conftest import REPO, SLURM_DIR
 from conftest import TINY as TINY_RUN, metrics_in
 
@@ -125,7 +127,9 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     from plot_results import FIGURES
     sweep = sh([sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "4", "--wait",
                 "--one-at-a-time", "--poll-interval", "2", "--cpus-per-task", "1",
-                "--epochs", "1", "--batch-size", "32", "--", *TINY], repo_copy, slurm_env, 400)
+                "--epochs", "1", "--batch-size", "32", "--", *TINY], repo_copy,
+               {**slurm_env, "SAMPLE_EVERY": "1",  # run.sh's samplers, with a fake nvidia-smi
+                "PATH": f"{REPO / 'tests' / 'fake-bin'}{os.pathsep}{slurm_env['PATH']}"}, 400)
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr + stderr_tails(repo_copy / "logs")
     folder = re.search(r"^sweep (sweep-[\d-]+): logs in logs/\1/", sweep.stdout, re.MULTILINE)
     assert folder, sweep.stdout
@@ -136,6 +140,11 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     for name, job_id in job_ids.items():  # strategy, GPU count and job id in every log's name
         assert (logs / f"{name}_{job_id}.log").exists()
         assert (jobs / f"{name}.sh").exists()
+    gpus, processes = samples.summarize([logs])  # one sampler on the job's node, both CSVs
+    assert set(gpus["job_id"]) == set(processes["job_id"]) == set(job_ids.values())
+    ranks = processes.groupby("job_id")["pid"].nunique()
+    assert {name: ranks[job_id] for name, job_id in job_ids.items()} == {
+        name: int(name.split("_")[1].removesuffix("gpu")) for name in job_ids}
     assert "collect: job" in sweep.stdout and "sweep done: 7 of 7 jobs completed" in sweep.stdout
     # One at a time: each training job started after the one before it had ended.
     spans = sorted(job_span(job_id) for job_id in job_ids.values())
@@ -143,7 +152,7 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
 
     plots = sh(["./plot_results.sh"], repo_copy, slurm_env, 120)
     assert plots.returncode == 0, plots.stderr
-    assert f"reading logs/{folder.group(1)}" in plots.stderr, plots.stderr
+    assert re.search(rf"^reading \S*logs/{folder.group(1)}\b", plots.stderr, re.M), plots.stderr
     with open(repo_copy / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(r["strategy"], int(r["gpus"])) for r in rows} == {
