@@ -106,6 +106,9 @@ class Config:
     deterministic: bool = option(False, "deterministic kernels only: on a GPU, runs repeat to the "
                                  "bit (slower; an op without one is an error)",
                                  flag="--deterministic")
+    profile: bool = option(False, "trace a few training steps of each rank with "
+                           "torch.profiler: logs/profiles/<job id>_rank<R>.json, for "
+                           "ui.perfetto.dev", flag="--profile")
     print_every: int = option(50, "progress line every N steps (rank 0)", minimum=1,
                               metavar="N")
     pg_timeout: float = option(300.0, "seconds a collective waits for a missing rank before "

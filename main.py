@@ -17,6 +17,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,8 +30,8 @@ from config import ONE_PROCESS, Config, add_options, validate
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import DTYPES, effective_sharding, get_fsdp2_model, get_fsdp_model
 from model import NUM_CLASSES, build_model, count_parameters
-from train import (ComputeCalibration, Diverged, MemoryMeter, MetricLabels, Precision,
-                   Trainer)
+from train import (PROFILE_SCHEDULE, ComputeCalibration, Diverged, MemoryMeter, MetricLabels,
+                   Precision, StepProfiler, Trainer)
 from utils import UsageError, format_config, is_rank_zero, log0
 
 # The exit statuses, for scripts that run main.py.
@@ -298,6 +299,8 @@ class Outcome:
 def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     """Resume if asked, then train until cfg.epochs or until a stop signal (then save)."""
     trainer, resolved = build_trainer(cfg, env)
+    if cfg.profile:
+        trainer.profiler = StepProfiler(profile_path(env), env.device)
     folder = (distributed_utils.on_rank0(checkpoint.prepare_folder, cfg.checkpoint_dir,
                                          cfg.resume) if cfg.checkpoint else None)
     fits = checkpoint.Identity(cfg.strategy, cfg.model, resolved["parameters"], cfg.batch_size)
@@ -332,7 +335,29 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
             last = checkpoint.latest(folder) if folder else None
             return Outcome(trainer, [], None, folder, f"{e}: training diverged (try a lower "
                            f"--lr); the last good checkpoint is {last or 'none'}")
+    if trainer.profiler:
+        log0(profile_report(trainer.profiler))
     return Outcome(trainer, history, stopped_at, folder)
+
+
+PROFILE_DIR = Path("logs") / "profiles"
+
+
+def profile_path(env: distributed_utils.DistEnv) -> Path:
+    """One trace per rank and run: a SLURM job's id, else rank 0's start time (on every rank)."""
+    run_name = distributed_utils.job_id()
+    if run_name == "local":
+        run_name = distributed_utils.on_rank0(lambda: time.strftime("local-%Y%m%d-%H%M%S"))
+    return PROFILE_DIR / f"{run_name}_rank{env.rank}.json"
+
+
+def profile_report(profiler: StepProfiler) -> str:
+    steps = sum(PROFILE_SCHEDULE.values())
+    if not profiler.saved:
+        return f"[PROFILE] no trace: the run trained fewer than {steps} steps"
+    pattern = profiler.path.with_name(profiler.path.name.replace("rank0", "rank*"))
+    return (f"[PROFILE] steps {steps - PROFILE_SCHEDULE['active'] + 1}-{steps} of each rank "
+            f"traced: {pattern} (open in https://ui.perfetto.dev)")
 
 
 def continue_command(argv: list[str], folder: Path) -> str:

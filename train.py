@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -282,6 +283,31 @@ class Diverged(Exception):
     """The training loss became NaN or infinite: every further step is wasted."""
 
 
+# --profile traces these steps of the first epoch trained: the first is skipped (it carries
+# one-off work), the next warm the profiler up, the last are recorded.
+PROFILE_SCHEDULE = {"wait": 1, "warmup": 2, "active": 3}
+
+
+class StepProfiler:
+    """--profile: torch.profiler over a few training steps of this rank, saved as a Chrome
+    trace (open it in https://ui.perfetto.dev): operator by operator and, on a GPU, kernel by
+    kernel, with the collectives and whether they overlap compute."""
+
+    def __init__(self, path: Path, device: torch.device):
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.path, self.saved = path, False
+        self.profiler = torch.profiler.profile(
+            activities=activities, on_trace_ready=self.save,
+            schedule=torch.profiler.schedule(**PROFILE_SCHEDULE, repeat=1))
+
+    def save(self, profiler: torch.profiler.profile) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.path))
+        self.saved = True
+
+
 @dataclass
 class Trainer:
     """One rank's part of a training run, and the loop that trains it."""
@@ -297,12 +323,18 @@ class Trainer:
     grad_accum: int = 1
     clip_grad: float | None = None
     calibration: "ComputeCalibration | None" = None  # for t_compute (see time_breakdown)
+    profiler: StepProfiler | None = None
 
     def fit(self, start: Position, epochs: int, stop: StopRequest,
             save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
         """Epochs from `start` to `epochs`, each saved when done. Returns the `[METRIC]` fields
         of the epochs finished and, if a stop was agreed, the position saved (else None).
         Raises Diverged, saving nothing, after an epoch whose training loss is not finite."""
+        with self.profiler.profiler if self.profiler else contextlib.nullcontext():
+            return self._fit(start, epochs, stop, save)
+
+    def _fit(self, start: Position, epochs: int, stop: StopRequest,
+             save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
         history, position = [], start
         while position.epoch <= epochs:
             reached, measured = self.run_epoch(position, stop)
@@ -381,6 +413,8 @@ class Trainer:
                 images, labels = next(batches)
 
             loss = self.step(images, labels)
+            if self.profiler:
+                self.profiler.profiler.step()
             loss_sum += loss * len(labels)
             seen += len(labels)
             progress.update(step, loss)

@@ -227,3 +227,25 @@ def test_peak_mem_is_the_maximum_over_ranks():
     assert own1 - own0 > 150, (own0, own1)
     assert reported0 == reported1, (reported0, reported1)
     assert abs(reported0 - max(own0, own1)) <= 3, (reported0, own0, own1)
+
+
+def test_profile_traces_the_scheduled_steps_of_every_rank(repo_copy):
+    """--profile: one Chrome trace per rank holding the traced steps and the gradient
+    all-reduce, and training unchanged by it."""
+    import json
+
+    from train import PROFILE_SCHEDULE
+    args = [*ARGS, "--epochs", "1", "--no-checkpoint"]
+    done = run_main([*args, "--profile"], nproc=2, cwd=repo_copy)
+    assert done.returncode == 0, done.stderr[-3000:]
+    traces = sorted((repo_copy / "logs" / "profiles").glob("local-*_rank*.json"))
+    assert [t.name[-10:] for t in traces] == ["rank0.json", "rank1.json"], traces
+    assert "[PROFILE] steps 4-6 of each rank traced: logs/profiles/" in done.stdout
+    first, last = PROFILE_SCHEDULE["wait"] + PROFILE_SCHEDULE["warmup"], sum(
+        PROFILE_SCHEDULE.values())
+    for trace in traces:
+        names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+        assert {f"ProfilerStep#{s}" for s in range(first, last)} <= names, trace
+        assert "gloo:all_reduce" in names, trace
+    plain = run_main(args, nproc=2, cwd=repo_copy)
+    assert metrics_in(done.stdout)[0]["train_loss"] == metrics_in(plain.stdout)[0]["train_loss"]
