@@ -14,9 +14,12 @@ ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job
 resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job
 id>.log (and .err). A last job, started once all the others have ended, runs plot_results.sh on
 the sweep's folder: results.csv and plots/ appear by themselves (its own log stays in jobs/).
-The global batch size is the same for every GPU count, so the runs do the same work and their
-times compare. Jobs that share nodes or cores measure each other: --one-at-a-time runs them in
-turn, --exclusive asks SLURM for whole nodes.
+Strong scaling (the default) keeps the global batch size the same for every GPU count, so the
+runs do the same steps and their times compare; --scaling weak keeps the batch per GPU instead
+(the global batch grows with the GPUs, the steps per epoch shrink). Jobs that share nodes or
+cores measure each other: --one-at-a-time runs them in turn, --exclusive asks SLURM for whole
+nodes. Clusters are noisy: --repeats R runs every configuration R times (the summary gives the
+median and the spread).
 
 Arguments after `--` go to main.py. --partition and --account are optional: sbatch also reads
 SBATCH_PARTITION and SBATCH_ACCOUNT.
@@ -57,10 +60,11 @@ SQUEUE_RETRIES = 5  # a busy controller may time out now and then
 
 @dataclass(frozen=True)
 class Configuration:
-    """One point of the sweep: a strategy on a number of GPUs."""
+    """One point of the sweep: a strategy on a number of GPUs, with its global batch."""
     strategy: str
     gpus: int
     nodes: int
+    global_batch: int
 
     @property
     def name(self) -> str:
@@ -93,7 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=4, help="default: %(default)s")
     p.add_argument("--epochs", type=int, default=5, help="default: %(default)s")
     p.add_argument("--batch-size", type=int, default=256,
-                   help="global batch size, the same for every GPU count (default: %(default)s)")
+                   help="strong scaling: the global batch size of every GPU count; weak: the "
+                        "batch per GPU (default: %(default)s)")
+    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
+                   help="strong: the same global batch for every GPU count; weak: the same "
+                        "batch per GPU (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="run every configuration R times (default: %(default)s)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default: %(default)s")
     slurm = p.add_argument_group("SLURM (default: run.sh's #SBATCH lines and SBATCH_* variables)")
     slurm.add_argument("--partition", help="sbatch --partition")
@@ -142,7 +152,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def check_args(args) -> None:
-    for name in ("gpus_per_node", "epochs", "batch_size", "cpus_per_task"):
+    for name in ("gpus_per_node", "epochs", "batch_size", "cpus_per_task", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -159,7 +169,7 @@ def check_args(args) -> None:
         if gpus < 1:
             fail(f"--gpus: every count must be at least 1, got {gpus}")
         nodes_for(gpus, args.gpus_per_node)
-        if args.batch_size % gpus:
+        if args.scaling == "strong" and args.batch_size % gpus:
             fail(f"--batch-size {args.batch_size} does not split evenly over {gpus} GPUs")
 
 
@@ -175,13 +185,16 @@ def nodes_for(gpus: int, gpus_per_node: int) -> int:
 def plan(args) -> list[Configuration]:
     gpu_counts = list(dict.fromkeys(args.gpus))  # without repeats, in the order given
     nodes = {g: nodes_for(g, args.gpus_per_node) for g in gpu_counts}
-    return [Configuration(s, g, nodes[g])
+    def global_batch(gpus: int) -> int:
+        return args.batch_size * gpus if args.scaling == "weak" else args.batch_size
+
+    return [Configuration(s, g, nodes[g], global_batch(g))
             for g in gpu_counts for s in dict.fromkeys(args.strategies)]
 
 
 def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
     return ["--strategy", run.strategy, "--epochs", str(args.epochs),
-            "--batch-size", str(args.batch_size), "--precision", args.precision, *extra]
+            "--batch-size", str(run.global_batch), "--precision", args.precision, *extra]
 
 
 def count(n: int, noun: str) -> str:
@@ -290,19 +303,27 @@ def require(*commands: str) -> None:
                  code=1)
 
 
+def repeated(runs: list[Configuration], repeats: int):
+    """(configuration, name) R times each, one configuration after the other; the name says
+    which repeat (a repeat's log differs by its job id or time stamp alone)."""
+    for run in runs:
+        for i in range(1, repeats + 1):
+            yield run, run.name if repeats == 1 else f"{run.name} (repeat {i} of {repeats})"
+
+
 def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]:
     logs = next_sweep_folder(LOGS_DIR)
     logs.mkdir(parents=True)
     sweep, jobs = logs.name, []
     print(f"sweep {sweep}: logs in {relative(logs)}/, job scripts in jobs/{sweep}/", flush=True)
     try:
-        for run in runs:
+        for run, name in repeated(runs, args.repeats):
             after = [f"--dependency=afterany:{jobs[-1].job_id}"] if (
                 args.one_at_a_time and jobs) else []
             job_id = submit(write(JOBS_DIR / sweep / f"{run.name}.sh",
                                   run_script(run, sweep, args, extra)), *after)
-            jobs.append(Job(run.name, job_id, logs / f"{run.name}_{job_id}.log"))
-            print(f"{run.name}: job {job_id} ({count(run.nodes, 'node')} x "
+            jobs.append(Job(name, job_id, logs / f"{run.name}_{job_id}.log"))
+            print(f"{name}: job {job_id} ({count(run.nodes, 'node')} x "
                   f"{count(run.tasks_per_node, 'task')}), log {relative(jobs[-1].log)}",
                   flush=True)
         dependency = "--dependency=afterany:" + ":".join(j.job_id for j in jobs)
@@ -387,9 +408,10 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> N
         return
     # A login node has no GPU: unless the sweep says where it runs, check for the GPU nodes'.
     device = [] if args.local or "--device" in extra else ["--device", "cuda"]
-    for strategy in dict.fromkeys(r.strategy for r in runs):
-        first = next(r for r in runs if r.strategy == strategy)
-        sizes = [str(r.gpus) for r in runs if r.strategy == strategy]
+    # One check per strategy and global batch (weak scaling has one per GPU count).
+    for strategy, batch in dict.fromkeys((r.strategy, r.global_batch) for r in runs):
+        same = [r for r in runs if (r.strategy, r.global_batch) == (strategy, batch)]
+        first, sizes = same[0], [str(r.gpus) for r in same]
         done = subprocess.run([sys.executable, "main.py", *main_args(first, args, extra),
                                *device, "--check", *sizes],
                               cwd=REPO, capture_output=True, text=True,
@@ -420,7 +442,7 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     logs = next_sweep_folder(LOGS_DIR)
     plot = ["bash", "plot_results.sh"]
     if args.dry_run:
-        for run in runs:
+        for run, _ in repeated(runs, args.repeats):
             command = ["bash", "run.sh", *main_args(run, args, extra)]
             print(f"NPROC={run.gpus} {shlex.join(command)}")
         print(f"LOGS={relative(logs)} {shlex.join(plot)}")
@@ -428,24 +450,25 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     logs.mkdir(parents=True)
     print(f"sweep {logs.name}: logs in {relative(logs)}/", flush=True)
     failed = []
-    for run in runs:
+    for run, name in repeated(runs, args.repeats):
         log = new_local_log(logs, run)
-        print(f"{run.name}: {count(run.gpus, 'process')} here, log {relative(log)}", flush=True)
+        print(f"{name}: {count(run.gpus, 'process')} here, log {relative(log)}", flush=True)
         with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
             status = subprocess.run(["bash", "run.sh", *main_args(run, args, extra)], cwd=REPO,
                                     stdout=out, stderr=err,
                                     env={**without_slurm(), "NPROC": str(run.gpus),
                                          "SAMPLES_DIR": str(logs)}).returncode
         if status:
-            failed.append(run.name)
-            print(f"{run.name}: exit status {status}, see {relative(log.with_suffix('.err'))}",
+            failed.append(name)
+            print(f"{name}: exit status {status}, see {relative(log.with_suffix('.err'))}",
                   file=sys.stderr, flush=True)
     status = subprocess.run(plot, cwd=REPO,
                             env={**os.environ, "LOGS": str(logs)}).returncode
     if status:
         failed.append("plot_results.sh")
-    print(f"sweep done: {len(runs) + 1 - len(failed)} of {len(runs) + 1} steps succeeded"
-          + (f"; failed: {' '.join(failed)}" if failed else ""))
+    steps = len(runs) * args.repeats + 1
+    print(f"sweep done: {steps - len(failed)} of {steps} steps succeeded"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 

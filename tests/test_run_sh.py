@@ -201,6 +201,16 @@ def test_local_dry_run_lists_the_torchrun_sweep():
     assert re.fullmatch(r"LOGS=logs/sweep-[\d-]+ bash plot_results\.sh", lines[2]), lines
 
 
+def test_weak_scaling_keeps_the_batch_per_gpu_and_repeats_repeat():
+    done = benchmarks("--local", "--dry-run", "--gpus", "1", "2", "4", "--strategies", "ddp",
+                      "--scaling", "weak", "--batch-size", "32", "--repeats", "2")
+    assert done.returncode == 0, done.stderr
+    runs = [line.split()[0] + " " + line.split("--batch-size ")[1].split()[0]
+            for line in done.stdout.splitlines()[:-1]]
+    assert runs == ["NPROC=1 32", "NPROC=1 32", "NPROC=2 64", "NPROC=2 64", "NPROC=4 128",
+                    "NPROC=4 128"]
+
+
 def test_missing_sbatch_is_a_clear_error(tmp_path):
     done = benchmarks("--gpus", "1", PATH=str(tmp_path))  # a PATH without sbatch
     assert_one_line_error(done, "sbatch not found", status=1)
@@ -212,6 +222,10 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
     (["--gpus", "0"], "at least 1"),
     (["--gpus", "4", "--batch-size", "30"], "--batch-size 30"),
     (["--local", "--environment", "edf.toml"], "--environment needs SLURM"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--gpus", "1", "2", "--scaling", "weak", "--batch-size", "6", "--", "--dataset",
+      "synthetic", "--grad-accum", "4"],
+     "main.py --strategy ddp: each rank's 6 images per step do not split into --grad-accum 4"),
     (["--gpus", "1", "2", "--strategies", "ddp", "single"], "single run one process"),
     (["--gpus", "1", "--dataset", "synthetic"], "--dataset is an option of main.py: put main.py's "
                                                 "options after --"),
