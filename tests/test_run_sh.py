@@ -211,6 +211,17 @@ def test_weak_scaling_keeps_the_batch_per_gpu_and_repeats_repeat():
                     "NPROC=4 128"]
 
 
+@pytest.mark.parametrize("gpus,strategies", [("2", ["ddp", "fsdp", "fsdp2"]),
+                                              ("1", ["ddp", "fsdp", "fsdp2", "dp", "single"])])
+def test_the_sweep_takes_every_strategy(gpus, strategies, repo_copy):
+    """Each is checked by main.py --check (nothing submitted on a dry run) and gets its job."""
+    done = benchmarks("--dry-run", "--gpus", gpus, "--strategies", *strategies, "--",
+                      "--dataset", "synthetic", cwd=repo_copy)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"^# ---- jobs/sweep-[\d-]+/(\w+)\.sh$", done.stdout, re.M) == [
+        f"{s}_{gpus}gpu" for s in strategies]
+
+
 def test_missing_sbatch_is_a_clear_error(tmp_path):
     done = benchmarks("--gpus", "1", PATH=str(tmp_path))  # a PATH without sbatch
     assert_one_line_error(done, "sbatch not found", status=1)
