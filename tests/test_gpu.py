@@ -114,3 +114,15 @@ def test_a_dead_peer_on_nccl_ends_rank_0_with_one_line_and_status_1():
     assert error.startswith("error: rank 0: rank(s) 1 died or hung"), error
     assert status == 1
     assert elapsed < DEAD_S, elapsed
+
+
+def test_profile_records_cuda_kernels(tmp_path):
+    """--profile on a GPU: the trace holds the device's kernels, not only the CPU's operators."""
+    import shutil
+    for path in REPO.glob("*.py"):
+        shutil.copy2(path, tmp_path / path.name)
+    done = run_main([*QUICK, "--epochs", "1", "--profile"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (trace,) = (tmp_path / "logs" / "profiles").glob("*_rank0.json")
+    categories = {e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert "kernel" in categories, categories
