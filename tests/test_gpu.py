@@ -121,7 +121,8 @@ def test_profile_records_cuda_kernels(tmp_path):
     import shutil
     for path in REPO.glob("*.py"):
         shutil.copy2(path, tmp_path / path.name)
-    done = run_main([*QUICK, "--epochs", "1", "--profile"], cwd=tmp_path)
+    done = run_main([*QUICK, "--epochs", "1", "--train-samples", "1024", "--profile"],
+                    cwd=tmp_path)  # 16 steps: the profiler traces steps 4-6
     assert done.returncode == 0, done.stderr[-3000:]
     (trace,) = (tmp_path / "logs" / "profiles").glob("*_rank0.json")
     categories = {e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}
