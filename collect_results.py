@@ -31,6 +31,7 @@ from typing import Callable
 
 import pandas as pd
 
+import samples
 from utils import (COURSE_FIELDS, METRIC_TAG, SWEEP_PREFIX, UsageError, fail, parse_config,
                    parse_metric, sweep_folders)
 
@@ -382,6 +383,43 @@ def markdown_table(summary: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def sample_tables(folders: list[Path], results: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """run.sh's GPU and CPU samples, per GPU and per rank, each row with its run's strategy, GPU
+    count and in-process peak_mem (MB), so that nvidia-smi's view stands next to PyTorch's."""
+    gpus, processes = samples.summarize(folders)
+    runs = run_summaries(results)[["job_id", "strategy", "gpus", "peak_mem"]]
+    runs = runs.astype({"job_id": str}).drop_duplicates("job_id")
+
+    def with_run(table: pd.DataFrame) -> pd.DataFrame:
+        return runs.merge(table.astype({"job_id": str}), on="job_id", how="right")
+    return with_run(gpus), with_run(processes)
+
+
+def sample_report(gpus: pd.DataFrame) -> str:
+    """A markdown table of the GPU samples, one row per GPU of each job."""
+    columns = ("strategy", "gpus", "job_id", "host", "gpu", "peak_mem", "peak_mem_mib",
+               "mean_mem_mib", "mode_mem_mib", "mean_util_pct")
+    headers = ("strategy", "GPUs", "job", "node", "GPU", "peak_mem MB (PyTorch)",
+               "nvidia-smi peak MiB", "mean MiB", "most frequent MiB", "mean util %")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for _, row in gpus.iterrows():
+        lines.append("| " + " | ".join("n/a" if pd.isna(row[c]) else str(row[c])
+                                       for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_sample_tables(out: Path, folders: list[Path], results: pd.DataFrame) -> None:
+    """gpu_samples.csv and cpu_samples.csv beside the results, where run.sh sampled anything."""
+    gpus, processes = sample_tables(folders, results)
+    for name, table in (("gpu_samples.csv", gpus), ("cpu_samples.csv", processes)):
+        if not table.empty:
+            path = out.with_name(name)
+            write_atomically(path, lambda temp, t=table: t.to_csv(temp, index=False))
+            note(f"wrote {path}: {len(table)} rows")
+    if not gpus.empty:
+        print("\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n" + sample_report(gpus))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -403,7 +441,8 @@ def note(text: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        runs = collect(choose_folders(args.logs, args.all_sweeps, note), note)
+        folders = choose_folders(args.logs, args.all_sweeps, note)
+        runs = collect(folders, note)
     except UsageError as e:
         fail(str(e))
     for warning in mixed_sweeps(runs):
@@ -415,6 +454,10 @@ def main(argv=None) -> int:
         fail(f"cannot write {args.out}: {e.strerror or e}")
     note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
     print(markdown_table(summarize(results)))
+    try:
+        write_sample_tables(args.out, folders, results)
+    except OSError as e:
+        fail(f"cannot write beside {args.out}: {e.strerror or e}")
     return 0
 
 

@@ -332,3 +332,38 @@ def test_a_job_stopped_and_requeued_is_no_crash(tmp_path):
     results, reports = collect(tmp_path)
     assert list(results["epoch"]) == [1, 2], reports
     assert not any("fail" in r or "skipped" in r for r in reports), reports
+
+
+def test_gpu_samples_stand_next_to_their_runs(tmp_path, capsys):
+    """run.sh's sampler CSVs in the logs' folder: per GPU, with the run's strategy, GPU count
+    and in-process peak_mem, in gpu_samples.csv and a table after the summary."""
+    run_log(tmp_path, "ddp_2gpu_4242.log", world_size=2, job_id="4242", peak_mem=84)
+    run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
+    (tmp_path / "gpu_4242_nid001.csv").write_text(
+        "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
+        "power.draw [W]\n"
+        "2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
+        "2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0\n"
+        "2026/11/22 10:00:05.000, 0, 70, 1500, 81559, 310.0\n"
+        "2026/11/22 10:00:05.000, 1, 60, 1600, 81559, 280.0\n")
+    (tmp_path / "cpu_4242_nid001.csv").write_text(
+        "time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n5.0,11,6.0,600.0\n")
+    out = tmp_path / "results.csv"
+    assert collect_results.main(["--logs", str(tmp_path), "--out", str(out)]) == 0
+    gpus = pd.read_csv(tmp_path / "gpu_samples.csv")
+    assert gpus[["strategy", "gpus", "job_id", "gpu", "peak_mem", "peak_mem_mib",
+                 "mean_util_pct"]].values.tolist() == [["ddp", 2, 4242, 0, 84, 1500, 80.0],
+                                                        ["ddp", 2, 4242, 1, 84, 1600, 70.0]]
+    cpu = pd.read_csv(tmp_path / "cpu_samples.csv")
+    assert cpu[["job_id", "pid", "mean_cpu_pct", "peak_rss_mb"]].values.tolist() == [
+        [4242, 11, 100.0, 600.0]]
+    printed = capsys.readouterr().out
+    assert "GPU memory and use (nvidia-smi" in printed
+    assert "| ddp | 2 | 4242 | nid001 | 1 | 84 | 1600 |" in printed
+
+
+def test_no_samples_no_sample_files(tmp_path, capsys):
+    run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
+    assert collect_results.main(["--logs", str(tmp_path), "--out", str(tmp_path / "r.csv")]) == 0
+    assert not list(tmp_path.glob("*_samples.csv"))
+    assert "nvidia-smi" not in capsys.readouterr().out
