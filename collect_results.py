@@ -343,13 +343,17 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def summarize(results: pd.DataFrame) -> pd.DataFrame:
-    """Per strategy and GPU count (medians over runs when it ran more than once), with speedup
-    and efficiency against the same strategy's 1-GPU steady epoch time."""
+    """Per strategy and GPU count (medians over runs when it ran more than once, with their
+    minimum and maximum), with speedup and efficiency against the same strategy's 1-GPU steady
+    epoch time."""
     runs = run_summaries(results)
     table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
         nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
         runs=("epochs", "size"), epochs=("epochs", "max"), val_loss=("val_loss", "median"),
         acc=("acc", "median"), time=("time", "median"), throughput=("throughput", "median"),
+        # The spread over repeated runs (--repeats): a single run is one point, not a measurement.
+        time_min=("time", "min"), time_max=("time", "max"),
+        throughput_min=("throughput", "min"), throughput_max=("throughput", "max"),
         peak_mem=("peak_mem", "max"), state_mem=("state_mem", "max"),
         device=("device", lambda d: "/".join(sorted(set(d.dropna())))))
     one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
@@ -358,12 +362,26 @@ def summarize(results: pd.DataFrame) -> pd.DataFrame:
     return table.sort_values(["strategy", "gpus"], ignore_index=True)
 
 
+def scaling(results: pd.DataFrame) -> str | None:
+    """Which study the runs make: strong scaling (one global batch at every GPU count) or weak
+    (one batch per GPU); None where the CSV does not say or the runs mix batch sizes."""
+    if not {"global_batch", "local_batch"} <= set(results) or results["gpus"].nunique() < 2:
+        return None
+    global_batch, local_batch = results["global_batch"].dropna(), results["local_batch"].dropna()
+    if global_batch.nunique() == 1:
+        return f"strong scaling: global batch {global_batch.iloc[0]:.0f} at every GPU count"
+    if local_batch.nunique() == 1:
+        return f"weak scaling: {local_batch.iloc[0]:.0f} images per GPU per step"
+    return None
+
+
 # (column, header, format) of the printed table.
 TABLE_COLUMNS = (
     ("strategy", "strategy", "{}"), ("gpus", "GPUs", "{:d}"), ("nodes", "nodes", "{}"),
     ("runs", "runs", "{:d}"), ("epochs", "epochs", "{:d}"),
     ("val_loss", "final val loss", "{:.4f}"), ("acc", "final acc %", "{:.2f}"),
-    ("time", "epoch time s", "{:.2f}"), ("throughput", "images/s", "{:.0f}"),
+    ("time", "epoch time s", "{:.2f}"), ("time_range", "min-max s", "{}"),
+    ("throughput", "images/s", "{:.0f}"),
     ("peak_mem", "peak mem MB", "{:.0f}"), ("speedup", "speedup", "{:.2f}"),
     ("efficiency", "efficiency", "{:.0f}%"),
 )
@@ -375,7 +393,13 @@ def cell(value, fmt: str) -> str:
     return fmt.format(int(value) if "d}" in fmt else value)
 
 
+def time_range(row) -> str:
+    """'min-max' of the epoch time over repeated runs; empty for a single run."""
+    return f"{row['time_min']:.2f}-{row['time_max']:.2f}" if row["runs"] > 1 else ""
+
+
 def markdown_table(summary: pd.DataFrame) -> str:
+    summary = summary.assign(time_range=summary.apply(time_range, axis=1))
     lines = ["| " + " | ".join(header for _, header, _ in TABLE_COLUMNS) + " |",
              "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in TABLE_COLUMNS) + "|"]
     for _, row in summary.iterrows():
@@ -454,6 +478,8 @@ def main(argv=None) -> int:
         fail(f"cannot write {args.out}: {e.strerror or e}")
     note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
     print(markdown_table(summarize(results)))
+    if study := scaling(results):
+        note(study)
     try:
         write_sample_tables(args.out, folders, results)
     except OSError as e:

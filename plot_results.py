@@ -25,7 +25,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
-from collect_results import COURSE_COLUMNS, note, summarize, write_atomically  # noqa: E402
+from collect_results import (COURSE_COLUMNS, note, scaling, summarize,  # noqa: E402
+                             write_atomically)
 from utils import UsageError, fail  # noqa: E402
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
@@ -111,6 +112,10 @@ def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFr
     for strategy, points in rows.groupby("strategy"):
         ax.plot(points["gpus"], points[column], marker="o", color=colors[strategy],
                 label=strategy)
+        low, high = f"{column}_min", f"{column}_max"
+        if low in points and (points["runs"] > 1).any():  # min-max over repeated runs
+            ax.errorbar(points["gpus"], points[column], fmt="none", ecolor=colors[strategy],
+                        capsize=3, yerr=[points[column] - points[low], points[high] - points[column]])
     gpu_axis(ax, rows["gpus"])
     ax.set_ylabel(ylabel)
     return rows
@@ -148,7 +153,9 @@ def context(results: pd.DataFrame) -> str:
     images = values(results, "train_images", "{:,.0f}")
     if data or images:
         parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
-    if batch := values(results, "global_batch", "{:.0f}"):
+    if study := scaling(results):
+        parts.append(study.replace(" at every GPU count", ""))
+    elif batch := values(results, "global_batch", "{:.0f}"):
         parts.append(f"global batch {batch}")
     epochs = results.groupby(["strategy", "gpus"])["epoch"].max()
     parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")

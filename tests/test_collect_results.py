@@ -221,7 +221,8 @@ def test_repeated_configuration_takes_medians():
     results = runs_frame({("ddp", 1): [9.0, 8.0]})
     again = results.assign(log="ddp_1gpu_again.log", time=[9.0, 10.0])
     summary = collect_results.summarize(pd.concat([results, again]))
-    assert summary.loc[0, ["runs", "time"]].tolist() == [2, 9.0]
+    assert summary.loc[0, ["runs", "time", "time_min", "time_max"]].tolist() == [2, 9.0, 8.0, 10.0]
+    assert "| 9.00 | 8.00-10.00 |" in collect_results.markdown_table(summary)
 
 
 # ---- command line ----
@@ -367,3 +368,17 @@ def test_no_samples_no_sample_files(tmp_path, capsys):
     assert collect_results.main(["--logs", str(tmp_path), "--out", str(tmp_path / "r.csv")]) == 0
     assert not list(tmp_path.glob("*_samples.csv"))
     assert "nvidia-smi" not in capsys.readouterr().out
+
+
+def test_the_study_is_named_strong_or_weak_scaling():
+    strong = runs_frame({("ddp", 1): [9.0], ("ddp", 2): [5.0]}).assign(
+        global_batch=256, local_batch=[256, 128])
+    assert collect_results.scaling(strong) == (
+        "strong scaling: global batch 256 at every GPU count")
+    weak = strong.assign(global_batch=[64, 128], local_batch=64)
+    assert collect_results.scaling(weak) == "weak scaling: 64 images per GPU per step"
+    mixed = strong.assign(global_batch=[64, 256], local_batch=[64, 128])
+    assert collect_results.scaling(mixed) is None
+    assert collect_results.scaling(strong.drop(columns="local_batch")) is None
+    import plot_results
+    assert plot_results.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"

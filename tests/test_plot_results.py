@@ -147,3 +147,18 @@ def test_quality_panels_show_their_values_and_both_have_legends():
     for ax in fig.axes:
         assert ax.get_legend() is not None
         assert ax.yaxis.get_major_formatter().get_offset() == ""
+
+
+def test_repeated_runs_draw_min_max_bars():
+    """--repeats: epoch time is the median over runs, with a bar from the fastest to the
+    slowest; a configuration run once has no bar."""
+    results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]})
+    again = runs_frame({("ddp", 1): [9.0, 10.0]}).assign(log="ddp_1gpu_again.log")
+    summary = plot_results.summarize(pd.concat([results, again]))
+    (ax,) = plot_results.plot_epoch_time(summary).axes
+    (bars,) = [c for c in ax.collections if len(c.get_segments())]
+    one_gpu, two_gpus = bars.get_segments()  # each [[x, low], [x, high]]
+    assert one_gpu.tolist() == [[1, 8.0], [1, 10.0]]
+    assert two_gpus[0][1] == two_gpus[1][1] == 4.0  # ran once: a bar of no length
+    once = plot_results.plot_epoch_time(plot_results.summarize(results)).axes[0]
+    assert not [c for c in once.collections if len(c.get_segments())]
