@@ -84,8 +84,9 @@ TASK_SETUP='cd "$1" && shift && exec "$@"'
 
 # What the GPUs and the training processes did while the job ran, sampled on each node every
 # SAMPLE_EVERY seconds until it is sent SIGTERM: gpu_<tag>_<host>.csv (nvidia-smi, where there
-# is one) and cpu_<tag>_<host>.csv (CPU seconds and resident memory of every main.py of this
-# user, from /proc). collect_results.py summarises them. Appends: a requeued job goes on.
+# is one) and cpu_<tag>_<host>.csv (CPU seconds and resident memory of this run's ranks, found
+# by the SAMPLE_TAG=<tag> in their environment, from /proc). collect_results.py summarises them.
+# Appends: a requeued job goes on.
 sample_node() {
     local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program stat rss tick
     host=${SLURMD_NODENAME:-$(hostname -s)}   # SLURM's name: emulated nodes share a host
@@ -101,8 +102,10 @@ sample_node() {
     trap '[ -z "$gpu_pid" ] || kill "$gpu_pid" 2>/dev/null; exit 0' TERM INT
     while true; do
         for pid in $(pgrep -u "$(id -u)" -f '[m]ain[.]py'); do
-            # Ranks only: not srun or a shell with main.py among its arguments, not torchrun.
-            program=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n 1)
+            # This run's ranks only: not another run's, not srun or a shell with main.py among
+            # its arguments, not torchrun.
+            grep -qsxz "SAMPLE_TAG=$tag" "/proc/$pid/environ" || continue
+            program=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n 1) || continue
             [[ ${program##*/} == python* ]] || continue
             grep -qs 'distributed[.]run' "/proc/$pid/cmdline" && continue
             # utime and stime are fields 14 and 15 of /proc/PID/stat, after "(comm)".
@@ -151,9 +154,10 @@ run_slurm() {
     fi
     if [ "$requeue" = no ]; then
         # One sampler per node, beside the tasks (--overlap: it takes none of their resources).
+        export SAMPLE_TAG=$SLURM_JOB_ID
         srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" \
             --ntasks-per-node=1 bash -c "$(declare -f sample_node); sample_node \"\$@\"" \
-            sampler "$SAMPLES_DIR" "$SLURM_JOB_ID" "$SAMPLE_EVERY" &
+            sampler "$SAMPLES_DIR" "$SAMPLE_TAG" "$SAMPLE_EVERY" &
         sampler_pid=$!
         trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
         # In the background, so that this shell can take SLURM's warning while the tasks train.
@@ -161,7 +165,7 @@ run_slurm() {
             --resume auto "$@" &
         srun_pid=$!
         wait_through_signals "$srun_pid" || status=$?
-        kill -TERM "$sampler_pid" 2>/dev/null
+        kill -TERM "$sampler_pid" 2>/dev/null || true   # it may have ended by itself
         wait "$sampler_pid" 2>/dev/null || true
     fi
     trap - USR1 TERM
@@ -214,11 +218,12 @@ run_local() {
     mkdir -p "$folder"
     echo "run.sh: no SLURM job: $procs process(es) on this machine through torchrun, $PYTHON;" \
          "stderr in $folder"
-    sample_node "$SAMPLES_DIR" "local-${folder##*/}" "$SAMPLE_EVERY" &
+    export SAMPLE_TAG=local-${folder##*/}
+    sample_node "$SAMPLES_DIR" "$SAMPLE_TAG" "$SAMPLE_EVERY" &
     local sampler_pid=$!
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" \
         --log-dir "$folder" --redirects 2 main.py "$@" 2>"$folder/torchrun.log" || status=$?
-    kill -TERM "$sampler_pid" 2>/dev/null
+    kill -TERM "$sampler_pid" 2>/dev/null || true
     wait "$sampler_pid" 2>/dev/null || true
     [ "$status" -eq 0 ] || report_failure "$folder" "$status"
 }
