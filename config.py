@@ -21,7 +21,7 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 SHARDINGS = ("full", "grad_op", "hybrid")
 OPTIMIZERS = ("adam", "sgd")
 MODELS = ("cnn", "cnn-wide", "resnet18", "resnet50")
-DATASETS = ("cifar10", "synthetic")
+DATASETS = ("cifar10", "fashionmnist", "tinyimagenet", "synthetic")
 LOADERS = ("tensor", "classic")
 LR_SCHEDULES = ("none", "step", "cosine")
 DEVICES = ("auto", "cuda", "cpu")
@@ -79,21 +79,25 @@ class Config:
                            choices=SHARDINGS)
     cpu_offload: bool = option(False, "FSDP: keep parameter shards in host memory (GPU only)",
                                flag="--cpu-offload")
-    model: str = option("cnn", "the course CNN (32x32 images), the same with 4x its channels, "
-                        "or a ResNet adapted to small images (3x3 stem, no max-pool)",
+    model: str = option("cnn", "the course CNN (its classifier sized for the data set's images), "
+                        "the same with 4x its channels, or a ResNet adapted to small images "
+                        "(3x3 stem, no max-pool)",
                         choices=MODELS)
-    dataset: str = option("cifar10", "CIFAR-10, or a learnable synthetic stand-in generated "
+    dataset: str = option("cifar10", "CIFAR-10; Fashion-MNIST (28x28 grey, padded to 32x32 "
+                          "and made 3-channel); Tiny ImageNet (200 classes, 64x64, no download: "
+                          "unzip it into --data-dir); or a learnable synthetic stand-in generated "
                           "from the seed (no download: smoke tests, benchmarks, offline "
                           "machines)", choices=DATASETS)
-    data_dir: str = option("./data", "where CIFAR-10 is, or is downloaded to", metavar="DIR")
-    download: bool = option(True, "fail instead of downloading when CIFAR-10 is missing "
-                            "(default: rank 0 downloads it)", flag="--no-download")
+    data_dir: str = option("./data", "where the data set's files are, or are downloaded to",
+                           metavar="DIR")
+    download: bool = option(True, "fail instead of downloading when CIFAR-10 or Fashion-MNIST "
+                            "is missing (default: rank 0 downloads it)", flag="--no-download")
     train_samples: int | None = option(None, "use the first N training images (default: all)",
                                        minimum=1, metavar="N")
     val_samples: int | None = option(None, "use the first N validation images (default: all)",
                                      minimum=1, metavar="N")
-    augment: bool | None = option(None, "random crop and flip (default: on for cifar10, off "
-                                  "for synthetic)", flag="--augment")
+    augment: bool | None = option(None, "random crop (padding 4) and flip (default: on for the "
+                                  "real data sets, off for synthetic)", flag="--augment")
     loader: str = option("tensor", "tensor: data set on the device, batched augmentation; "
                          "classic: torchvision transforms in DataLoader workers",
                          choices=LOADERS)

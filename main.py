@@ -29,7 +29,7 @@ import distributed_utils
 from config import ONE_PROCESS, Config, add_options, validate
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import DTYPES, effective_sharding, get_fsdp2_model, get_fsdp_model
-from model import NUM_CLASSES, build_model, count_parameters
+from model import build_model, count_parameters
 from train import (PROFILE_SCHEDULE, ComputeCalibration, Diverged, MemoryMeter, MetricLabels,
                    Precision, StepProfiler, Trainer)
 from utils import UsageError, format_config, is_rank_zero, log0
@@ -229,7 +229,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     calibration = calibrate_compute(cfg, env, image_shape, memory_format)
     memory = MemoryMeter(env.device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     parameters = count_parameters(model)
     model = wrap_model(cfg, env, nodes, model)
     optimizer = make_optimizer(cfg, model)
@@ -259,12 +259,14 @@ def calibrate_compute(cfg: Config, env: distributed_utils.DistEnv, image_shape: 
     restored afterwards, so that training is exactly as without it. Not compiled: for --compile
     runs t_compute is the eager model's."""
     forked = [env.device] if env.device.type == "cuda" else []
+    classes = data.DATASETS[cfg.dataset].num_classes
     with torch.random.fork_rng(devices=forked):
-        model = build_model(cfg.model).to(env.device, memory_format=memory_format)
+        model = build_model(cfg.model, classes, image_shape).to(env.device,
+                                                               memory_format=memory_format)
         bare = Trainer(model, make_optimizer(cfg, model), None, make_precision(cfg, env.device),
                        env, None, cfg.print_every, None, None, cfg.grad_accum, cfg.clip_grad)
         return ComputeCalibration(bare, cfg.batch_size // env.world_size, image_shape,
-                                  NUM_CLASSES)
+                                  classes)
 
 
 def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:

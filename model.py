@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
-IMAGE_SHAPE = (3, 32, 32)  # what the course CNN takes
+IMAGE_SHAPE = (3, 32, 32)  # CIFAR-10's, the course CNN's default
 NUM_CLASSES = 10
 
 
@@ -36,28 +36,38 @@ class Classifier(nn.Sequential):
 
 
 class CNN(nn.Module):
-    """conv 3->16->32->64 with pooling (32x32 -> 4x4), then fc 1024->512->10."""
+    """conv 3->16->32->64 with pooling (32x32 -> 4x4), then fc 1024->512->10; for other image
+    sizes (divisible by 8) the classifier takes what the convolutions leave: 64x64 -> 8x8,
+    fc 4096->512."""
 
-    def __init__(self, width: int = 16, num_classes: int = NUM_CLASSES):
+    def __init__(self, width: int = 16, num_classes: int = NUM_CLASSES,
+                 image_shape: tuple[int, int, int] = IMAGE_SHAPE):
         super().__init__()
+        h, w = image_shape[1:]
+        if h % 8 or w % 8:
+            raise ValueError(f"the CNN halves the image three times: {h}x{w} is not divisible "
+                             "by 8")
         c1, c2, c3 = width, 2 * width, 4 * width
-        self.conv1 = ConvBlock(IMAGE_SHAPE[0], c1)
+        self.conv1 = ConvBlock(image_shape[0], c1)
         self.conv2 = ConvBlock(c1, c2)
         self.conv3 = ConvBlock(c2, c3)
-        self.classifier = Classifier(c3 * 4 * 4, 512, num_classes)
+        self.classifier = Classifier(c3 * (h // 8) * (w // 8), 512, num_classes)
         self.channels = (c1, c2, c3)
         self.num_classes = num_classes
+        self.image_shape = tuple(image_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         c1, c2, c3 = self.channels
-        assert x.shape[1:] == IMAGE_SHAPE, f"expected (N, 3, 32, 32) input, got {tuple(x.shape)}"
+        h, w = self.image_shape[1:]
+        assert x.shape[1:] == self.image_shape, \
+            f"expected (N, {', '.join(map(str, self.image_shape))}) input, got {tuple(x.shape)}"
         x = self.conv1(x)
-        assert x.shape == (n, c1, 16, 16), x.shape
+        assert x.shape == (n, c1, h // 2, w // 2), x.shape
         x = self.conv2(x)
-        assert x.shape == (n, c2, 8, 8), x.shape
+        assert x.shape == (n, c2, h // 4, w // 4), x.shape
         x = self.conv3(x)
-        assert x.shape == (n, c3, 4, 4), x.shape
+        assert x.shape == (n, c3, h // 8, w // 8), x.shape
         x = self.classifier(x)
         assert x.shape == (n, self.num_classes), x.shape
         return x
@@ -80,18 +90,20 @@ class SmallImageResNet(ResNet):
         return [self.layer1, self.layer2, self.layer3, self.layer4]
 
 
-# Model choices by name (config.MODELS), each given the data set's number of classes. cnn-wide
-# keeps the architecture and quadruples the channels: a heavier compute load for scaling studies.
+# Model choices by name (config.MODELS), each given the data set's number of classes and image
+# shape (the ResNets pool adaptively: any size). cnn-wide keeps the architecture and quadruples
+# the channels: a heavier compute load for scaling studies.
 MODELS = {
-    "cnn": lambda classes: CNN(width=16, num_classes=classes),
-    "cnn-wide": lambda classes: CNN(width=64, num_classes=classes),
-    "resnet18": lambda classes: SmallImageResNet(BasicBlock, [2, 2, 2, 2], classes),
-    "resnet50": lambda classes: SmallImageResNet(Bottleneck, [3, 4, 6, 3], classes),
+    "cnn": lambda classes, shape: CNN(width=16, num_classes=classes, image_shape=shape),
+    "cnn-wide": lambda classes, shape: CNN(width=64, num_classes=classes, image_shape=shape),
+    "resnet18": lambda classes, shape: SmallImageResNet(BasicBlock, [2, 2, 2, 2], classes),
+    "resnet50": lambda classes, shape: SmallImageResNet(Bottleneck, [3, 4, 6, 3], classes),
 }
 
 
-def build_model(name: str, num_classes: int = NUM_CLASSES) -> nn.Module:
-    return MODELS[name](num_classes)
+def build_model(name: str, num_classes: int = NUM_CLASSES,
+                image_shape: tuple[int, int, int] = IMAGE_SHAPE) -> nn.Module:
+    return MODELS[name](num_classes, tuple(image_shape))
 
 
 def count_parameters(model: nn.Module) -> int:
