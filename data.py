@@ -254,15 +254,20 @@ def check_labels(labels: np.ndarray, classes: int, where: Path) -> None:
 
 # ----------------------------------------------------------------------------- Tiny ImageNet files
 
-def tiny_wnids(folder: Path) -> list[str]:
-    """The class ids in label order: wnids.txt, one per line."""
-    path = folder / "wnids.txt"
+def read_list(path: Path) -> str:
+    """A text file of Tiny ImageNet's, or a one-line error."""
     try:
-        wnids = path.read_text().split()
+        return path.read_text()
     except FileNotFoundError:
         raise UsageError(f"{path} is missing") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"{path} is not readable ({type(e).__name__}: {e})") from None
+
+
+def tiny_wnids(folder: Path) -> list[str]:
+    """The class ids in label order: wnids.txt, one per line."""
+    path = folder / "wnids.txt"
+    wnids = read_list(path).split()
     if not wnids or len(set(wnids)) != len(wnids) or len(wnids) > TINY_CLASSES:
         raise UsageError(f"{path}: expected up to {TINY_CLASSES} distinct class ids, one a "
                          f"line, got {len(wnids)} ({len(set(wnids))} distinct)")
@@ -273,12 +278,7 @@ def tiny_val_annotations(folder: Path, wnids: list[str]) -> list[tuple[Path, int
     """(image, label) of the validation set, in val_annotations.txt's order: lines of
     `file<TAB>wnid<TAB>box`, the box ignored."""
     path, label_of = folder / "val" / "val_annotations.txt", {w: i for i, w in enumerate(wnids)}
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise UsageError(f"{path} is missing") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not readable ({type(e).__name__}: {e})") from None
+    lines = read_list(path).splitlines()
     pairs = []
     for number, line in enumerate(lines, 1):
         fields = line.split("\t")
