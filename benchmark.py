@@ -12,6 +12,7 @@ regression in them shows here. Warm-up (first batches, first epoch) is never tim
 
     python benchmark.py            # a few minutes on a 2-core CPU
     python benchmark.py --quick    # smaller, for a smoke run
+    torchrun --nproc_per_node=2 benchmark.py --comm   # only the collectives ([COMM] lines)
 """
 
 import argparse
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 import data
 import distributed_utils
 from checkpoint import Position
+from comm_bench import run_comm_benchmark
 from config import Config
 from main import build_trainer
 from model import build_model
@@ -147,12 +149,29 @@ def table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def comm_only() -> None:
+    """--comm: [COMM] lines of main.py's default model (comm_bench.py), the device chosen as a
+    training run would."""
+    env = distributed_utils.setup()
+    try:
+        with torch.device("meta"):  # sizes only: no weights, no random numbers drawn
+            model = build_model(Config.model, SPEC.num_classes, SPEC.image_shape)
+        run_comm_benchmark(model, env.device)
+    finally:
+        distributed_utils.cleanup()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and samples")
     p.add_argument("--batch-size", type=int, default=256, help="global batch size")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers, classic path")
+    p.add_argument("--comm", action="store_true",
+                   help="only the collective micro-benchmark of the CIFAR-10 CNN's messages, "
+                        "at the launcher's world size (torchrun --nproc_per_node=N)")
     args = p.parse_args(argv)
+    if args.comm:
+        return comm_only()
     device = distributed_utils.pick_device(0)[0]
     gpu = device.type == "cuda"
     b = args.batch_size

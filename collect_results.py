@@ -32,8 +32,8 @@ from typing import Callable
 import pandas as pd
 
 import samples
-from utils import (COURSE_FIELDS, METRIC_TAG, SWEEP_PREFIX, UsageError, fail, parse_config,
-                   parse_metric, sweep_folders)
+from utils import (COMM_FIELDS, COURSE_FIELDS, METRIC_TAG, SWEEP_PREFIX, UsageError, fail,
+                   parse_comm, parse_config, parse_metric, sweep_folders)
 
 # The columns that name a run, first in the CSV; a run's rows are those of one log file.
 IDENTITY = ("strategy", "gpus", "nodes", "job_id")
@@ -58,6 +58,7 @@ CRASH_MARKERS = ("Traceback (most recent call last)", "srun: error:", "slurmstep
 STOPPED_RE = re.compile(r"srun: error: .*Exited with exit code 3$")
 EXCEPTION_RE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
 STDERR_SUFFIX = ".err"
+COMM_CSV = "comm.csv"  # the [COMM] lines, beside the results CSV
 
 
 class Skip(Exception):
@@ -71,6 +72,7 @@ class Scan:
     expected_epochs: int | None = None  # from the last [CONFIG] line, when there is one
     bad_metric_line: int | None = None  # number of a [METRIC] line that is cut off or malformed
     crash_lines: list[str] = field(default_factory=list)  # signs of a crash after the last metric
+    comm: list[dict] = field(default_factory=list)  # parsed [COMM] lines (--comm-benchmark)
 
     @property
     def crash(self) -> str | None:
@@ -87,6 +89,7 @@ class LoggedRun:
     identity: dict
     epochs: list[dict]  # one metric line per epoch, in epoch order
     notes: list[str]
+    comm: list[dict] = field(default_factory=list)  # the job's [COMM] lines
 
 
 def scan_log(text: str) -> Scan:
@@ -97,6 +100,8 @@ def scan_log(text: str) -> Scan:
         if fields is not None:
             scan.metrics.append(fields)
             scan.crash_lines = []  # the run went on: a requeued job starts again after a crash
+        elif (comm := parse_comm(line)) is not None:
+            scan.comm.append(comm)
         elif METRIC_TAG in line:
             scan.bad_metric_line = scan.bad_metric_line or number
         elif (config := parse_config(line)) and isinstance(config.get("epochs"), int):
@@ -203,7 +208,7 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
                      "(requeued?): kept the last")
     identity, identity_notes = run_identity(epochs, path.name)
     return LoggedRun(sweep_name(path.parent), path.name, identity, epochs,
-                     notes + identity_notes)
+                     notes + identity_notes, scan.comm)
 
 
 def sweep_name(folder: Path) -> str:
@@ -298,6 +303,14 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
     return frame[leading + [c for c in frame.columns if c not in leading]]
 
 
+def comm_frame(runs: list[LoggedRun]) -> pd.DataFrame:
+    """One row per [COMM] line: its run's columns, then the line's fields (comm.csv)."""
+    rows = [{"sweep": run.sweep, "log": run.log, **run.identity,
+             **{k: v for k, v in fields.items() if k not in IDENTITY}}
+            for run in runs for fields in run.comm]
+    return pd.DataFrame(rows, columns=None if rows else [*RUN_COLUMNS, *COMM_FIELDS])
+
+
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """write(temp) beside path, then rename: a reader never sees half a file, a failure no file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -338,15 +351,61 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                      "throughput": median_after_first(run, "throughput"),
                      "peak_mem": run["peak_mem"].max(),
                      "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
+                     **{t: median_after_first(run, t) for t in TIME_PARTS},
+                     "steps": final.get("train_images", math.nan) / final.get("global_batch",
+                                                                               math.nan),
+                     "sharding": final.get("sharding", pd.NA),
                      "device": final.get("device", pd.NA)})
     return pd.DataFrame(rows)
 
 
-def summarize(results: pd.DataFrame) -> pd.DataFrame:
+# Where an epoch's time went (train.py's [METRIC] keys): they add up to `time`.
+TIME_PARTS = ("t_compute", "t_data", "t_comm", "t_wait")
+
+
+def message_seconds(comm: pd.DataFrame, op: str, label_prefix: str) -> float:
+    """Sum of the measured times of a run's messages of one kind (nan if it measured none)."""
+    rows = comm[(comm["op"] == op) & comm["label"].astype(str).str.startswith(label_prefix)]
+    return rows["time_us"].sum() / 1e6 if not rows.empty else math.nan
+
+
+def comm_model_time(strategy: str, steps: float, sharding, comm: pd.DataFrame) -> float:
+    """Seconds per epoch this model's messages take at the bandwidth measured in the same job,
+    if nothing hid them. DDP: each step all-reduces every gradient bucket. FSDP: each step
+    gathers every unit for forward and, when full sharding freed it again, for backward, then
+    reduce-scatters its gradients; unsharded (no_shard, FSDP at 1 rank) it all-reduces them."""
+    if comm.empty:
+        return math.nan
+    if strategy == "ddp":
+        return steps * message_seconds(comm, "all_reduce", "bucket")
+    if strategy in ("fsdp", "fsdp2") and str(sharding) == "no_shard":
+        return steps * message_seconds(comm, "all_reduce", "grad")  # FSDP at 1 rank: DDP-like
+    if strategy in ("fsdp", "fsdp2"):
+        # grad_op keeps each unit gathered from forward to backward; full and hybrid (full
+        # within a node) gather again; FSDP's default is full, for logs that do not say.
+        gathers = 1 if str(sharding) == "grad_op" else 2
+        return steps * (gathers * message_seconds(comm, "all_gather", "unit_")
+                        + message_seconds(comm, "reduce_scatter", "unit_"))
+    return math.nan  # dp and single send nothing through the process group
+
+
+def with_comm_model(runs: pd.DataFrame, comm: pd.DataFrame | None) -> pd.DataFrame:
+    """runs with comm_model: each run's modelled communication time, from its own [COMM] lines."""
+    if comm is None or comm.empty:
+        return runs.assign(comm_model=math.nan)
+    by_log = dict(list(comm.groupby(["sweep", "log"], dropna=False)))
+    empty = comm.iloc[:0]
+    return runs.assign(comm_model=[
+        comm_model_time(r["strategy"], r["steps"], r["sharding"],
+                        by_log.get((r["sweep"], r["log"]), empty)) for _, r in runs.iterrows()])
+
+
+def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per strategy and GPU count (medians over runs when it ran more than once, with their
     minimum and maximum), with speedup and efficiency against the same strategy's 1-GPU steady
-    epoch time."""
-    runs = run_summaries(results)
+    epoch time; where the runs' [COMM] lines are given, the communication time their messages
+    would take at the measured bandwidth (comm_model) beside the measured t_comm."""
+    runs = with_comm_model(run_summaries(results), comm)
     table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
         nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
         runs=("epochs", "size"), epochs=("epochs", "max"), val_loss=("val_loss", "median"),
@@ -355,6 +414,7 @@ def summarize(results: pd.DataFrame) -> pd.DataFrame:
         time_min=("time", "min"), time_max=("time", "max"),
         throughput_min=("throughput", "min"), throughput_max=("throughput", "max"),
         peak_mem=("peak_mem", "max"), state_mem=("state_mem", "max"),
+        **{t: (t, "median") for t in (*TIME_PARTS, "comm_model")},
         device=("device", lambda d: "/".join(sorted(set(d.dropna())))))
     one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
     table["speedup"] = table["strategy"].map(one_gpu) / table["time"]
@@ -384,6 +444,9 @@ TABLE_COLUMNS = (
     ("throughput", "images/s", "{:.0f}"),
     ("peak_mem", "peak mem MB", "{:.0f}"), ("speedup", "speedup", "{:.2f}"),
     ("efficiency", "efficiency", "{:.0f}%"),
+    # Communication per epoch: not hidden behind compute (measured), and what the model's
+    # messages would take at the bandwidth the job measured (--comm-benchmark).
+    ("t_comm", "t_comm s", "{:.3f}"), ("comm_model", "comm at measured bw s", "{:.3f}"),
 )
 
 
@@ -471,13 +534,20 @@ def main(argv=None) -> int:
         fail(str(e))
     for warning in mixed_sweeps(runs):
         note(warning)
-    results = results_frame(runs)
+    results, comm = results_frame(runs), comm_frame(runs)
+    comm_csv = args.out.with_name(COMM_CSV)
     try:
         write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))
+        if not comm.empty:
+            write_atomically(comm_csv, lambda temp: comm.to_csv(temp, index=False))
+        else:
+            comm_csv.unlink(missing_ok=True)  # an older collection's: not these runs'
     except OSError as e:
         fail(f"cannot write {args.out}: {e.strerror or e}")
     note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
-    print(markdown_table(summarize(results)))
+    if not comm.empty:
+        note(f"wrote {comm_csv}: {len(comm)} [COMM] rows")
+    print(markdown_table(summarize(results, comm)))
     if study := scaling(results):
         note(study)
     try:

@@ -113,6 +113,9 @@ class Config:
     profile: bool = option(False, "trace a few training steps of each rank with "
                            "torch.profiler: logs/profiles/<job id>_rank<R>.json, for "
                            "ui.perfetto.dev", flag="--profile")
+    comm_benchmark: bool = option(False, "before training, time the collectives this model's "
+                                  "DDP and FSDP send, and a sweep of message sizes: one [COMM] "
+                                  "line each (comm_bench.py)", flag="--comm-benchmark")
     print_every: int = option(50, "progress line every N steps (rank 0)", minimum=1,
                               metavar="N")
     pg_timeout: float = option(300.0, "seconds a collective waits for a missing rank before "

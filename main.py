@@ -26,7 +26,8 @@ import torch
 import checkpoint
 import data
 import distributed_utils
-from config import ONE_PROCESS, Config, add_options, validate
+from comm_bench import run_comm_benchmark
+from config import ONE_PROCESS, SHARDED, Config, add_options, validate
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import DTYPES, effective_sharding, get_fsdp2_model, get_fsdp_model
 from model import build_model, count_parameters
@@ -317,6 +318,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
     if warning := network_warning(resolved["nodes"], env.backend):
         log0(warning)
+    if cfg.comm_benchmark:
+        comm_benchmark(cfg, env)
     if source:
         log0(f"[CHECKPOINT] resumed from {source}: epoch {position.epoch}, step {position.step}")
     elif cfg.resume == "auto":
@@ -340,6 +343,17 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     if trainer.profiler:
         log0(profile_report(trainer.profiler))
     return Outcome(trainer, history, stopped_at, folder)
+
+
+def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
+    """--comm-benchmark: the collectives of this model at this world size, on every rank. The
+    model is built on the meta device (shapes only) with the random streams restored, so that
+    training is exactly as without it."""
+    spec = data.DATASETS[cfg.dataset]
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = build_model(cfg.model, spec.num_classes, spec.image_shape)
+    gathered = 2 if cfg.strategy in SHARDED and cfg.precision in ("bf16", "fp16") else 4
+    run_comm_benchmark(model, env.device, gathered, extra={"job_id": distributed_utils.job_id()})
 
 
 PROFILE_DIR = Path("logs") / "profiles"

@@ -25,8 +25,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
-from collect_results import (COURSE_COLUMNS, note, scaling, summarize,  # noqa: E402
-                             write_atomically)
+from collect_results import (COMM_CSV, COURSE_COLUMNS, TIME_PARTS,  # noqa: E402
+                             markdown_table, note, scaling, summarize, write_atomically)
 from utils import UsageError, fail  # noqa: E402
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
@@ -241,13 +241,74 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     return fig
 
 
+PART_NAMES = {"t_compute": "compute", "t_data": "data", "t_comm": "communication",
+              "t_wait": "waiting"}
+
+
+def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
+    """A stacked bar per strategy and GPU count of where the epoch went (the four add up to the
+    epoch time), and each strategy's ideal: its 1-GPU time / N."""
+    rows = summary.dropna(subset=list(TIME_PARTS)).sort_values(["strategy", "gpus"])
+    if rows.empty:
+        raise NotPlottable("no t_compute, t_data, t_comm, t_wait values")
+    fig, (ax,) = figure()
+    fig.set_figwidth(max(8.5, 0.9 * len(rows) + 4))  # room for the legend beside the bars
+    x = range(len(rows))
+    bottom = pd.Series(0.0, index=rows.index)
+    for part in TIME_PARTS:
+        # A negative part (t_comm where the compute calibration overshot) cannot be stacked.
+        height = rows[part].clip(lower=0)
+        ax.bar(x, height, bottom=bottom, label=PART_NAMES[part], width=0.7)
+        bottom += height
+    one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
+    ideal = rows["strategy"].map(one_gpu) / rows["gpus"]
+    ax.scatter(x, ideal, marker="_", s=900, color="black", zorder=3,
+               label="ideal: 1-GPU time / N")
+    ax.set_xticks(list(x), [f"{s}\n{g:.0f} GPU" for s, g in zip(rows["strategy"], rows["gpus"])])
+    ax.set_ylabel("seconds per epoch (median after epoch 1)")
+    ax.set_title("Where an epoch's time goes (negative parts drawn as 0)")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
+def sweep_points(comm: pd.DataFrame | None) -> pd.DataFrame:
+    """The message-size sweep of the [COMM] lines at world sizes above 1 (a single rank moves
+    nothing between ranks: its bus bandwidth is 0 by definition), median over runs."""
+    if comm is None or comm.empty:
+        raise NotPlottable(f"no [COMM] lines ({COMM_CSV}: run with --comm-benchmark)")
+    sweep = comm[(comm["label"] == "sweep") & (comm["world_size"] > 1)]
+    if sweep.empty:
+        raise NotPlottable("no message-size sweep at a world size above 1")
+    return sweep.groupby(["op", "world_size", "bytes"], as_index=False)["busbw_gbps"].median()
+
+
+def plot_comm_bandwidth(comm: pd.DataFrame | None) -> Figure:
+    points = sweep_points(comm)
+    ops = sorted(points["op"].unique())
+    fig, axes = figure(len(ops))
+    for ax, op in zip(axes, ops):
+        for world_size, line in points[points["op"] == op].groupby("world_size"):
+            ax.plot(line["bytes"], line["busbw_gbps"], marker="o", label=f"{world_size} ranks")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes), log scale")
+        ax.set_ylabel("bus bandwidth (GB/s, nccl-tests' busbw)")
+        ax.set_title(op)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    return fig
+
+
 FIGURES = {
     "epoch_time.png": plot_epoch_time,
     "val_loss_acc.png": plot_quality,
     "peak_memory.png": plot_peak_memory,
     "speedup_efficiency.png": plot_speedup,
     "throughput.png": plot_throughput,
+    "time_breakdown.png": plot_time_breakdown,
+    "comm_bandwidth.png": plot_comm_bandwidth,
 }
+FROM_COMM = {"comm_bandwidth.png"}  # drawn from comm.csv's rows, the others from the summary
 
 
 def save_png(fig: Figure, path: Path, subtitle: str) -> None:
@@ -257,12 +318,13 @@ def save_png(fig: Figure, path: Path, subtitle: str) -> None:
     plt.close(fig)
 
 
-def plot_all(results: pd.DataFrame, out_dir: Path) -> list[Path]:
-    summary, subtitle = summarize(results), context(results)
+def plot_all(results: pd.DataFrame, out_dir: Path,
+             comm: pd.DataFrame | None = None) -> list[Path]:
+    summary, subtitle = summarize(results, comm), context(results)
     written = []
     for name, draw in FIGURES.items():
         try:
-            fig = draw(summary)
+            fig = draw(comm) if name in FROM_COMM else draw(summary)
         except NotPlottable as e:
             plt.close("all")
             note(f"not written {name}: {e}")
@@ -278,17 +340,64 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--csv", type=Path, default=Path("results.csv"),
                    help="collect_results.py's CSV, or the course's results_*.csv")
     p.add_argument("--out-dir", type=Path, default=Path("plots"), help="folder for the PNGs")
+    p.add_argument("--report", action="store_true",
+                   help="also write report.md in the folder: table, figures, largest costs")
     return p.parse_args(argv)
+
+
+def read_comm(results_csv: Path) -> pd.DataFrame | None:
+    """collect_results.py's comm.csv beside the results, or None where no job measured any."""
+    path = results_csv.with_name(COMM_CSV)
+    if not path.exists():
+        return None
+    try:
+        return pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} is not a CSV: {str(e).strip().splitlines()[0]}") from None
+
+
+def largest_costs(summary: pd.DataFrame) -> list[str]:
+    """One sentence per strategy and GPU count: the largest of the four parts of an epoch, and
+    the modelled communication beside the measured where the jobs measured their collectives."""
+    sentences = []
+    for _, row in summary.dropna(subset=list(TIME_PARTS)).iterrows():
+        part = max(TIME_PARTS, key=lambda p: row[p])
+        text = (f"{row['strategy']} on {row['gpus']:.0f} GPU(s): the largest cost is "
+                f"{PART_NAMES[part]}, {row[part]:.3f} s of {row['time']:.2f} s per epoch "
+                f"({100 * row[part] / row['time']:.0f}%)")
+        if pd.notna(row.get("comm_model")):
+            text += (f"; its messages would take {row['comm_model']:.3f} s at the measured "
+                     f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden")
+        sentences.append(f"- {text}.")
+    return sentences or ["- The CSV has no t_compute, t_data, t_comm, t_wait: no breakdown."]
+
+
+def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path]) -> str:
+    summary = summarize(results, comm)
+    return "\n".join([
+        "# Scaling report", "", context(results), "", markdown_table(summary), "",
+        "## Largest cost per strategy and GPU count", "", *largest_costs(summary), "",
+        "## Figures", "", *(f"![{p.stem}]({p.name})\n" for p in written), ""])
+
+
+def write_report(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path],
+                 out_dir: Path) -> Path:
+    path = out_dir / "report.md"
+    text = report_text(results, comm, written)
+    write_atomically(path, lambda temp: temp.write_text(text))
+    return path
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        results = read_results(args.csv)
+        results, comm = read_results(args.csv), read_comm(args.csv)
     except UsageError as e:
         fail(str(e))
     try:
-        written = plot_all(results, args.out_dir)
+        written = plot_all(results, args.out_dir, comm)
+        if args.report and written:
+            note(f"wrote {write_report(results, comm, written, args.out_dir)}")
     except OSError as e:
         fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
     if not written:

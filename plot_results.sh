@@ -2,6 +2,7 @@
 # Collect the training logs into a CSV (summary table on stdout), then plot it.
 #
 #   ./plot_results.sh                  # newest sweep in logs/ -> results.csv -> plots/*.png
+#                                      # and plots/report.md (table, figures, largest costs)
 #   ./plot_results.sh --all-sweeps     # every sweep in logs/, merged (collect_results.py says so)
 #   LOGS=logs/sweep-20261122-141500 OUT=old.csv PLOTS=old_plots ./plot_results.sh
 #
@@ -22,12 +23,13 @@ plots="${PLOTS:-$here/plots}"
 
 "$PYTHON" "$here/collect_results.py" --logs "$logs" --out "$csv" "$@"
 # plot_results.py prints each PNG it wrote, one per line.
-written="$("$PYTHON" "$here/plot_results.py" --csv "$csv" --out-dir "$plots")"
+written="$("$PYTHON" "$here/plot_results.py" --csv "$csv" --out-dir "$plots" --report)"
 
 echo
 echo "results: $csv"
 echo "plots:"
 sed 's/^/  /' <<<"$written"
+echo "report: $plots/report.md"
 
 if command -v xdg-open >/dev/null 2>&1 && [[ -n "${DISPLAY:-}" ]]; then
     while read -r png; do

@@ -194,7 +194,8 @@ def plan(args) -> list[Configuration]:
 
 def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
     return ["--strategy", run.strategy, "--epochs", str(args.epochs),
-            "--batch-size", str(run.global_batch), "--precision", args.precision, *extra]
+            "--batch-size", str(run.global_batch), "--precision", args.precision,
+            "--comm-benchmark", *extra]  # every job measures its collectives (comm.csv)
 
 
 def count(n: int, noun: str) -> str:

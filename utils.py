@@ -130,3 +130,23 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """End a command-line program with a one-line error."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+# `[COMM] op=all_reduce label=grad bytes=2214056 world_size=4 time_us=... algbw_gbps=...
+# busbw_gbps=...`: one collective measured by comm_bench.py; these fields first, then others.
+COMM_TAG = "[COMM]"
+COMM_FIELDS = ("op", "label", "bytes", "world_size", "time_us", "algbw_gbps", "busbw_gbps")
+
+
+def format_comm(fields: dict) -> str:
+    ordered = [*COMM_FIELDS, *(k for k in fields if k not in COMM_FIELDS)]
+    return " ".join([COMM_TAG, *(f"{k}={format_value(fields[k])}" for k in ordered)])
+
+
+def parse_comm(line: str) -> dict | None:
+    """Fields of a `[COMM]` line, or None if the line is not one or lacks one of COMM_FIELDS."""
+    line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
+    if not line.startswith(COMM_TAG):
+        return None
+    fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(COMM_TAG):])}
+    return fields if all(k in fields for k in COMM_FIELDS) else None

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 import collect_results
-from utils import format_metric
+from utils import format_comm, format_metric
 
 REPO = Path(__file__).resolve().parents[1]
 COURSE_LOGS = REPO / "tests" / "fixtures" / "alps-course-logs"  # the course's real outputs
@@ -382,3 +382,48 @@ def test_the_study_is_named_strong_or_weak_scaling():
     assert collect_results.scaling(strong.drop(columns="local_batch")) is None
     import plot_results
     assert plot_results.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
+
+
+# ---- [COMM] lines: comm.csv and the modelled communication time ----
+
+def comm_line(op: str, label: str, time_us: float, world_size: int = 2) -> str:
+    return format_comm({"op": op, "label": label, "bytes": 1000, "world_size": world_size,
+                        "time_us": time_us, "algbw_gbps": 1.0, "busbw_gbps": 1.0})
+
+
+def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys):
+    # 512 images per epoch at global batch 256: 2 steps per epoch.
+    two_steps = dict(world_size=2, train_images=512, t_comm=0.5)
+    ddp = [comm_line("all_reduce", "grad", 3500), comm_line("all_reduce", "bucket0", 1000),
+           comm_line("all_reduce", "bucket1", 3000), comm_line("all_reduce", "sweep", 9e6)]
+    fsdp = [comm_line("all_gather", "unit_a", 1000), comm_line("reduce_scatter", "unit_a", 2000),
+            comm_line("all_gather", "unit_b", 500), comm_line("reduce_scatter", "unit_b", 500)]
+    for name, strategy, lines in (("ddp_2gpu_1.log", "ddp", ddp),
+                                  ("fsdp_2gpu_2.log", "fsdp", fsdp)):
+        metrics = [metric_fields(e, strategy, sharding="full" if strategy == "fsdp" else
+                                 "replicate", **two_steps) for e in (1, 2)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n" + log_text(metrics))
+    out = tmp_path / "out" / "results.csv"
+    code, table, _ = run_main(capsys, "--logs", tmp_path, "--out", out)
+    assert code == 0
+    comm = pd.read_csv(out.with_name("comm.csv"))
+    assert list(comm.columns[:10]) == [*collect_results.RUN_COLUMNS, "op", "label", "bytes",
+                                       "world_size"]
+    assert len(comm) == 8 and set(comm["strategy"]) == {"ddp", "fsdp"}
+    # DDP: 2 steps x (1 + 3 ms) of buckets. FSDP, full sharding: 2 steps x (2 gathers x 1.5 ms +
+    # 2.5 ms of reduce-scatters).
+    summary = collect_results.summarize(pd.read_csv(out), comm).set_index("strategy")
+    assert summary.loc["ddp", "comm_model"] == pytest.approx(0.008)
+    assert summary.loc["fsdp", "comm_model"] == pytest.approx(0.011)
+    assert summary.loc["ddp", "t_comm"] == 0.5
+    ddp_row = next(line for line in table.splitlines() if line.startswith("| ddp |"))
+    assert ddp_row.endswith("| 0.500 | 0.008 |")
+
+
+def test_no_comm_lines_no_comm_csv(tmp_path, capsys):
+    run_log(tmp_path, "ddp_1gpu_1.log")
+    out = tmp_path / "results.csv"
+    out.with_name("comm.csv").write_text("stale\n")  # an older collection's
+    assert run_main(capsys, "--logs", tmp_path, "--out", out)[0] == 0
+    assert not out.with_name("comm.csv").exists()
+    assert collect_results.summarize(pd.read_csv(out))["comm_model"].isna().all()

@@ -11,6 +11,7 @@ import pytest
 
 import plot_results
 from test_collect_results import COURSE_LOGS, REPO, run_log, runs_frame
+from utils import format_comm
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 course_csv = COURSE_LOGS / "results_solution.csv"
@@ -31,10 +32,28 @@ def assert_pngs(folder: Path, names) -> None:
         assert (folder / name).read_bytes().startswith(PNG_MAGIC), name
 
 
+def with_breakdown(results: pd.DataFrame) -> pd.DataFrame:
+    """The four parts of each epoch's time, as main.py logs them: they add up to `time`."""
+    return results.assign(t_compute=results["time"] * 0.5, t_data=results["time"] * 0.1,
+                          t_comm=results["time"] * 0.3, t_wait=results["time"] * 0.1)
+
+
+def comm_frame(world_sizes=(1, 2)) -> pd.DataFrame:
+    """comm.csv's rows: a sweep of three sizes for each op and world size."""
+    rows = [{"sweep": "s", "log": f"ddp_{n}gpu.log", "strategy": "ddp", "gpus": n, "op": op,
+             "label": "sweep", "bytes": size, "world_size": n, "time_us": size / 1e3,
+             "algbw_gbps": 1.0, "busbw_gbps": 1.0 * (n - 1) / n}
+            for n in world_sizes for op in ("all_reduce", "all_gather", "reduce_scatter")
+            for size in (4096, 16384, 65536)]
+    return pd.DataFrame(rows)
+
+
 def test_every_png_from_a_small_csv(tmp_path, capsys):
     csv = tmp_path / "results.csv"
-    runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0],
-                ("fsdp", 1): [10.0, 9.0], ("fsdp", 2): [6.0, 5.0]}).to_csv(csv, index=False)
+    with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0],
+                               ("fsdp", 1): [10.0, 9.0], ("fsdp", 2): [6.0, 5.0]})
+                   ).to_csv(csv, index=False)
+    comm_frame().to_csv(tmp_path / "comm.csv", index=False)
     code, out, _ = run_main(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
     assert code == 0
     assert_pngs(tmp_path / "plots", plot_results.FIGURES)
@@ -45,8 +64,10 @@ def test_course_results_csv(tmp_path, capsys):
     # The course's shape: method (not strategy), final epoch only, no throughput.
     code, _, err = run_main(capsys, "--csv", course_csv, "--out-dir", tmp_path)
     assert code == 0
-    assert_pngs(tmp_path, set(plot_results.FIGURES) - {"throughput.png"})
+    assert_pngs(tmp_path, set(plot_results.FIGURES) - {"throughput.png", "time_breakdown.png",
+                                                       "comm_bandwidth.png"})
     assert "not written throughput.png" in err
+    assert "not written comm_bandwidth.png: no [COMM] lines" in err
     summary = plot_results.summarize(plot_results.read_results(course_csv))
     ddp8 = summary.set_index(["strategy", "gpus"]).loc[("ddp", 8)]
     assert ddp8["speedup"] == pytest.approx(7.08 / 1.35)  # ddp,1,10,7.08 and ddp,8,10,1.35
@@ -86,17 +107,30 @@ def run_script(cwd: Path, **env) -> subprocess.CompletedProcess:
 def test_script_collects_then_plots_from_another_directory(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    run_log(logs, "ddp_1gpu_1.log", world_size=1)
-    run_log(logs, "ddp_2gpu_2.log", world_size=2)
+    breakdown = dict(t_compute=1.5, t_data=0.25, t_comm=0.5, t_wait=0.25, train_images=512)
+    run_log(logs, "ddp_1gpu_1.log", world_size=1, **breakdown)
+    run_log(logs, "ddp_2gpu_2.log", world_size=2, **breakdown)
+    with open(logs / "ddp_2gpu_2.log", "a") as log:  # --comm-benchmark's lines
+        log.writelines(format_comm(row) + "\n" for row in
+                       comm_frame([2]).drop(columns=["sweep", "log", "strategy", "gpus"])
+                       .to_dict("records"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     # Relative paths are the caller's: ../logs from elsewhere/.
     done = run_script(elsewhere, LOGS="../logs", OUT="../results.csv", PLOTS="../plots")
     assert done.returncode == 0, done.stderr
     assert len(pd.read_csv(tmp_path / "results.csv")) == 6
+    (tmp_path / "plots" / "report.md").rename(tmp_path / "report.md")  # the PNGs, then the rest
     assert_pngs(tmp_path / "plots", plot_results.FIGURES)
     assert "| ddp | 2 |" in done.stdout
     assert "results: ../results.csv" in done.stdout and "../plots/epoch_time.png" in done.stdout
+    assert len(pd.read_csv(tmp_path / "comm.csv")) == 9
+    report = (tmp_path / "report.md").read_text()
+    assert "| ddp | 2 |" in report
+    assert all(f"]({name})" in report for name in plot_results.FIGURES)
+    # The largest part of 2.5 s: compute, 1.5 s.
+    assert "- ddp on 2 GPU(s): the largest cost is compute, 1.500 s of 2.50 s per epoch (60%)" \
+        in report
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")

@@ -11,9 +11,11 @@ import time
 import tomllib
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from conftest import REPO, TINY, assert_one_line_error, clean_environment, metrics_in, run
+from utils import parse_comm
 
 
 def benchmarks(*args, cwd=REPO, **env):
@@ -196,8 +198,10 @@ def test_local_dry_run_lists_the_torchrun_sweep():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[:2] == [
-        "NPROC=1 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32",
-        "NPROC=2 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32"]
+        "NPROC=1 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32 "
+        "--comm-benchmark",
+        "NPROC=2 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32 "
+        "--comm-benchmark"]
     assert re.fullmatch(r"LOGS=logs/sweep-[\d-]+ bash plot_results\.sh", lines[2]), lines
 
 
@@ -263,3 +267,12 @@ def test_local_sweep_trains_collects_and_plots(repo_copy):
                                                                      "ddp_2gpu.log"]
     assert (repo_copy / "results.csv").exists()
     assert list((repo_copy / "plots").glob("*.png"))
+    # Every job measured its collectives first (--comm-benchmark): comm.csv, both new figures
+    # (the bandwidth one from the 2-rank job) and the report.
+    for log in sweep.glob("*.log"):
+        assert any(parse_comm(line) for line in log.read_text().splitlines()), log.name
+    comm = pd.read_csv(repo_copy / "comm.csv")
+    assert set(comm["world_size"]) == {1, 2} and set(comm["strategy"]) == {"ddp"}
+    for name in ("time_breakdown.png", "comm_bandwidth.png", "report.md"):
+        assert (repo_copy / "plots" / name).stat().st_size > 0, name
+    assert "comm at measured bw s" in (repo_copy / "plots" / "report.md").read_text()

@@ -1,0 +1,171 @@
+"""What the interconnect delivers for the messages this model sends: a collective micro-benchmark.
+
+In an initialized process group, times `all_reduce` at the sizes DDP sends (each gradient
+bucket and the whole gradient), `all_gather_into_tensor` and `reduce_scatter_tensor` at the size
+of each FSDP unit (the flat parameter one wrapped block gathers), and each of the three over a
+sweep of message sizes. One `[COMM]` line per measurement (utils.format_comm), printed by rank 0:
+the median time of several runs after warm-up (the slowest rank's), and nccl-tests' algorithm
+and bus bandwidths (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+
+    torchrun --nproc_per_node=2 benchmark.py --comm     # alone
+    main.py --comm-benchmark ...                        # once at the start of a training job
+"""
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from utils import format_comm, log0
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# The new names of all_gather_into_tensor and reduce_scatter_tensor (the old ones warn on every
+# call in recent torch); the old ones where torch is older.
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+GRADIENT_BYTES = 4  # both strategies reduce gradients in fp32 (README, Precision)
+# DDP's bucketing (torch.nn.parallel.DistributedDataParallel): the first bucket is capped at
+# 1 MiB so that communication starts early in backward, the others at bucket_cap_mb=25.
+DDP_FIRST_BUCKET = 1 << 20
+DDP_BUCKET = 25 << 20
+# The sweep: 4 KiB, 16 KiB, ... up to the largest size (a GPU's links need large messages to be
+# saturated; gloo on a CPU takes seconds beyond a few MiB).
+SWEEP_MIN = 4 << 10
+SWEEP_MAX = {"cuda": 256 << 20, "cpu": 4 << 20}
+REPEATS = {"cuda": (5, 20), "cpu": (2, 5)}  # (warm-up, timed) runs per measurement
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """nccl-tests' busbw / algbw: what each link carries, comparable across world sizes.
+    An all-reduce moves 2(n-1)/n of the data over each rank's link (reduce-scatter then
+    all-gather), an all-gather or a reduce-scatter (n-1)/n."""
+    n = world_size
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    raise ValueError(f"unknown collective {op!r}: one of {', '.join(OPS)}")
+
+
+def bandwidths(op: str, nbytes: int, world_size: int, seconds: float) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes), nccl-tests' way: algbw = bytes / time, where bytes is
+    the whole message (an all-gather's output, a reduce-scatter's input)."""
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * bus_factor(op, world_size)
+
+
+def ddp_buckets(model: nn.Module) -> list[int]:
+    """The bytes of each gradient bucket DDP would all-reduce: parameters in reverse order (the
+    order backward produces their gradients), filled greedily up to the caps. DDP rebuilds its
+    buckets after the first step in the order gradients really arrived; for a sequential model
+    that is this order."""
+    buckets, current, cap = [], 0, DDP_FIRST_BUCKET
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        size = p.numel() * GRADIENT_BYTES
+        if current and current + size > cap:
+            buckets.append(current)
+            current, cap = 0, DDP_BUCKET
+        current += size
+    return buckets + ([current] if current else [])
+
+
+def fsdp_units(model: nn.Module, element_bytes: int) -> dict[str, int]:
+    """The flat parameter bytes each FSDP unit gathers: one per `shard_units()` block, and the
+    root for the parameters no block holds (fsdp_utils wraps the same units)."""
+    units, inside = {}, set()
+    for name, module in model.named_children():
+        if any(module is unit for unit in model.shard_units()):
+            params = list(module.parameters())
+            inside |= {id(p) for p in params}
+            units[name] = sum(p.numel() for p in params) * element_bytes
+    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    if root:
+        units["root"] = root * element_bytes
+    return units
+
+
+def sweep_sizes(device: torch.device, largest: int | None = None) -> list[int]:
+    largest = largest or SWEEP_MAX[device.type]
+    sizes, size = [], SWEEP_MIN
+    while size <= largest:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def messages(model: nn.Module, element_bytes: int, sizes: list[int]) -> list[tuple[str, str, int]]:
+    """(op, label, bytes) of every measurement: the model's own messages first, then the sweep."""
+    grad = sum(p.numel() for p in model.parameters() if p.requires_grad) * GRADIENT_BYTES
+    found = [("all_reduce", "grad", grad)]
+    found += [("all_reduce", f"bucket{i}", b) for i, b in enumerate(ddp_buckets(model))]
+    for name, nbytes in fsdp_units(model, element_bytes).items():
+        found += [("all_gather", f"unit_{name}", nbytes), ("reduce_scatter", f"unit_{name}",
+                                                           nbytes)]
+    found += [(op, "sweep", size) for size in sizes for op in OPS]
+    return found
+
+
+def collective(op: str, nbytes: int, world_size: int, device: torch.device):
+    """A function that runs one collective on fp32 buffers of nbytes (an all-gather's or
+    reduce-scatter's rounded up so that every rank has an equal share), and the bytes moved."""
+    elements = -(-nbytes // 4)
+    if op != "all_reduce":
+        elements = -(-elements // world_size) * world_size
+    full = torch.ones(elements, dtype=torch.float32, device=device)
+    shard = torch.ones(elements // world_size, dtype=torch.float32, device=device)
+    run = {"all_reduce": lambda: dist.all_reduce(full),
+           "all_gather": lambda: ALL_GATHER(full, shard),
+           "reduce_scatter": lambda: REDUCE_SCATTER(shard, full)}[op]
+    return run, elements * 4
+
+
+def time_once(run, device: torch.device) -> float:
+    """Seconds of one collective. Ranks start together (barrier); on a GPU, CUDA events on the
+    stream, read after a synchronize, so only the collective's device time counts."""
+    dist.barrier()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def measure(op: str, nbytes: int, device: torch.device, repeats: tuple[int, int]) -> tuple:
+    """(bytes moved, seconds): the median of the timed runs after warm-up, the slowest rank's
+    (a collective ends for all when it ends for the last)."""
+    world_size = dist.get_world_size()
+    run, moved = collective(op, nbytes, world_size, device)
+    warmup, timed = repeats
+    for _ in range(warmup):
+        time_once(run, device)
+    median = torch.tensor([statistics.median(time_once(run, device) for _ in range(timed))],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return moved, median.item()
+
+
+def run_comm_benchmark(model: nn.Module, device: torch.device, element_bytes: int = 4,
+                       largest: int | None = None, repeats: tuple[int, int] | None = None,
+                       extra: dict | None = None) -> list[dict]:
+    """Every measurement's [COMM] fields (rank 0 also prints them). Call it on every rank of an
+    initialized process group. model: unwrapped (meta tensors do), for its message sizes;
+    element_bytes: of the parameters FSDP gathers (2 in bf16/fp16, else 4)."""
+    world_size = dist.get_world_size()
+    repeats = repeats or REPEATS[device.type]
+    rows = []
+    for op, label, nbytes in messages(model, element_bytes, sweep_sizes(device, largest)):
+        moved, seconds = measure(op, nbytes, device, repeats)
+        algbw, busbw = bandwidths(op, moved, world_size, seconds)
+        row = {"op": op, "label": label, "bytes": moved, "world_size": world_size,
+               "time_us": seconds * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
+               "device": device.type, "backend": dist.get_backend(), **(extra or {})}
+        log0(format_comm(row))
+        rows.append(row)
+    return rows

@@ -1,0 +1,105 @@
+"""comm_bench.py: nccl-tests' bandwidth definitions against hand-computed numbers, the message
+sizes of the course CNN, the [COMM] line's round trip, and real 2-rank gloo runs."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import comm_bench
+from conftest import TINY, metrics_in, run_main
+from dist_harness import spawn
+from model import build_model, count_parameters
+from test_collect_results import REPO
+from utils import COMM_FIELDS, format_comm, parse_comm
+
+
+@pytest.mark.parametrize("op,n,algbw,busbw", [
+    # 2,214,056 bytes in 1 ms: algbw 2.214056 GB/s; busbw x 2(n-1)/n for all_reduce, (n-1)/n else.
+    ("all_reduce", 4, 2.214056, 3.321084),
+    ("all_reduce", 2, 2.214056, 2.214056),
+    ("all_reduce", 8, 2.214056, 3.874598),
+    ("all_gather", 4, 2.214056, 1.660542),
+    ("reduce_scatter", 8, 2.214056, 1.937299),
+    ("all_gather", 1, 2.214056, 0.0),  # one rank sends nothing over any link
+])
+def test_bandwidths_follow_nccl_tests(op, n, algbw, busbw):
+    got = comm_bench.bandwidths(op, 2_214_056, n, 1e-3)
+    assert got == pytest.approx((algbw, busbw))
+
+
+def test_an_unknown_collective_is_refused():
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        comm_bench.bus_factor("broadcast", 2)
+
+
+def test_message_sizes_of_the_course_cnn():
+    model = build_model("cnn")
+    grad = count_parameters(model) * 4
+    buckets = comm_bench.ddp_buckets(model)
+    assert sum(buckets) == grad and len(buckets) > 1  # the first bucket is capped at 1 MiB
+    units = comm_bench.fsdp_units(model, 4)
+    assert set(units) == {"conv1", "conv2", "conv3", "classifier"}  # no parameter at the root
+    assert sum(units.values()) == grad
+    assert comm_bench.fsdp_units(model, 2)["conv1"] * 2 == units["conv1"]  # bf16 gathers halve
+
+
+def test_comm_line_round_trip():
+    row = {"op": "all_gather", "label": "unit_conv1", "bytes": 1792, "world_size": 2,
+           "time_us": 242.5, "algbw_gbps": 0.0073897, "busbw_gbps": 0.00369485,
+           "device": "cpu", "backend": "gloo", "job_id": "local"}
+    line = format_comm(row)
+    assert line.startswith("[COMM] op=all_gather label=unit_conv1 bytes=1792 world_size=2 ")
+    assert parse_comm("0: " + line) == row  # srun -l prefix too
+    assert parse_comm(line.replace(" busbw_gbps=0.00369485", "")) is None  # a field missing
+    assert parse_comm("[METRIC] epoch=1") is None
+
+
+def _tiny_benchmark(env):
+    with torch.device("meta"):
+        model = build_model("cnn")
+    return comm_bench.run_comm_benchmark(model, env.device, largest=16 << 10, repeats=(1, 3))
+
+
+@pytest.mark.timeout(120)
+def test_two_gloo_ranks_measure_every_message():
+    ranks = spawn(_tiny_benchmark, 2, timeout=100)
+    assert ranks[0] == ranks[1]  # every rank reports the slowest rank's median
+    rows = ranks[0]
+    sweep = [(r["op"], r["bytes"]) for r in rows if r["label"] == "sweep"]
+    assert sweep == [(op, size) for size in (4096, 16384) for op in comm_bench.OPS]
+    assert {r["label"] for r in rows if r["op"] == "all_gather"} >= {"unit_conv1", "sweep"}
+    for row in rows:
+        assert row["world_size"] == 2 and row["time_us"] > 0
+        factor = 1.0 if row["op"] == "all_reduce" else 0.5  # 2(n-1)/n and (n-1)/n at n=2
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
+        assert row["algbw_gbps"] == pytest.approx(row["bytes"] / row["time_us"] / 1e3)
+        parsed = parse_comm(format_comm(row))
+        assert parsed and all(k in parsed for k in COMM_FIELDS)
+
+
+@pytest.mark.timeout(180)
+def test_benchmark_py_comm_under_torchrun():
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", "benchmark.py", "--comm"], cwd=REPO,
+                          capture_output=True, text=True, timeout=170,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [r for r in map(parse_comm, done.stdout.splitlines()) if r]
+    assert rows and len(rows) == done.stdout.count("[COMM]")  # rank 0 alone prints
+    assert {r["op"] for r in rows} == set(comm_bench.OPS)
+    assert {r["world_size"] for r in rows} == {2}
+
+
+@pytest.mark.timeout(200)
+def test_comm_benchmark_leaves_training_as_it_was():
+    """--comm-benchmark draws no random number and touches no model: the same losses."""
+    args = [*TINY, "--epochs", "1", "--batch-size", "32", "--no-checkpoint"]
+    plain, measured = (run_main(args + extra) for extra in ([], ["--comm-benchmark"]))
+    assert plain.returncode == measured.returncode == 0, measured.stderr[-2000:]
+    assert "[COMM]" not in plain.stdout and parse_comm(next(
+        line for line in measured.stdout.splitlines() if line.startswith("[COMM]")))
+    keys = ("train_loss", "val_loss", "acc")
+    assert [[m[k] for k in keys] for m in metrics_in(plain.stdout)] == \
+        [[m[k] for k in keys] for m in metrics_in(measured.stdout)]
