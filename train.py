@@ -253,7 +253,8 @@ class MetricLabels:
 @dataclass
 class Segment:
     """What this rank did in the part of an epoch this process trained (the whole epoch unless
-    it resumed mid-way): its wall time, its own time fetching batches, and its steps."""
+    it resumed mid-way): the part's wall time (its slowest rank's), this rank's own time
+    fetching batches, and its steps."""
     elapsed: float
     data: float
     steps: int
@@ -422,11 +423,14 @@ class Trainer:
         synchronize(device)
         elapsed = time.perf_counter() - t_start
 
-        segment = Segment(elapsed, data_wait.total(), step - start.step)
+        own_data = data_wait.total()
         loss_sum, seen = all_reduce([loss_sum, seen], device)
-        data_wait = all_reduce([segment.data], device, dist.ReduceOp.MAX)[0]
+        # The epoch lasts until its slowest rank is done: every rank takes that time, so that
+        # `time` does not depend on which rank reports it and the t_* parts add up to it.
+        most_data, elapsed = all_reduce([own_data, elapsed], device, dist.ReduceOp.MAX)
+        segment = Segment(elapsed, own_data, step - start.step)
         reached = Position(start.epoch, step, start.loss_sum + loss_sum, start.seen + int(seen),
-                           start.data_wait + data_wait, start.time + elapsed)
+                           start.data_wait + most_data, start.time + elapsed)
         return reached, step == total, segment
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,13 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
         assert (repo_copy / "plots" / png).stat().st_size > 0, png
 
 
+def job_fields(job_id: str, env) -> dict:
+    """A job as the controller knows it now (empty once it has forgotten a finished job)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True,
+                         text=True, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
 def job_span(job_id: str) -> tuple[str, str]:
     """(StartTime, EndTime) of a finished job, as SLURM's ISO times (they sort as text), from
     the cluster's job completion log: the controller forgets jobs seconds after they end."""
