@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pandas as pd
 import pytest
 
 import distributed_utils as du
@@ -161,6 +162,12 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     assert {r["sweep"] for r in rows} == {folder.group(1).removeprefix("sweep-")}
     for png in FIGURES:  # every figure the plotter defines: this sweep has data for each
         assert (repo_copy / "plots" / png).stat().st_size > 0, png
+    # Every job measured its collectives first ([COMM]), and the report names every figure.
+    comm = pd.read_csv(repo_copy / "comm.csv")
+    assert set(comm["job_id"].astype(str)) == set(job_ids.values())
+    assert set(comm["world_size"]) == {1, 2, 4}
+    report = (repo_copy / "plots" / "report.md").read_text()
+    assert all(png in report for png in FIGURES), report
 
 
 def job_fields(job_id: str, env) -> dict:
