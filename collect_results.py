@@ -470,16 +470,21 @@ def markdown_table(summary: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def sample_tables(folders: list[Path], results: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """run.sh's GPU and CPU samples, per GPU and per rank, each row with its run's strategy, GPU
-    count and in-process peak_mem (MB), so that nvidia-smi's view stands next to PyTorch's."""
+GPU_TIMELINE_CSV = "gpu_timeline.csv"  # every GPU sample, for plot_results.py
+
+
+def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """run.sh's samples by the CSV they go to: per GPU and per rank (each row with its run's
+    strategy, GPU count and in-process peak_mem, MB, so that nvidia-smi's view stands next to
+    PyTorch's), and every GPU sample over time."""
     gpus, processes = samples.summarize(folders)
     runs = run_summaries(results)[["job_id", "strategy", "gpus", "peak_mem"]]
     runs = runs.astype({"job_id": str}).drop_duplicates("job_id")
 
     def with_run(table: pd.DataFrame) -> pd.DataFrame:
         return runs.merge(table.astype({"job_id": str}), on="job_id", how="right")
-    return with_run(gpus), with_run(processes)
+    return {"gpu_samples.csv": with_run(gpus), "cpu_samples.csv": with_run(processes),
+            GPU_TIMELINE_CSV: with_run(samples.gpu_timeline(folders))}
 
 
 def sample_report(gpus: pd.DataFrame) -> str:
@@ -496,15 +501,19 @@ def sample_report(gpus: pd.DataFrame) -> str:
 
 
 def write_sample_tables(out: Path, folders: list[Path], results: pd.DataFrame) -> None:
-    """gpu_samples.csv and cpu_samples.csv beside the results, where run.sh sampled anything."""
-    gpus, processes = sample_tables(folders, results)
-    for name, table in (("gpu_samples.csv", gpus), ("cpu_samples.csv", processes)):
-        if not table.empty:
-            path = out.with_name(name)
-            write_atomically(path, lambda temp, t=table: t.to_csv(temp, index=False))
-            note(f"wrote {path}: {len(table)} rows")
-    if not gpus.empty:
-        print("\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n" + sample_report(gpus))
+    """gpu_samples.csv, cpu_samples.csv and gpu_timeline.csv beside the results, where run.sh
+    sampled anything (an older one of the same name is removed: it would belong to other runs)."""
+    tables = sample_tables(folders, results)
+    for name, table in tables.items():
+        path = out.with_name(name)
+        if table.empty:
+            path.unlink(missing_ok=True)
+            continue
+        write_atomically(path, lambda temp, t=table: t.to_csv(temp, index=False))
+        note(f"wrote {path}: {len(table)} rows")
+    if not tables["gpu_samples.csv"].empty:
+        print("\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n"
+              + sample_report(tables["gpu_samples.csv"]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

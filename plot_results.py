@@ -25,7 +25,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
-from collect_results import (COMM_CSV, COURSE_COLUMNS, TIME_PARTS,  # noqa: E402
+from collect_results import (COMM_CSV, COURSE_COLUMNS, GPU_TIMELINE_CSV, TIME_PARTS,  # noqa: E402
                              markdown_table, note, scaling, summarize, write_atomically)
 from utils import UsageError, fail  # noqa: E402
 
@@ -299,6 +299,31 @@ def plot_comm_bandwidth(comm: pd.DataFrame | None) -> Figure:
     return fig
 
 
+def plot_gpu_timeline(timeline: pd.DataFrame | None) -> Figure:
+    """Memory used and utilisation of every sampled GPU over its job's time (nvidia-smi, by
+    run.sh's samplers): one line per GPU, coloured by run."""
+    if timeline is None or timeline.empty:
+        raise NotPlottable(f"no GPU samples ({GPU_TIMELINE_CSV}: run.sh samples where "
+                           "nvidia-smi exists)")
+    fig, (memory, use) = figure(2)
+    runs = timeline.groupby(["strategy", "gpus", "job_id"], dropna=False, sort=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, ((strategy, gpus, job_id), run) in enumerate(runs):
+        for j, ((host, gpu), samples) in enumerate(run.groupby(["host", "gpu"])):
+            label = f"{strategy} {gpus:.0f} GPU(s), job {job_id}" if j == 0 else None
+            for ax, column in ((memory, "mem_mib"), (use, "util_pct")):
+                ax.plot(samples["seconds"], samples[column], color=colors[i % len(colors)],
+                        linewidth=1, label=label)
+    memory.set_ylabel("memory used (MiB, nvidia-smi)")
+    use.set_ylabel("utilisation (%, nvidia-smi)")
+    use.set_ylim(0, 105)
+    for ax in (memory, use):
+        ax.set_xlabel("seconds since the job's first sample")
+        ax.grid(True, alpha=0.3)
+    use.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
 FIGURES = {
     "epoch_time.png": plot_epoch_time,
     "val_loss_acc.png": plot_quality,
@@ -307,8 +332,11 @@ FIGURES = {
     "throughput.png": plot_throughput,
     "time_breakdown.png": plot_time_breakdown,
     "comm_bandwidth.png": plot_comm_bandwidth,
+    "gpu_timeline.png": plot_gpu_timeline,
 }
-FROM_COMM = {"comm_bandwidth.png"}  # drawn from comm.csv's rows, the others from the summary
+# Figures drawn from a CSV that collect_results.py writes beside the results; the others are
+# drawn from the summary.
+BESIDE = {"comm_bandwidth.png": COMM_CSV, "gpu_timeline.png": GPU_TIMELINE_CSV}
 
 
 def save_png(fig: Figure, path: Path, subtitle: str) -> None:
@@ -319,12 +347,14 @@ def save_png(fig: Figure, path: Path, subtitle: str) -> None:
 
 
 def plot_all(results: pd.DataFrame, out_dir: Path,
-             comm: pd.DataFrame | None = None) -> list[Path]:
-    summary, subtitle = summarize(results, comm), context(results)
+             beside: dict[str, pd.DataFrame | None] | None = None) -> list[Path]:
+    """Every figure there is data for; `beside` holds the CSVs found beside the results."""
+    beside = beside or {}
+    summary, subtitle = summarize(results, beside.get(COMM_CSV)), context(results)
     written = []
     for name, draw in FIGURES.items():
         try:
-            fig = draw(comm) if name in FROM_COMM else draw(summary)
+            fig = draw(beside.get(BESIDE[name])) if name in BESIDE else draw(summary)
         except NotPlottable as e:
             plt.close("all")
             note(f"not written {name}: {e}")
@@ -345,9 +375,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_comm(results_csv: Path) -> pd.DataFrame | None:
-    """collect_results.py's comm.csv beside the results, or None where no job measured any."""
-    path = results_csv.with_name(COMM_CSV)
+def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
+    """A CSV collect_results.py wrote beside the results (comm.csv, gpu_timeline.csv), or None
+    where the jobs gave nothing for it."""
+    path = results_csv.with_name(name)
     if not path.exists():
         return None
     try:
@@ -391,11 +422,13 @@ def write_report(results: pd.DataFrame, comm: pd.DataFrame | None, written: list
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        results, comm = read_results(args.csv), read_comm(args.csv)
+        results = read_results(args.csv)
+        beside = {name: read_beside(args.csv, name) for name in set(BESIDE.values())}
+        comm = beside[COMM_CSV]
     except UsageError as e:
         fail(str(e))
     try:
-        written = plot_all(results, args.out_dir, comm)
+        written = plot_all(results, args.out_dir, beside)
         if args.report and written:
             note(f"wrote {write_report(results, comm, written, args.out_dir)}")
     except OSError as e:

@@ -75,6 +75,25 @@ def summarize_processes(job_id: str, host: str, frame: pd.DataFrame) -> list[dic
     return rows
 
 
+def gpu_timeline(folders: list[Path]) -> pd.DataFrame:
+    """Every GPU sample: job_id, host, gpu, seconds since the job's first sample on that node,
+    memory used (MiB) and utilisation (%), for plotting them over time."""
+    frames = []
+    for folder in folders:
+        for kind, job_id, host, path in sample_files(folder):
+            if kind != "gpu":
+                continue
+            frame = read_gpu_samples(path)
+            when = pd.to_datetime(frame["timestamp"], format="%Y/%m/%d %H:%M:%S.%f",
+                                  errors="coerce")
+            frames.append(pd.DataFrame({
+                "job_id": job_id, "host": host, "gpu": frame["gpu"].astype(int),
+                "seconds": (when - when.min()).dt.total_seconds(),
+                "mem_mib": frame["mem_mib"], "util_pct": frame["util_pct"]}).dropna())
+    columns = ("job_id", "host", "gpu", "seconds", "mem_mib", "util_pct")
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+
+
 def summarize(folders: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per GPU and per process, from the sampler CSVs in the folders."""
     gpus, processes = [], []

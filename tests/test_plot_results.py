@@ -54,10 +54,21 @@ def test_every_png_from_a_small_csv(tmp_path, capsys):
                                ("fsdp", 1): [10.0, 9.0], ("fsdp", 2): [6.0, 5.0]})
                    ).to_csv(csv, index=False)
     comm_frame().to_csv(tmp_path / "comm.csv", index=False)
+    pd.DataFrame({"job_id": "7", "strategy": "ddp", "gpus": 2, "host": "node1", "gpu": [0, 0],
+                  "seconds": [0.0, 5.0], "mem_mib": [1000, 1200], "util_pct": [50, 90]}
+                 ).to_csv(tmp_path / "gpu_timeline.csv", index=False)
     code, out, _ = run_main(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
     assert code == 0
     assert_pngs(tmp_path / "plots", plot_results.FIGURES)
     assert out.split() == [str(tmp_path / "plots" / name) for name in plot_results.FIGURES]
+
+
+GPU_SAMPLES = ("timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
+               "power.draw [W]\n"
+               "2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
+               "2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0\n"
+               "2026/11/22 10:00:05.500, 0, 70, 1500, 81559, 310.0\n"
+               "2026/11/22 10:00:05.500, 1, 60, 1600, 81559, 280.0\n")
 
 
 def test_course_results_csv(tmp_path, capsys):
@@ -65,7 +76,8 @@ def test_course_results_csv(tmp_path, capsys):
     code, _, err = run_main(capsys, "--csv", course_csv, "--out-dir", tmp_path)
     assert code == 0
     assert_pngs(tmp_path, set(plot_results.FIGURES) - {"throughput.png", "time_breakdown.png",
-                                                       "comm_bandwidth.png"})
+                                                       "comm_bandwidth.png", "gpu_timeline.png"})
+    assert "not written gpu_timeline.png: no GPU samples" in err
     assert "not written throughput.png" in err
     assert "not written comm_bandwidth.png: no [COMM] lines" in err
     summary = plot_results.summarize(plot_results.read_results(course_csv))
@@ -108,12 +120,13 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     breakdown = dict(t_compute=1.5, t_data=0.25, t_comm=0.5, t_wait=0.25, train_images=512)
-    run_log(logs, "ddp_1gpu_1.log", world_size=1, **breakdown)
-    run_log(logs, "ddp_2gpu_2.log", world_size=2, **breakdown)
+    run_log(logs, "ddp_1gpu_1.log", world_size=1, job_id="1", **breakdown)
+    run_log(logs, "ddp_2gpu_2.log", world_size=2, job_id="2", **breakdown)
     with open(logs / "ddp_2gpu_2.log", "a") as log:  # --comm-benchmark's lines
         log.writelines(format_comm(row) + "\n" for row in
                        comm_frame([2]).drop(columns=["sweep", "log", "strategy", "gpus"])
                        .to_dict("records"))
+    (logs / "gpu_2_node1.csv").write_text(GPU_SAMPLES)  # run.sh's GPU sampler, job 2
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     # Relative paths are the caller's: ../logs from elsewhere/.
@@ -125,6 +138,10 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     assert "| ddp | 2 |" in done.stdout
     assert "results: ../results.csv" in done.stdout and "../plots/epoch_time.png" in done.stdout
     assert len(pd.read_csv(tmp_path / "comm.csv")) == 9
+    timeline = pd.read_csv(tmp_path / "gpu_timeline.csv")
+    assert timeline[["strategy", "gpus", "gpu", "seconds", "mem_mib"]].values.tolist() == [
+        ["ddp", 2, 0, 0.0, 1500], ["ddp", 2, 1, 0.0, 1400], ["ddp", 2, 0, 5.5, 1500],
+        ["ddp", 2, 1, 5.5, 1600]]
     report = (tmp_path / "report.md").read_text()
     assert "| ddp | 2 |" in report
     assert all(f"]({name})" in report for name in plot_results.FIGURES)
