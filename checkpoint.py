@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import signal
-import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from config import SHARDED
-from distributed_utils import barrier, job_id
+from distributed_utils import barrier, run_name
 from utils import UsageError, is_rank_zero, log0
 
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
@@ -174,9 +173,7 @@ def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
     if resume not in (None, "auto"):
         resumed = Path(resume)
         return resumed.parent if (resumed / META_FILE).is_file() else resumed
-    if job_id() != "local":
-        return Path("checkpoints") / job_id()
-    return Path("checkpoints") / time.strftime("local-%Y%m%d-%H%M%S")
+    return Path("checkpoints") / run_name()
 
 
 def refuse_overwrite(folder: Path, resume: str | None) -> None:

@@ -500,17 +500,23 @@ def sample_report(gpus: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def write_beside(out: Path, name: str, table: pd.DataFrame, rows: str) -> None:
+    """A CSV beside the results; where these runs give it no rows, an older one of that name
+    is removed (it would belong to other runs)."""
+    path = out.with_name(name)
+    if table.empty:
+        path.unlink(missing_ok=True)
+        return
+    write_atomically(path, lambda temp: table.to_csv(temp, index=False))
+    note(f"wrote {path}: {len(table)} {rows}")
+
+
 def write_sample_tables(out: Path, folders: list[Path], results: pd.DataFrame) -> None:
-    """gpu_samples.csv, cpu_samples.csv and gpu_timeline.csv beside the results, where run.sh
-    sampled anything (an older one of the same name is removed: it would belong to other runs)."""
+    """gpu_samples.csv, cpu_samples.csv and gpu_timeline.csv beside the results, and the table of
+    the GPUs where run.sh sampled any."""
     tables = sample_tables(folders, results)
     for name, table in tables.items():
-        path = out.with_name(name)
-        if table.empty:
-            path.unlink(missing_ok=True)
-            continue
-        write_atomically(path, lambda temp, t=table: t.to_csv(temp, index=False))
-        note(f"wrote {path}: {len(table)} rows")
+        write_beside(out, name, table, "rows")
     if not tables["gpu_samples.csv"].empty:
         print("\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n"
               + sample_report(tables["gpu_samples.csv"]))
@@ -544,18 +550,12 @@ def main(argv=None) -> int:
     for warning in mixed_sweeps(runs):
         note(warning)
     results, comm = results_frame(runs), comm_frame(runs)
-    comm_csv = args.out.with_name(COMM_CSV)
     try:
         write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))
-        if not comm.empty:
-            write_atomically(comm_csv, lambda temp: comm.to_csv(temp, index=False))
-        else:
-            comm_csv.unlink(missing_ok=True)  # an older collection's: not these runs'
+        note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
+        write_beside(args.out, COMM_CSV, comm, "[COMM] rows")
     except OSError as e:
         fail(f"cannot write {args.out}: {e.strerror or e}")
-    note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
-    if not comm.empty:
-        note(f"wrote {comm_csv}: {len(comm)} [COMM] rows")
     print(markdown_table(summarize(results, comm)))
     if study := scaling(results):
         note(study)

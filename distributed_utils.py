@@ -323,3 +323,10 @@ def num_nodes(env=os.environ) -> int:
 
 def job_id(env=os.environ) -> str:
     return env.get("SLURM_JOB_ID", "local")
+
+
+def run_name(env=os.environ) -> str:
+    """A name for this run's files: the SLURM job id (a requeued job keeps it, and so finds its
+    own files), else local-<start time>. Ask on one rank (on_rank0) so that all use the same."""
+    job = job_id(env)
+    return job if job != "local" else time.strftime("local-%Y%m%d-%H%M%S")

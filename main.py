@@ -17,7 +17,6 @@ import math
 import os
 import shlex
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -224,10 +223,9 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
                                  seed=cfg.seed, augment=augment, device=env.device,
                                  num_workers=cfg.num_workers, memory_format=memory_format)
     sizes = {"train_size": len(train_set), "val_size": len(val_set)}
-    image_shape = tuple(train_set.images.shape[1:])
     del train_set, val_set  # the loaders hold what they need: the baseline must not count these
     # Before the baseline: the calibration's own model and optimizer are not the training's.
-    calibration = calibrate_compute(cfg, env, image_shape, memory_format)
+    calibration = calibrate_compute(cfg, env, spec, memory_format)
     memory = MemoryMeter(env.device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, spec.num_classes, spec.image_shape)
@@ -254,20 +252,19 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     return trainer, resolved
 
 
-def calibrate_compute(cfg: Config, env: distributed_utils.DistEnv, image_shape: tuple,
+def calibrate_compute(cfg: Config, env: distributed_utils.DistEnv, spec: data.DatasetSpec,
                       memory_format: torch.memory_format) -> ComputeCalibration:
     """An unwrapped copy of the training step for t_compute, built with the random streams
     restored afterwards, so that training is exactly as without it. Not compiled: for --compile
     runs t_compute is the eager model's."""
     forked = [env.device] if env.device.type == "cuda" else []
-    classes = data.DATASETS[cfg.dataset].num_classes
     with torch.random.fork_rng(devices=forked):
-        model = build_model(cfg.model, classes, image_shape).to(env.device,
-                                                               memory_format=memory_format)
+        model = build_model(cfg.model, spec.num_classes, spec.image_shape).to(
+            env.device, memory_format=memory_format)
         bare = Trainer(model, make_optimizer(cfg, model), None, make_precision(cfg, env.device),
                        env, None, cfg.print_every, None, None, cfg.grad_accum, cfg.clip_grad)
-        return ComputeCalibration(bare, cfg.batch_size // env.world_size, image_shape,
-                                  classes)
+        return ComputeCalibration(bare, cfg.batch_size // env.world_size, spec.image_shape,
+                                  spec.num_classes)
 
 
 def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:
@@ -360,11 +357,9 @@ PROFILE_DIR = Path("logs") / "profiles"
 
 
 def profile_path(env: distributed_utils.DistEnv) -> Path:
-    """One trace per rank and run: a SLURM job's id, else rank 0's start time (on every rank)."""
-    run_name = distributed_utils.job_id()
-    if run_name == "local":
-        run_name = distributed_utils.on_rank0(lambda: time.strftime("local-%Y%m%d-%H%M%S"))
-    return PROFILE_DIR / f"{run_name}_rank{env.rank}.json"
+    """One trace per rank and run, named as rank 0 names the run."""
+    run = distributed_utils.on_rank0(distributed_utils.run_name)
+    return PROFILE_DIR / f"{run}_rank{env.rank}.json"
 
 
 def profile_report(profiler: StepProfiler) -> str:

@@ -114,8 +114,9 @@ def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFr
                 label=strategy)
         low, high = f"{column}_min", f"{column}_max"
         if low in points and (points["runs"] > 1).any():  # min-max over repeated runs
-            ax.errorbar(points["gpus"], points[column], fmt="none", ecolor=colors[strategy],
-                        capsize=3, yerr=[points[column] - points[low], points[high] - points[column]])
+            spread = [points[column] - points[low], points[high] - points[column]]
+            ax.errorbar(points["gpus"], points[column], yerr=spread, fmt="none",
+                        ecolor=colors[strategy], capsize=3)
     gpu_axis(ax, rows["gpus"])
     ax.set_ylabel(ylabel)
     return rows
