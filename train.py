@@ -366,12 +366,15 @@ class Trainer:
         reached, complete, segment = self.train_epoch(start, stop)
         if not complete:
             return reached, None
+        # Read before the calibration and validation run: their memory is not training's (the
+        # calibration's unsharded model would otherwise hide FSDP's saving).
+        own_peak, own_reserved = self.memory.training_peak(), reserved_peak_bytes(device)
         step_seconds = self.calibration.seconds_per_step() if self.calibration else 0.0
         breakdown = time_breakdown(segment, step_seconds, device)
         val = self.evaluate()
         peak, state, reserved = all_reduce(
-            [self.memory.training_peak(), state_bytes(self.model, self.optimizer),
-             reserved_peak_bytes(device)], device, dist.ReduceOp.MAX)
+            [own_peak, state_bytes(self.model, self.optimizer), own_reserved], device,
+            dist.ReduceOp.MAX)
         train_loss = reached.loss_sum / max(reached.seen, 1)
         return reached, {
             "epoch": reached.epoch,

@@ -46,6 +46,30 @@ def test_peak_mem_counts_training_not_the_data_set():
     assert wide >= small + 30, "a wider model's activations and state must show"
 
 
+class GreedyCalibration:
+    """Stands in for the compute calibration, which steps an unsharded copy of the model after
+    each epoch's training: holds 256 MB (touched) while it runs."""
+
+    def seconds_per_step(self) -> float:
+        held = torch.ones(2**26)
+        return float(held[0]) * 0.001
+
+
+def peak_beside_a_greedy_calibration(env, cfg):
+    trainer, _ = build_trainer(cfg, env)
+    trainer.calibration = GreedyCalibration()
+    _, measured = trainer.run_epoch(checkpoint.Position())
+    return measured["peak_mem"]
+
+
+def test_peak_mem_is_read_before_the_calibration_runs():
+    """The calibration's memory is not training's: with FSDP, its unsharded model would hide
+    the very saving peak_mem is there to show."""
+    cfg = Config(**{**CFG, "strategy": "fsdp"})
+    peak = spawn(peak_beside_a_greedy_calibration, 1, cfg)[0]
+    assert peak < 128, f"peak_mem {peak} MB holds the calibration's 256 MB"
+
+
 # ----------------------------------------------------------------------------- precision
 
 def precision_facts(env, cfg):
