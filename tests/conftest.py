@@ -47,6 +47,17 @@ def run_main(args: list, nproc: int | None = None, cwd=REPO, timeout=240,
     return run([*launcher, "main.py", *args], cwd=cwd, timeout=timeout, **env)
 
 
+def call_main(main, capsys, *args) -> tuple[int, str, str]:
+    """A script's main(argv) called in this process, as its command line would: (exit status,
+    stdout, stderr), also where it ends in SystemExit (argparse)."""
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def metrics_in(text: str) -> list[dict]:
     """The `[METRIC]` lines of a log, parsed."""
     return [m for m in map(parse_metric, text.splitlines()) if m]

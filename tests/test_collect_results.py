@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 import collect_results
+from conftest import call_main
 from utils import format_comm, format_metric
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,13 +228,8 @@ def test_repeated_configuration_takes_medians():
 
 # ---- command line ----
 
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    try:
-        code = collect_results.main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+def cli(capsys, *args) -> tuple[int, str, str]:
+    return call_main(collect_results.main, capsys, *args)
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "no_metrics"])
@@ -244,7 +240,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, case):
         (logs / ".gitkeep").touch()  # hidden files are not logs
     if case == "no_metrics":
         (logs / "ddp_1gpu_1.log").write_text("[INFO] nothing here\n")
-    code, out, err = run_main(capsys, "--logs", logs, "--out", tmp_path / "r.csv")
+    code, out, err = cli(capsys, "--logs", logs, "--out", tmp_path / "r.csv")
     assert code != 0 and out == ""
     assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err
     assert not (tmp_path / "r.csv").exists()
@@ -256,7 +252,7 @@ def test_cli_writes_csv_and_prints_summary(tmp_path, capsys):
     run_log(logs, "ddp_1gpu_1.log", world_size=1, time=8.0)
     run_log(logs, "ddp_4gpu_2.log", world_size=4, time=2.0)
     out_csv = tmp_path / "out" / "results.csv"
-    code, out, err = run_main(capsys, "--logs", logs, "--out", out_csv)
+    code, out, err = cli(capsys, "--logs", logs, "--out", out_csv)
     assert code == 0
     assert len(pd.read_csv(out_csv)) == 6
     assert [p.name for p in out_csv.parent.iterdir()] == ["results.csv"]  # no temp file left
@@ -284,7 +280,7 @@ def test_unwritable_csv_is_one_line_and_keeps_nothing_half_written(tmp_path, cap
     run_log(logs, "ddp_1gpu_1.log", epochs=1)
     blocker = tmp_path / "a_file"  # root ignores permission bits: a file as parent folder
     blocker.write_text("x")
-    code, _, err = run_main(capsys, "--logs", logs, "--out", blocker / "r.csv")
+    code, _, err = cli(capsys, "--logs", logs, "--out", blocker / "r.csv")
     assert code != 0 and err.splitlines()[-1].startswith("error: cannot write")
 
 
@@ -305,14 +301,14 @@ def test_the_newest_sweep_is_read_unless_all_are_asked_for(tmp_path, capsys):
     sweep(logs, "20261122-120000", time_1gpu=2.5)
     (logs / "torchrun").mkdir()  # run.sh's torchrun reports: not a sweep
     out_csv = tmp_path / "r.csv"
-    code, out, err = run_main(capsys, "--logs", logs, "--out", out_csv)
+    code, out, err = cli(capsys, "--logs", logs, "--out", out_csv)
     assert code == 0, err
     assert f"reading {logs / 'sweep-20261122-120000'}, the newest of 2" in err
     results = pd.read_csv(out_csv, dtype={"sweep": str})
     assert set(results["sweep"]) == {"20261122-120000"} and set(results["time"]) == {2.5}
     assert "warning" not in err
 
-    code, out, err = run_main(capsys, "--logs", logs, "--all-sweeps", "--out", out_csv)
+    code, out, err = cli(capsys, "--logs", logs, "--all-sweeps", "--out", out_csv)
     assert code == 0, err
     assert "merging 2 folders" in err
     assert "warning: ddp on 1 GPU(s) has runs from 2 sweeps (20261122-100000, " \
@@ -404,7 +400,7 @@ def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys
                                  "replicate", **two_steps) for e in (1, 2)]
         (tmp_path / name).write_text("\n".join(lines) + "\n" + log_text(metrics))
     out = tmp_path / "out" / "results.csv"
-    code, table, _ = run_main(capsys, "--logs", tmp_path, "--out", out)
+    code, table, _ = cli(capsys, "--logs", tmp_path, "--out", out)
     assert code == 0
     comm = pd.read_csv(out.with_name("comm.csv"))
     assert list(comm.columns[:10]) == [*collect_results.RUN_COLUMNS, "op", "label", "bytes",
@@ -424,6 +420,6 @@ def test_no_comm_lines_no_comm_csv(tmp_path, capsys):
     run_log(tmp_path, "ddp_1gpu_1.log")
     out = tmp_path / "results.csv"
     out.with_name("comm.csv").write_text("stale\n")  # an older collection's
-    assert run_main(capsys, "--logs", tmp_path, "--out", out)[0] == 0
+    assert cli(capsys, "--logs", tmp_path, "--out", out)[0] == 0
     assert not out.with_name("comm.csv").exists()
     assert collect_results.summarize(pd.read_csv(out))["comm_model"].isna().all()

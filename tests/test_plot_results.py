@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 import plot_results
+from conftest import call_main
 from test_collect_results import COURSE_LOGS, REPO, run_log, runs_frame
 from utils import format_comm
 
@@ -17,13 +18,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 course_csv = COURSE_LOGS / "results_solution.csv"
 
 
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    try:
-        code = plot_results.main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+def cli(capsys, *args) -> tuple[int, str, str]:
+    return call_main(plot_results.main, capsys, *args)
 
 
 def assert_pngs(folder: Path, names) -> None:
@@ -57,7 +53,7 @@ def test_every_png_from_a_small_csv(tmp_path, capsys):
     pd.DataFrame({"job_id": "7", "strategy": "ddp", "gpus": 2, "host": "node1", "gpu": [0, 0],
                   "seconds": [0.0, 5.0], "mem_mib": [1000, 1200], "util_pct": [50, 90]}
                  ).to_csv(tmp_path / "gpu_timeline.csv", index=False)
-    code, out, _ = run_main(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
+    code, out, _ = cli(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
     assert code == 0
     assert_pngs(tmp_path / "plots", plot_results.FIGURES)
     assert out.split() == [str(tmp_path / "plots" / name) for name in plot_results.FIGURES]
@@ -73,7 +69,7 @@ GPU_SAMPLES = ("timestamp, index, utilization.gpu [%], memory.used [MiB], memory
 
 def test_course_results_csv(tmp_path, capsys):
     # The course's shape: method (not strategy), final epoch only, no throughput.
-    code, _, err = run_main(capsys, "--csv", course_csv, "--out-dir", tmp_path)
+    code, _, err = cli(capsys, "--csv", course_csv, "--out-dir", tmp_path)
     assert code == 0
     assert_pngs(tmp_path, set(plot_results.FIGURES) - {"throughput.png", "time_breakdown.png",
                                                        "comm_bandwidth.png", "gpu_timeline.png"})
@@ -96,14 +92,14 @@ def test_course_results_csv(tmp_path, capsys):
 def test_bad_csv_is_one_line_error(tmp_path, capsys, content, message):
     csv = tmp_path / "results.csv"
     csv.write_bytes(content)
-    code, out, err = run_main(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
+    code, out, err = cli(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
     assert code != 0 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err
     assert not (tmp_path / "plots").exists()
 
 
 def test_missing_csv(tmp_path, capsys):
-    code, _, err = run_main(capsys, "--csv", tmp_path / "nope.csv")
+    code, _, err = cli(capsys, "--csv", tmp_path / "nope.csv")
     assert code != 0 and err.startswith("error: no results file")
 
 
@@ -165,7 +161,7 @@ def test_unwritable_output_folder_is_one_line(tmp_path, capsys):
     blocker.write_text("x")
     csv = tmp_path / "results.csv"
     runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).to_csv(csv, index=False)
-    code, _, err = run_main(capsys, "--csv", csv, "--out-dir", blocker / "plots")
+    code, _, err = cli(capsys, "--csv", csv, "--out-dir", blocker / "plots")
     assert code != 0 and err.strip().splitlines()[-1].startswith("error: cannot write")
 
 
