@@ -28,7 +28,7 @@ import distributed_utils
 from comm_bench import run_comm_benchmark
 from config import ONE_PROCESS, SHARDED, Config, add_options, validate
 from ddp_utils import get_ddp_model, get_dp_model
-from fsdp_utils import DTYPES, effective_sharding, get_fsdp2_model, get_fsdp_model
+from fsdp_utils import effective_sharding, get_fsdp2_model, get_fsdp_model, low_precision
 from model import build_model, count_parameters
 from train import (PROFILE_SCHEDULE, ComputeCalibration, Diverged, MemoryMeter, MetricLabels,
                    Precision, StepProfiler, Trainer)
@@ -96,17 +96,16 @@ def check_device_options(cfg: Config, device: torch.device) -> None:
         raise UsageError("--sync-bn is for --strategy ddp")
 
 
-def make_precision(cfg: Config, device: torch.device) -> Precision:
-    check_device_options(cfg, device)
-    fp16 = cfg.precision == "fp16"
-    if cfg.strategy == "fsdp":  # FSDP's gradients are sharded: the scaler must see them all
+def make_precision(precision: str, strategy: str, device: torch.device) -> Precision:
+    """How a step of this strategy runs at this --precision: FSDP casts through its mixed
+    precision policy (fsdp_utils); every unsharded model (DDP, DP, single) needs autocast."""
+    fp16 = precision == "fp16"
+    if strategy == "fsdp":  # FSDP1's gradients are flat shards: its scaler sees them all
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         scaler = ShardedGradScaler(device.type, enabled=fp16)
     else:
         scaler = torch.amp.GradScaler(device.type, enabled=fp16)
-    # FSDP casts through its MixedPrecision policy; DDP needs autocast.
-    low = DTYPES[cfg.precision] if DTYPES[cfg.precision] != torch.float32 else None
-    return Precision(low if cfg.strategy == "ddp" else None, scaler)
+    return Precision(None if strategy in SHARDED else low_precision(precision), scaler)
 
 
 def set_fp32_math(precision: str) -> str:
@@ -114,6 +113,10 @@ def set_fp32_math(precision: str) -> str:
     fp32 mean IEEE fp32, and tf32 ask for TF32 in convolutions and matrix products alike.
     Returns what fp32 operations run as. (No effect on a CPU.)"""
     math = "tf32" if precision == "tf32" else "ieee"
+    # The legacy switches first, to the same answer: code that still reads them (torch.compile's
+    # in some versions) raises where only the per-operation settings below were made.
+    torch.set_float32_matmul_precision("high" if math == "tf32" else "highest")
+    torch.backends.cudnn.allow_tf32 = math == "tf32"
     torch.backends.cuda.matmul.fp32_precision = math
     torch.backends.cudnn.conv.fp32_precision = math
     torch.backends.cudnn.rnn.fp32_precision = math
@@ -215,7 +218,8 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     train_set, val_set = data.load_splits(cfg.dataset, cfg.data_dir, cfg.seed, cfg.train_samples,
                                           cfg.val_samples, cfg.download)
     check_world(cfg, env.world_size, len(train_set))
-    precision = make_precision(cfg, env.device)
+    check_device_options(cfg, env.device)
+    precision = make_precision(cfg.precision, cfg.strategy, env.device)
     fp32_math = set_fp32_math(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     loaders = data.build_loaders(train_set, val_set, spec, kind=cfg.loader, rank=env.rank,
@@ -261,10 +265,13 @@ def calibrate_compute(cfg: Config, env: distributed_utils.DistEnv, spec: data.Da
     with torch.random.fork_rng(devices=forked):
         model = build_model(cfg.model, spec.num_classes, spec.image_shape).to(
             env.device, memory_format=memory_format)
-        bare = Trainer(model, make_optimizer(cfg, model), None, make_precision(cfg, env.device),
-                       env, None, cfg.print_every, None, None, cfg.grad_accum, cfg.clip_grad)
+        # As one process runs it: autocast (also for FSDP, whose policy casts the real one), a
+        # plain scaler (FSDP1's would all-reduce, over ranks that step different counts).
+        precision = make_precision(cfg.precision, "single", env.device)
+        bare = Trainer(model, make_optimizer(cfg, model), None, precision, env, None,
+                       cfg.print_every, None, None, cfg.grad_accum, cfg.clip_grad)
         return ComputeCalibration(bare, cfg.batch_size // env.world_size, spec.image_shape,
-                                  spec.num_classes)
+                                  spec.num_classes, memory_format)
 
 
 def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:
@@ -334,12 +341,18 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         try:
             history, stopped_at = trainer.fit(position, cfg.epochs, stop, save)
         except Diverged as e:
-            last = checkpoint.latest(folder) if folder else None
             return Outcome(trainer, [], None, folder, f"{e}: training diverged (try a lower "
-                           f"--lr); the last good checkpoint is {last or 'none'}")
+                           f"--lr); {last_good_checkpoint(folder)}")
     if trainer.profiler:
         log0(profile_report(trainer.profiler))
     return Outcome(trainer, history, stopped_at, folder)
+
+
+def last_good_checkpoint(folder: Path | None) -> str:
+    if folder is None:
+        return "no checkpoint was kept (--no-checkpoint)"
+    last = checkpoint.latest(folder)
+    return f"the last good checkpoint is {last}" if last else f"no checkpoint in {folder} yet"
 
 
 def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:

@@ -59,6 +59,9 @@ def synchronize(device: torch.device) -> None:
 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
+        # Blocks the allocator kept from the calibration and validation would otherwise start
+        # the epoch's reserved peak.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     else:
         # Linux: writing 5 to clear_refs resets the process's peak resident set (VmHWM).
@@ -498,10 +501,13 @@ class ComputeCalibration:
     rank at once, so that it sees the machine as the epoch just did; it touches neither the
     trained model nor any random stream."""
 
-    def __init__(self, bare: Trainer, local_batch: int, image_shape: tuple, num_classes: int):
+    def __init__(self, bare: Trainer, local_batch: int, image_shape: tuple, num_classes: int,
+                 memory_format: torch.memory_format = torch.contiguous_format):
         device = bare.env.device
         self.bare = bare
-        self.images = torch.randn(local_batch, *image_shape, device=device)
+        # In the loaders' memory format: a layout conversion is not the step's compute.
+        self.images = torch.randn(local_batch, *image_shape, device=device).contiguous(
+            memory_format=memory_format)
         self.labels = torch.randint(0, num_classes, (local_batch,), device=device)
         self.bare.step(self.images, self.labels)  # first-step allocations, kernel choices
 

@@ -136,9 +136,10 @@ def test_precision_the_device_cannot_do_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(UsageError, match="bf16 is not supported on Tesla V100"):
-        main.make_precision(Config(precision="bf16"), torch.device("cuda", 0))
+        main.check_device_options(Config(precision="bf16"), torch.device("cuda", 0))
     with pytest.raises(UsageError, match="--cpu-offload"):
-        main.make_precision(Config(strategy="fsdp", cpu_offload=True), torch.device("cpu"))
+        main.check_device_options(Config(strategy="fsdp", cpu_offload=True),
+                                  torch.device("cpu"))
 
 
 def test_offline_first_run_says_how_to_run_without_the_download(tmp_path):
@@ -203,7 +204,7 @@ def test_help_explains_every_option():
 
 def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     """SIGUSR1 from outside: checkpoint, exit status 3, and a continue command that works."""
-    args = ["--dataset", "synthetic", "--train-samples", "16384", "--val-samples", "64",
+    args = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
             "--batch-size", "32", "--epochs", "2", "--print-every", "20"]
     proc = subprocess.Popen([sys.executable, "main.py", *args], cwd=repo_copy, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -232,7 +233,7 @@ def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(repo_copy, signa
     """SLURM's warning (SIGUSR1) or a preemption/scancel (SIGTERM), sent from outside to rank 1
     alone: both ranks agree on a step, save one checkpoint mid-epoch and exit with status 3;
     resuming finishes the run."""
-    args = ["--dataset", "synthetic", "--train-samples", "16384", "--val-samples", "64",
+    args = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
             "--batch-size", "32", "--epochs", "2", "--print-every", "20",
             "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
     ranks = start_ranks(args, 2, cwd=repo_copy)

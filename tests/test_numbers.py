@@ -78,15 +78,20 @@ def precision_facts(env, cfg):
     reduce = getattr(getattr(model, "mixed_precision", None), "reduce_dtype", None)
     return {"conv": torch.backends.cudnn.conv.fp32_precision,
             "matmul": torch.backends.cuda.matmul.fp32_precision,
+            # what code that knows only the legacy switches reads (it raises on a mix)
+            "legacy": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
             "fp32_math": resolved["fp32_math"], "autocast": trainer.precision.autocast_dtype,
             "reduce": reduce, "scaler": trainer.precision.scaler.is_enabled(),
-            "grad_dtype": next(model.parameters()).dtype}
+            "grad_dtype": next(model.parameters()).dtype,
+            "calibration_autocast": trainer.calibration.bare.precision.autocast_dtype,
+            "calibration_scaler": type(trainer.calibration.bare.precision.scaler).__name__}
 
 
 @pytest.mark.parametrize("precision,math_mode", [("fp32", "ieee"), ("tf32", "tf32")])
 def test_fp32_is_ieee_and_tf32_is_asked_for(precision, math_mode):
     facts = spawn(precision_facts, 1, Config(**CFG, precision=precision))[0]
     assert (facts["conv"], facts["matmul"], facts["fp32_math"]) == (math_mode,) * 3
+    assert facts["legacy"] == (math_mode == "tf32",) * 2
     assert facts["autocast"] is None and not facts["scaler"]
 
 
@@ -99,6 +104,16 @@ def test_ddp_and_fsdp_compute_low_and_reduce_fp32(precision, dtype):
     assert ddp["autocast"] == dtype and ddp["grad_dtype"] == torch.float32
     assert fsdp["reduce"] == torch.float32
     assert ddp["scaler"] == fsdp["scaler"] == (precision == "fp16")
+    # t_compute's unwrapped step computes as the run does, with a scaler that talks to no rank
+    for facts in (ddp, fsdp):
+        assert facts["calibration_autocast"] == dtype
+        assert facts["calibration_scaler"] == "GradScaler"
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+def test_one_process_baselines_compute_in_the_precision_they_report(strategy):
+    facts = spawn(precision_facts, 1, Config(**CFG, precision="bf16", strategy=strategy))[0]
+    assert facts["autocast"] == torch.bfloat16 and facts["grad_dtype"] == torch.float32
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -160,7 +175,8 @@ def test_a_diverged_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_a_diverged_run_is_one_line_and_exit_status_4():
     done = run_main([*TINY, "--batch-size", "64", "--epochs", "3", "--no-checkpoint",
                      "--lr", "1e9"])
-    assert_one_line_error(done, "the training loss is", "training diverged", status=4)
+    assert_one_line_error(done, "the training loss is", "training diverged",
+                          "no checkpoint was kept (--no-checkpoint)", status=4)
     assert len(metrics_in(done.stdout)) < 3
 
 
