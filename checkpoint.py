@@ -92,7 +92,7 @@ def _rng_state(generator: torch.Generator | None) -> dict:
     if generator is not None:
         state["loader"] = generator.get_state()
         state["loader_device"] = generator.device.type
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # asking a GPU this run never used would open a context
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -107,7 +107,7 @@ def _set_rng_state(state: dict, generator: torch.Generator | None) -> bool:
     torch.set_rng_state(state["torch"])
     if generator is not None and "loader" in state:
         generator.set_state(state["loader"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda"])
     return True
 

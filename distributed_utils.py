@@ -208,8 +208,11 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
                                             world_size=world_size, timeout=timeout))
         if device.type == "cuda":
             refuse_shared_gpus(_store, rank, world_size, device)
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", _store), rank=rank,
-                            world_size=world_size, timeout=timeout,
+    # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
+    # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
+    groups_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+    dist.init_process_group(groups_backend, store=dist.PrefixStore("default_pg", _store),
+                            rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     if world_size > 1:
         _handshake_group = dist.new_group(
