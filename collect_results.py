@@ -59,6 +59,7 @@ STOPPED_RE = re.compile(r"srun: error: .*Exited with exit code 3$")
 EXCEPTION_RE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
 STDERR_SUFFIX = ".err"
 COMM_CSV = "comm.csv"  # the [COMM] lines, beside the results CSV
+DEFAULT_OUT = Path("results.csv")  # whose side CSVs keep their plain names (side_path)
 
 
 class Skip(Exception):
@@ -217,9 +218,13 @@ def sweep_name(folder: Path) -> str:
 
 
 def log_files(folder: Path) -> list[Path]:
+    """The files of a folder that may be run logs: run.sh's sampler CSVs beside them are read
+    by samples.py, not here, so they are not reported as logs without metrics."""
     if not folder.is_dir():
         raise UsageError(f"no logs folder {folder}")
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    sampled = {path for *_, path in samples.sample_files(folder)}
+    files = sorted(p for p in folder.iterdir()
+                   if p.is_file() and not p.name.startswith(".") and p not in sampled)
     if not files:
         raise UsageError(f"no log files in {folder}")
     return files
@@ -500,10 +505,19 @@ def sample_report(gpus: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def side_path(results: Path, name: str) -> Path:
+    """Where the CSV `name` (comm.csv, gpu_samples.csv, ...) of a results file lies: beside it,
+    and named after it unless it is the default results.csv (old.csv: old_comm.csv), so that
+    two results files in one folder never share, or replace, each other's side files."""
+    if results.name == DEFAULT_OUT.name:
+        return results.with_name(name)
+    return results.with_name(f"{results.stem}_{name}")
+
+
 def write_beside(out: Path, name: str, table: pd.DataFrame, rows: str) -> None:
     """A CSV beside the results; where these runs give it no rows, an older one of that name
     is removed (it would belong to other runs)."""
-    path = out.with_name(name)
+    path = side_path(out, name)
     if table.empty:
         path.unlink(missing_ok=True)
         return
@@ -530,7 +544,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "again to merge folders (default: logs)")
     p.add_argument("--all-sweeps", action="store_true",
                    help="read every sweep of a folder of sweeps, not only the newest")
-    p.add_argument("--out", type=Path, default=Path("results.csv"), help="CSV to write")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="CSV to write; its side CSVs (comm.csv, ...) go beside it, named "
+                        "after it unless it is results.csv (old.csv: old_comm.csv, ...)")
     args = p.parse_args(argv)
     args.logs = args.logs or [Path("logs")]
     return args

@@ -15,6 +15,7 @@ one per line.
 import argparse
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -23,10 +24,12 @@ matplotlib.use("Agg")  # headless: batch nodes and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
-from collect_results import (COMM_CSV, COURSE_COLUMNS, GPU_TIMELINE_CSV, TIME_PARTS,  # noqa: E402
-                             markdown_table, note, scaling, summarize, write_atomically)
+from collect_results import (COMM_CSV, COURSE_COLUMNS, DEFAULT_OUT, GPU_TIMELINE_CSV,  # noqa: E402
+                             TIME_PARTS, markdown_table, note, scaling, side_path, summarize,
+                             write_atomically)
 from utils import UsageError, fail  # noqa: E402
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
@@ -70,10 +73,21 @@ def read_results(path: Path) -> pd.DataFrame:
     return results
 
 
-def strategy_colors(summary: pd.DataFrame) -> dict:
-    """The same colour for a strategy in every figure."""
+# Markers and line styles by strategy: strategies that compute the same (ddp and fsdp) draw
+# the same curve, and a line of one colour on top would hide the other. An open marker ("x",
+# "+") over a filled one, the gaps of a dotted line and some transparency keep both in sight.
+# Dashes ("--") are left to the ideal lines.
+MARKERS = ("o", "x", "s", "+", "^", "1")
+LINESTYLES = ("-", ":", "-.")
+LINE_ALPHA = 0.8
+
+
+def strategy_styles(summary: pd.DataFrame) -> dict[str, dict]:
+    """The same colour, marker and line style for a strategy in every figure."""
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {s: cycle[i % len(cycle)] for i, s in enumerate(sorted(summary["strategy"].unique()))}
+    return {s: {"color": cycle[i % len(cycle)], "marker": MARKERS[i % len(MARKERS)],
+                "linestyle": LINESTYLES[i % len(LINESTYLES)]}
+            for i, s in enumerate(sorted(summary["strategy"].unique()))}
 
 
 def log2_axis(ax, which: str, ticks) -> None:
@@ -108,15 +122,15 @@ def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFr
     rows = summary.dropna(subset=[column])
     if rows.empty:
         raise NotPlottable(f"no {column} values")
-    colors = strategy_colors(summary)
+    styles = strategy_styles(summary)
     for strategy, points in rows.groupby("strategy"):
-        ax.plot(points["gpus"], points[column], marker="o", color=colors[strategy],
-                label=strategy)
+        ax.plot(points["gpus"], points[column], alpha=LINE_ALPHA, label=strategy,
+                **styles[strategy])
         low, high = f"{column}_min", f"{column}_max"
         if low in points and (points["runs"] > 1).any():  # min-max over repeated runs
             spread = [points[column] - points[low], points[high] - points[column]]
             ax.errorbar(points["gpus"], points[column], yerr=spread, fmt="none",
-                        ecolor=colors[strategy], capsize=3)
+                        ecolor=styles[strategy]["color"], capsize=3)
     gpu_axis(ax, rows["gpus"])
     ax.set_ylabel(ylabel)
     return rows
@@ -124,13 +138,13 @@ def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFr
 
 def plot_ideal_scaling(ax, summary: pd.DataFrame, column: str, exponent: int) -> None:
     """Dashed ideal from each strategy's 1-GPU value: value * N**exponent (-1: time, 1: rate)."""
-    colors = strategy_colors(summary)
+    styles = strategy_styles(summary)
     for strategy, points in summary.dropna(subset=[column]).groupby("strategy"):
         base = points.loc[points["gpus"] == 1, column]
         if not base.empty:
             gpus = points["gpus"].sort_values()
-            ax.plot(gpus, base.iloc[0] * gpus.astype(float) ** exponent, color=colors[strategy],
-                    label=f"{strategy} ideal", **IDEAL_STYLE)
+            ax.plot(gpus, base.iloc[0] * gpus.astype(float) ** exponent,
+                    color=styles[strategy]["color"], label=f"{strategy} ideal", **IDEAL_STYLE)
 
 
 def figure(panels: int = 1) -> tuple[Figure, list]:
@@ -340,9 +354,26 @@ FIGURES = {
 BESIDE = {"comm_bandwidth.png": COMM_CSV, "gpu_timeline.png": GPU_TIMELINE_CSV}
 
 
+SUBTITLE_SIZE = "small"
+# Characters per inch are estimated from the widest characters a subtitle is made of, digits
+# (about 0.69 em as Agg draws DejaVu Sans at this size; lower case takes 0.6), so that a line
+# of sweep names does not run past the figure's edges either.
+EM_PER_CHARACTER = 0.7
+
+
+def add_subtitle(fig: Figure, subtitle: str) -> None:
+    """The subtitle on top, wrapped to the figure's width (one line on a 720-px figure would be
+    cut at both ends), and the panels laid out below all its lines."""
+    points = FontProperties(size=SUBTITLE_SIZE).get_size_in_points()
+    margin = 0.95  # of the width: the line's ends stay off the figure's edges
+    characters_per_line = int(margin * fig.get_figwidth() * 72 / (EM_PER_CHARACTER * points))
+    fig.suptitle(textwrap.fill(subtitle, characters_per_line, break_on_hyphens=False),
+                 fontsize=SUBTITLE_SIZE, color="dimgray")
+    fig.tight_layout()  # leaves room for the suptitle, however many lines it has
+
+
 def save_png(fig: Figure, path: Path, subtitle: str) -> None:
-    fig.suptitle(subtitle, fontsize="small", color="dimgray")
-    fig.tight_layout()
+    add_subtitle(fig, subtitle)
     write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
     plt.close(fig)
 
@@ -358,6 +389,9 @@ def plot_all(results: pd.DataFrame, out_dir: Path,
             fig = draw(beside.get(BESIDE[name])) if name in BESIDE else draw(summary)
         except NotPlottable as e:
             plt.close("all")
+            # A figure of that name from an earlier run would pass for this run's (the report
+            # no longer lists it); only the names of FIGURES are removed, never other files.
+            (out_dir / name).unlink(missing_ok=True)
             note(f"not written {name}: {e}")
             continue
         save_png(fig, out_dir / name, subtitle)
@@ -368,7 +402,7 @@ def plot_all(results: pd.DataFrame, out_dir: Path,
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--csv", type=Path, default=Path("results.csv"),
+    p.add_argument("--csv", type=Path, default=DEFAULT_OUT,
                    help="collect_results.py's CSV, or the course's results_*.csv")
     p.add_argument("--out-dir", type=Path, default=Path("plots"), help="folder for the PNGs")
     p.add_argument("--report", action="store_true",
@@ -379,7 +413,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
     """A CSV collect_results.py wrote beside the results (comm.csv, gpu_timeline.csv), or None
     where the jobs gave nothing for it."""
-    path = results_csv.with_name(name)
+    path = side_path(results_csv, name)
     if not path.exists():
         return None
     try:

@@ -5,6 +5,7 @@
 #                                      # and plots/report.md (table, figures, largest costs)
 #   ./plot_results.sh --all-sweeps     # every sweep in logs/, merged (collect_results.py says so)
 #   LOGS=logs/sweep-20261122-141500 OUT=old.csv PLOTS=old_plots ./plot_results.sh
+#                                      # -> old.csv, its old_comm.csv etc., old_plots/*.png
 #
 # Options go to collect_results.py.
 # Works from any directory: the defaults are the repository's logs/, results.csv and plots/;

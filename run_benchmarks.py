@@ -7,8 +7,9 @@
     python run_benchmarks.py --local --gpus 1 2        # no SLURM: torchrun on this machine
 
 Each sweep has a folder of its own, logs/sweep-<date-time>/, so two sweeps never mix. First
-every configuration is checked (`main.py --check`, one process per strategy, no training): one
-bad configuration and nothing is written or submitted. Then every configuration gets a script
+(once sbatch is found, where the sweep submits) every configuration is checked (`main.py
+--check`, one process per strategy, no training): one bad configuration and nothing is written
+or submitted. Then every configuration gets a script
 in jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one task per GPU,
 ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script again to
 resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job
@@ -298,10 +299,10 @@ def submit(job_script: Path, *sbatch_options: str) -> str:
 
 
 def require(*commands: str) -> None:
+    """Ends with one line, status 2 like other bad input, where a command is not on PATH."""
     for command in commands:
         if shutil.which(command) is None:
-            fail(f"{command} not found on PATH: run this on a SLURM login node, or use --local",
-                 code=1)
+            fail(f"{command} not found on PATH: run this on a SLURM login node, or use --local")
 
 
 def repeated(runs: list[Configuration], repeats: int):
@@ -478,13 +479,14 @@ def main(argv=None) -> int:
     args = parse_args(ours)
     check_args(args)
     runs = plan(args)
+    if not (args.local or args.dry_run):  # before the checks: without SLURM they are in vain
+        require("sbatch", *(["squeue"] if args.wait else []))
     check_configurations(runs, args, extra)
     if args.local:
         return run_locally(runs, args, extra)
     if args.dry_run:
         dry_run(runs, args, extra)
         return 0
-    require("sbatch", *(["squeue"] if args.wait else []))
     jobs = submit_sweep(runs, args, extra)
     if not args.wait:
         return 0

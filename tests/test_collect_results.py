@@ -359,6 +359,19 @@ def test_gpu_samples_stand_next_to_their_runs(tmp_path, capsys):
     assert "| ddp | 2 | 4242 | nid001 | 1 | 84 | 1600 |" in printed
 
 
+def test_sampler_csvs_are_not_logs(tmp_path):
+    """run.sh's gpu_*.csv and cpu_*.csv beside the logs are samples.py's to read: they are
+    neither read for metrics nor reported as skipped files."""
+    run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
+    (tmp_path / "gpu_4241_nid001.csv").write_text(
+        "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
+        "power.draw [W]\n2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n")
+    (tmp_path / "cpu_4241_nid001.csv").write_text("time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n")
+    results, reports = collect(tmp_path)
+    assert reports == []
+    assert set(results["log"]) == {"ddp_1gpu_4241.log"}
+
+
 def test_no_samples_no_sample_files(tmp_path, capsys):
     run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
     assert collect_results.main(["--logs", str(tmp_path), "--out", str(tmp_path / "r.csv")]) == 0

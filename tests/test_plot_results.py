@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+import collect_results
 import plot_results
 from conftest import call_main
 from test_collect_results import COURSE_LOGS, REPO, run_log, runs_frame
@@ -65,6 +67,51 @@ GPU_SAMPLES = ("timestamp, index, utilization.gpu [%], memory.used [MiB], memory
                "2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0\n"
                "2026/11/22 10:00:05.500, 0, 70, 1500, 81559, 310.0\n"
                "2026/11/22 10:00:05.500, 1, 60, 1600, 81559, 280.0\n")
+
+
+def test_a_figure_not_drawn_leaves_no_older_one_behind(tmp_path, capsys):
+    """A figure of FIGURES that this CSV cannot support is removed from --out-dir: an earlier
+    sweep's PNG of that name would pass for this one's. Other files there stay."""
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    for name in ("comm_bandwidth.png", "gpu_timeline.png", "mine.png", "notes.txt"):
+        (plots / name).write_bytes(PNG_MAGIC)
+    csv = tmp_path / "results.csv"
+    runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).to_csv(csv, index=False)
+    code, out, err = cli(capsys, "--csv", csv, "--out-dir", plots, "--report")
+    assert code == 0, err
+    assert "not written comm_bandwidth.png" in err and "not written gpu_timeline.png" in err
+    drawn = [Path(line).name for line in out.split()]
+    assert "comm_bandwidth.png" not in drawn and "epoch_time.png" in drawn
+    assert sorted(p.name for p in plots.iterdir()) == sorted(
+        [*drawn, "report.md", "mine.png", "notes.txt"])
+
+
+def test_side_files_belong_to_their_results_file(tmp_path, capsys):
+    """The README's OUT=old.csv beside results.csv: each results file has its own side CSVs
+    (old_comm.csv, ...; results.csv keeps comm.csv), and plot_results reads its own alone."""
+    new, old = tmp_path / "new", tmp_path / "old"
+    new.mkdir()
+    old.mkdir()
+    run_log(new, "ddp_2gpu_2.log", world_size=2, job_id="2")  # no [COMM] lines, no samples
+    run_log(old, "ddp_2gpu_1.log", world_size=2, job_id="1")
+    with open(old / "ddp_2gpu_1.log", "a") as log:
+        log.writelines(format_comm(row) + "\n" for row in
+                       comm_frame([2]).drop(columns=["sweep", "log", "strategy", "gpus"])
+                       .to_dict("records"))
+    (old / "gpu_1_node1.csv").write_text(GPU_SAMPLES)
+    assert collect_results.main(["--logs", str(old), "--out", str(tmp_path / "old.csv")]) == 0
+    assert collect_results.main(["--logs", str(new), "--out", str(tmp_path / "results.csv")]) == 0
+    assert collect_results.main(["--logs", str(old), "--out", str(tmp_path / "old.csv")]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.csv")) == [
+        "old.csv", "old_comm.csv", "old_gpu_samples.csv", "old_gpu_timeline.csv", "results.csv"]
+    capsys.readouterr()
+    code, out, err = cli(capsys, "--csv", tmp_path / "results.csv", "--out-dir", tmp_path / "p")
+    assert code == 0 and "not written comm_bandwidth.png: no [COMM] lines" in err
+    assert "not written gpu_timeline.png" in err
+    code, out, err = cli(capsys, "--csv", tmp_path / "old.csv", "--out-dir", tmp_path / "old_p")
+    assert code == 0, err
+    assert {"comm_bandwidth.png", "gpu_timeline.png"} <= {Path(line).name for line in out.split()}
 
 
 def test_course_results_csv(tmp_path, capsys):
@@ -209,3 +256,40 @@ def test_repeated_runs_draw_min_max_bars():
     assert two_gpus[0][1] == two_gpus[1][1] == 4.0  # ran once: a bar of no length
     once = plot_results.plot_epoch_time(plot_results.summarize(results)).axes[0]
     assert not [c for c in once.collections if len(c.get_segments())]
+
+
+def test_the_subtitle_fits_the_figure_above_the_panels(tmp_path):
+    """A subtitle longer than a 720-px figure is wide is wrapped onto lines that lie within the
+    figure, and the panels' titles below them."""
+    results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
+        device="cpu", dataset="synthetic", train_images=2048, global_batch=256,
+        sweep=["20261122-141500", "20261123-093000"] * 2)
+    summary, subtitle = plot_results.summarize(results), plot_results.context(results)
+    for name in ("epoch_time.png", "throughput.png", "val_loss_acc.png"):
+        fig = plot_results.FIGURES[name](summary)
+        plot_results.save_png(fig, tmp_path / name, subtitle)
+        renderer = FigureCanvasAgg(fig).get_renderer()  # save_png closed the figure's own
+        (title,) = fig.texts
+        box = title.get_window_extent(renderer)
+        assert title.get_text().replace("\n", " ") == subtitle
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1, name
+        for ax in fig.axes:
+            assert ax.title.get_window_extent(renderer).y1 <= box.y0, name
+
+
+def test_strategies_that_draw_the_same_curve_both_stay_visible():
+    """ddp and fsdp compute the same, so their quality curves coincide: each strategy has its
+    own marker and line style, a little transparent, in every per-strategy line plot."""
+    same = {("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0], ("fsdp", 1): [9.0, 8.0],
+            ("fsdp", 2): [5.0, 4.0]}
+    summary = plot_results.summarize(runs_frame(same))
+    for name in ("epoch_time.png", "val_loss_acc.png", "peak_memory.png",
+                 "speedup_efficiency.png", "throughput.png"):
+        fig = plot_results.FIGURES[name](summary)
+        for ax in fig.axes:
+            lines = {line.get_label(): line for line in ax.get_lines()}
+            ddp, fsdp = lines["ddp"], lines["fsdp"]
+            assert ddp.get_marker() != fsdp.get_marker(), name
+            assert ddp.get_linestyle() != fsdp.get_linestyle(), name
+            assert ddp.get_alpha() < 1 and fsdp.get_alpha() < 1, name
+        plot_results.plt.close(fig)

@@ -227,8 +227,14 @@ def test_the_sweep_takes_every_strategy(gpus, strategies, repo_copy):
 
 
 def test_missing_sbatch_is_a_clear_error(tmp_path):
+    """Bad input, status 2, said at once: before main.py --check runs (seconds in vain). The
+    second sweep would fail that check; it is sbatch that is named."""
     done = benchmarks("--gpus", "1", PATH=str(tmp_path))  # a PATH without sbatch
-    assert_one_line_error(done, "sbatch not found", status=1)
+    assert_one_line_error(done, "sbatch not found", status=2)
+    done = benchmarks("--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3",
+                      PATH=str(tmp_path))
+    assert_one_line_error(done, "sbatch not found", status=2)
+    assert "main.py" not in done.stdout + done.stderr  # the check's error, had it run
 
 
 @pytest.mark.parametrize("args,fragment", [
