@@ -203,9 +203,10 @@ def plot_quality(summary: pd.DataFrame) -> Figure:
 
 
 # What peak_mem measured, by the device the runs trained on (train.MemoryMeter).
+# Two lines: one would be taller than a one-panel figure.
 PEAK_MEMORY_LABEL = {
-    "cuda": "CUDA allocator peak above baseline (MB, max over ranks)",
-    "cpu": "process resident-set peak above baseline (MB, max over ranks)",
+    "cuda": "CUDA allocator peak above baseline\n(MB, max over ranks)",
+    "cpu": "resident-set peak above baseline\n(MB, max over ranks)",
 }
 
 
