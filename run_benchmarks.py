@@ -258,9 +258,10 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
 
 
 def collect_script(sweep: str, args) -> str:
-    command = f"LOGS=logs/{sweep} bash plot_results.sh"
+    command = "bash plot_results.sh"
     if args.environment:  # the host may lack pandas and matplotlib; the image has them
         command = f"srun --environment={shlex.quote(edf_value(args.environment))} {command}"
+    command = f"LOGS=logs/{sweep} {command}"  # first: an assignment after srun is no assignment
     command += '; status=$?; echo "exit status $status"; exit $status'
     options = ["--parsable", "--job-name=bench-collect", "--ntasks=1", "--time=00:15:00",
                f"--output=jobs/{sweep}/collect_%j.log", *slurm_options(args)]

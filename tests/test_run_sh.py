@@ -193,6 +193,28 @@ def test_dry_run_passes_slurm_options_and_the_container(repo_copy):
         assert option in done.stdout
 
 
+def test_the_collect_job_runs_the_collector_in_the_container_with_its_sweep(repo_copy, tmp_path):
+    """The collect job's command, run by stand-ins for sbatch (runs --wrap) and srun (drops its
+    options, shows what it would start and with which LOGS)."""
+    done = benchmarks("--dry-run", "--gpus", "1", "--strategies", "ddp", "--environment",
+                      "edf.toml", cwd=repo_copy)
+    assert done.returncode == 0, done.stderr
+    sweep, collect = re.search(r"^# ---- jobs/(sweep-[\d-]+)/collect\.sh.*?\n(.*)", done.stdout,
+                               re.MULTILINE | re.DOTALL).groups()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {"sbatch": 'while [ "$1" != --wrap ]; do shift; done; exec bash -c "$2"',
+                 "srun": 'while [[ "$1" == --* ]]; do shift; done; echo "LOGS=$LOGS starts: $*"'}
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    job = repo_copy / "jobs" / sweep / "collect.sh"
+    job.parent.mkdir(parents=True)
+    job.write_text(collect)
+    ran = run(["bash", job], cwd=repo_copy, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert f"LOGS=logs/{sweep} starts: bash plot_results.sh" in ran.stdout, ran.stdout + ran.stderr
+
+
 def test_local_dry_run_lists_the_torchrun_sweep():
     done = benchmarks("--local", "--dry-run", "--gpus", "1", "2", "--strategies", "ddp")
     assert done.returncode == 0, done.stderr
