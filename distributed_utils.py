@@ -5,10 +5,11 @@ RANK/LOCAL_RANK/WORLD_SIZE and MASTER_ADDR/MASTER_PORT) and under `srun` (which 
 SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). This module is the only owner of that contract: the
 launch scripts export none of it. Under SLURM the rendezvous point is the first host of the
 step's node list (expanded here, without scontrol, so that it also works inside a container)
-and a port derived from the job id, so two jobs sharing a node never collide. With CUDA present
-each rank drives `cuda:(local_rank % device_count)` over NCCL (this also covers
-`--gpus-per-task=1`, where every task sees one GPU; two ranks on one GPU are refused);
-otherwise the CPU over gloo, but not silently where the job was given GPUs torch cannot see.
+and a port derived from the job id, so two jobs sharing a node meet at different ports (unless
+their ids differ by a multiple of PORT_RANGE). With CUDA present each rank drives
+`cuda:(local_rank % device_count)` over NCCL (this also covers `--gpus-per-task=1`, where every
+task sees one GPU; two ranks on one GPU are refused); otherwise the CPU over gloo, but not
+silently where the job was given GPUs torch cannot see.
 """
 
 import datetime

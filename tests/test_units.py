@@ -32,7 +32,7 @@ def test_bad_rank_variables_are_usage_errors():
 
 def test_rendezvous_prefers_environment_then_slurm_job():
     assert du.rendezvous({"MASTER_ADDR": "h1", "MASTER_PORT": "1234"}) == ("h1", 1234)
-    # 29500 + job id % 20000: ports 29500..49499, two jobs sharing a node never collide.
+    # 29500 + job id % 20000: ports 29500..49499, different for jobs sharing a node.
     assert du.rendezvous({"MASTER_ADDR": "h1", "SLURM_JOB_ID": "123456"}) == ("h1", 32956)
     assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "7"}) == ("h", 29507)
     assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "8"}) == ("h", 29508)
