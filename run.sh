@@ -133,6 +133,9 @@ run_slurm() {
     export CUDA_CACHE_DISABLE=${CUDA_CACHE_DISABLE:-1}
     export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
     ulimit -c 0   # a crashing rank would leave a core file the size of its memory
+    # sbatch passes the submitting shell's variables on: a torchrun's there, left over, would
+    # win over SLURM's in main.py (distributed_utils.read_ranks) and make every task rank 0.
+    unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
 
     # Since SLURM 22.05, srun does not always inherit --cpus-per-task from sbatch: pass it on.
     # --kill-on-bad-exit: when one rank dies, stop the others rather than let them wait.

@@ -58,9 +58,12 @@ def test_step_id_is_set_inside_srun_only(slurm_env, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
+    # Submitted from a shell that ran torchrun before: its variables travel with the job.
+    left_over = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29400"}
     done = sh(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
                "run.sh", *TINY, "--epochs", "2", "--batch-size", "32"],
-              repo_copy, slurm_env, 220)
+              repo_copy, {**slurm_env, **left_over}, 220)
     log = (repo_copy / "train.log").read_text()
     err = (repo_copy / "train.err").read_text()
     assert done.returncode == 0, f"{done.stderr}\n--- train.log\n{log}\n--- train.err\n{err}"
