@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distributed_utils import BACKENDS
 from utils import format_comm, log0
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -165,7 +166,7 @@ def run_comm_benchmark(model: nn.Module, device: torch.device, element_bytes: in
         algbw, busbw = bandwidths(op, moved, world_size, seconds)
         row = {"op": op, "label": label, "bytes": moved, "world_size": world_size,
                "time_us": seconds * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
-               "device": device.type, "backend": dist.get_backend(), **(extra or {})}
+               "device": device.type, "backend": BACKENDS[device.type], **(extra or {})}
         log0(format_comm(row))
         rows.append(row)
     return rows

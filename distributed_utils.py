@@ -130,14 +130,18 @@ def given_gpus(env=os.environ) -> str | None:
     return None
 
 
+# The backend that carries each device type's tensors.
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
 def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[torch.device, str]:
     """The device and backend of this rank. `auto` takes a GPU where torch sees one and the
     CPU otherwise, but never silently where GPUs were given to the job and torch cannot see
     them (a CPU-only build, no driver in the container): that would train on the CPU for hours."""
     if wanted == "cpu":
-        return torch.device("cpu"), "gloo"
+        return torch.device("cpu"), BACKENDS["cpu"]
     if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), BACKENDS["cuda"]
     given = given_gpus(env)
     if wanted == "cuda" or given:
         why = (f"{given} gives this process GPUs" if given else "--device cuda asks for a GPU")
@@ -146,7 +150,7 @@ def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[
                  "no GPU visible to it: check nvidia-smi, and the container's GPU hooks")
         raise UsageError(f"{why}, but torch {torch.__version__} sees none ({build}); "
                          "--device cpu trains on the CPU on purpose")
-    return torch.device("cpu"), "gloo"
+    return torch.device("cpu"), BACKENDS["cpu"]
 
 
 def shared_gpus(owners: list[str]) -> str | None:
@@ -211,7 +215,7 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
             refuse_shared_gpus(_store, rank, world_size, device)
     # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
     # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
-    groups_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+    groups_backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else backend
     dist.init_process_group(groups_backend, store=dist.PrefixStore("default_pg", _store),
                             rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)

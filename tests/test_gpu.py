@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, metrics_in, run, run_main
-from utils import parse_config
+from utils import parse_comm, parse_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -97,6 +97,15 @@ def test_checkpoint_and_resume_on_cuda_and_across_devices(tmp_path):
                     CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "written on another device type" in done.stdout
+
+
+def test_comm_benchmark_times_nccl_on_the_gpu():
+    """The process group also holds gloo (for CPU tensors): the [COMM] lines name the backend
+    that carried the measured GPU buffers."""
+    done = run_main([*QUICK, "--epochs", "1", "--comm-benchmark"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [row for row in map(parse_comm, done.stdout.splitlines()) if row]
+    assert rows and {(r["backend"], r["device"]) for r in rows} == {("nccl", "cuda")}
 
 
 @pytest.mark.timeout(960)
