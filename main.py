@@ -362,7 +362,8 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
     spec = data.DATASETS[cfg.dataset]
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(cfg.model, spec.num_classes, spec.image_shape)
-    gathered = 2 if cfg.strategy in SHARDED and cfg.precision in ("bf16", "fp16") else 4
+    low = low_precision(cfg.precision)  # what FSDP's all-gathers carry (fsdp_utils)
+    gathered = low.itemsize if cfg.strategy in SHARDED and low else 4
     run_comm_benchmark(model, env.device, gathered, extra={"job_id": distributed_utils.job_id()})
 
 

@@ -7,9 +7,9 @@
     python run_benchmarks.py --local --gpus 1 2        # no SLURM: torchrun on this machine
 
 Each sweep has a folder of its own, logs/sweep-<date-time>/, so two sweeps never mix. First
-(once sbatch is found, where the sweep submits) every configuration is checked (`main.py
---check`, one process per strategy, no training): one bad configuration and nothing is written
-or submitted. Then every configuration gets a script
+sbatch is looked for (unless --local or --dry-run), then every configuration is checked
+(`main.py --check`, one process per strategy, no training): one bad configuration and nothing
+is written or submitted. Then every configuration gets a script
 in jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one task per GPU,
 ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script again to
 resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job

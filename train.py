@@ -502,7 +502,7 @@ class ComputeCalibration:
     trained model nor any random stream."""
 
     def __init__(self, bare: Trainer, local_batch: int, image_shape: tuple, num_classes: int,
-                 memory_format: torch.memory_format = torch.contiguous_format):
+                 memory_format: torch.memory_format):
         device = bare.env.device
         self.bare = bare
         # In the loaders' memory format: a layout conversion is not the step's compute.
