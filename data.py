@@ -542,29 +542,33 @@ def find_data(dataset: str, data_dir: Path, train_samples: int | None,
 
 # ----------------------------------------------------------------------------- augmentation
 
-def random_crop_flip(images: torch.Tensor, generator: torch.Generator,
-                     padding: int = CROP_PADDING) -> torch.Tensor:
+class RandomCropFlip:
     """Per-image random crop from a zero-padded copy and random horizontal flip, batched.
 
     Same distribution as torchvision's RandomCrop(size, padding=4) + RandomHorizontalFlip, done
     as one gather on the images' own device: a crop at (dy, dx) reads the padded image at a fixed
     pattern of flat offsets shifted by dy * padded_width + dx, and a flip mirrors the columns.
+    The two patterns are built once: on a GPU every batch's small kernels are paid in launches.
     """
-    n, c, h, w = images.shape
-    dev = images.device
-    pw = w + 2 * padding
-    channel = torch.arange(c, device=dev).view(c, 1, 1) * (h + 2 * padding) * pw
-    row = torch.arange(h, device=dev).view(1, h, 1) * pw
-    col = torch.arange(w, device=dev).view(1, 1, w)
-    pattern = (channel + row + col).view(1, -1)
-    mirrored = (channel + row + (w - 1 - col)).view(1, -1)
 
-    dy = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device=dev)
-    dx = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device=dev)
-    flip = torch.randint(0, 2, (n, 1), generator=generator, device=dev).bool()
-    offsets = torch.where(flip, mirrored, pattern) + dy * pw + dx
-    padded = F.pad(images, (padding,) * 4).view(n, -1)
-    return padded.gather(1, offsets).view(n, c, h, w)
+    def __init__(self, image_shape: tuple, device: torch.device, padding: int = CROP_PADDING):
+        c, h, w = image_shape
+        pw = w + 2 * padding
+        self.padding, self.padded_width = padding, pw
+        channel = torch.arange(c, device=device).view(c, 1, 1) * (h + 2 * padding) * pw
+        row = torch.arange(h, device=device).view(1, h, 1) * pw
+        col = torch.arange(w, device=device).view(1, 1, w)
+        self.pattern = (channel + row + col).view(1, -1)
+        self.mirrored = (channel + row + (w - 1 - col)).view(1, -1)
+
+    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        n, dev, p = len(images), images.device, self.padding
+        dy = torch.randint(0, 2 * p + 1, (n, 1), generator=generator, device=dev)
+        dx = torch.randint(0, 2 * p + 1, (n, 1), generator=generator, device=dev)
+        flip = torch.randint(0, 2, (n, 1), generator=generator, device=dev).bool()
+        offsets = torch.where(flip, self.mirrored, self.pattern) + (dy * self.padded_width + dx)
+        padded = F.pad(images, (p,) * 4).view(n, -1)
+        return padded.gather(1, offsets).view(images.shape)
 
 
 class Normalize:
@@ -618,7 +622,8 @@ class TensorLoader:
         self.image_shape = tuple(split.images.shape[1:])
         self.labels = split.labels.to(device, copy=True)
         self.sampler, self.batch_size, self.steps = sampler, batch_size, steps
-        self.normalize, self.augment, self.generator = normalize, augment, generator
+        self.normalize, self.generator = normalize, generator
+        self.crop_flip = RandomCropFlip(self.image_shape, device) if augment else None
 
     def __len__(self) -> int:
         return self.steps
@@ -629,8 +634,8 @@ class TensorLoader:
         for step in range(self.sampler.steps_left(self.steps, self.batch_size)):
             batch = indices[step * self.batch_size:(step + 1) * self.batch_size]
             images = self.images.index_select(0, batch).view(-1, *self.image_shape)
-            if self.augment:
-                images = random_crop_flip(images, self.generator)
+            if self.crop_flip:
+                images = self.crop_flip(images, self.generator)
             yield self.normalize(images), self.labels[batch]
 
 

@@ -193,13 +193,14 @@ class Progress:
         self.tty = sys.stdout.isatty()
         self.start = time.perf_counter()
 
-    def update(self, step: int, loss: torch.Tensor) -> None:
+    def update(self, step: int, loss_sum: torch.Tensor, images: int) -> None:
         done = step + 1
         if not self.enabled or (done % self.every and done != self.steps):
             return
         ms = 1000 * (time.perf_counter() - self.start) / (done - self.first_step)
         # .item() waits for the device: paid once every `every` steps, not every step.
-        text = f"epoch {self.epoch} step {done:>5}/{self.steps} loss {loss.item():.4f} {ms:.1f} ms/step"
+        loss = loss_sum.item() / images
+        text = f"epoch {self.epoch} step {done:>5}/{self.steps} loss {loss:.4f} {ms:.1f} ms/step"
         if self.tty:
             bar = "#" * (30 * done // self.steps)
             print(f"\r[{bar:<30}] {text}", end="\n" if done == self.steps else "", flush=True)
@@ -405,7 +406,7 @@ class Trainer:
         self.model.train()
         device = self.env.device
         loss_sum = torch.zeros((), device=device)
-        seen = torch.zeros((), device=device)
+        seen = 0  # images: known on the host, no device work per step
         self.loaders.set_position(start.epoch, start.step)
         total = len(self.loaders.train)
         progress = Progress(start.epoch, total, self.print_every, is_rank_zero(), start.step)
@@ -419,12 +420,12 @@ class Trainer:
             with data_wait.measure():
                 images, labels = next(batches)
 
-            loss = self.step(images, labels)
+            batch_loss = self.step(images, labels)
             if self.profiler:
                 self.profiler.profiler.step()
-            loss_sum += loss * len(labels)
+            loss_sum += batch_loss
             seen += len(labels)
-            progress.update(step, loss)
+            progress.update(step, batch_loss, len(labels))
             step += 1
         synchronize(device)
         elapsed = time.perf_counter() - t_start
@@ -442,20 +443,20 @@ class Trainer:
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One optimizer step on this rank's share of the global batch, in `grad_accum`
         micro-batches whose gradients are reduced over the ranks once, after the last.
-        Returns the share's mean loss (detached, on the device)."""
+        Returns the share's summed loss (detached, on the device): what the epoch adds up."""
         model, scaler = self.model, self.precision.scaler
         self.optimizer.zero_grad(set_to_none=True)
         micro = list(zip(images.chunk(self.grad_accum), labels.chunk(self.grad_accum)))
-        total = torch.zeros((), device=images.device)
+        loss_sum = None
         for i, (x, y) in enumerate(micro):
             with gradient_sync(model, enabled=i == len(micro) - 1):
                 with self.precision.autocast(x.device):
                     logits = model(x)
-                loss = F.cross_entropy(logits.float(), y)
-                # Each micro-batch's share of the mean: the gradients add up to the whole
-                # share's. Without fp16 the scaler passes everything through.
-                scaler.scale(loss * (len(y) / len(labels))).backward()
-            total += loss.detach() * len(y)
+                loss = F.cross_entropy(logits.float(), y, reduction="sum")
+                # Divided by the whole share's size: the micro-batches' gradients add up to
+                # those of the share's mean. Without fp16 the scaler passes everything through.
+                scaler.scale(loss / len(labels)).backward()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         if self.clip_grad is not None:
             scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             clip_gradients(model, self.clip_grad)
@@ -463,7 +464,7 @@ class Trainer:
         scaler.update()
         if self.scheduler is not None:
             self.scheduler.step()
-        return total / len(labels)
+        return loss_sum
 
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -85,7 +85,7 @@ def test_training_keeps_full_global_batches_only():
 def test_random_crop_flip_takes_a_window_of_the_padded_image():
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
-    out = data.random_crop_flip(images, gen)
+    out = data.RandomCropFlip(images.shape[1:], images.device)(images, gen)
     assert out.shape == images.shape and out.dtype == torch.uint8
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     flips, shifts = 0, set()

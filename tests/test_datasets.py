@@ -255,7 +255,7 @@ def test_tinyimagenet_without_files_says_where_to_get_it(tmp_path):
 def test_crop_flip_and_classic_transform_keep_64x64_images():
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8)
-    out = data.random_crop_flip(images, gen)
+    out = data.RandomCropFlip(images.shape[1:], images.device)(images, gen)
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     for i in range(len(images)):
         assert any(torch.equal(out[i], w) or torch.equal(out[i], w.flip(2))
