@@ -48,6 +48,15 @@ def test_one_gpu_memory_format_and_compile(flag):
     assert metrics[-1]["acc"] > 30
 
 
+def test_sync_batchnorm_trains_a_resnet():
+    """--sync-bn runs only on GPUs: SyncBatchNorm's CUDA kernels gather the batch statistics
+    of every rank (here one) in forward and backward."""
+    config, metrics = run_gpu([*QUICK, "--model", "resnet18", "--sync-bn", "--epochs", "3",
+                               "--train-samples", "2048"])
+    assert config["sync_bn"] == "True"
+    assert metrics[-1]["acc"] > 30, "synthetic data is learnable: far above 10% chance"
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 @pytest.mark.parametrize("extra", [["--clip-grad", "1"], ["--precision", "fp16"]])
 def test_cpu_offload_with_clipping_and_fp16(strategy, extra):
