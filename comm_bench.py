@@ -4,8 +4,9 @@ In an initialized process group, times `all_reduce` at the sizes DDP sends (each
 bucket and the whole gradient), `all_gather_into_tensor` and `reduce_scatter_tensor` at the size
 of each FSDP unit (the flat parameter one wrapped block gathers), and each of the three over a
 sweep of message sizes. One `[COMM]` line per measurement (utils.format_comm), printed by rank 0:
-the median time of several runs after warm-up (the slowest rank's), and nccl-tests' algorithm
-and bus bandwidths (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+the time of one collective (on a GPU, rounds of several back to back, as nccl-tests times them;
+the median round, the slowest rank's), and nccl-tests' algorithm and bus bandwidths
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
 
     torchrun --nproc_per_node=2 benchmark.py --comm     # alone
     main.py --comm-benchmark ...                        # once at the start of a training job
@@ -35,7 +36,10 @@ DDP_BUCKET = 25 << 20
 # saturated; gloo on a CPU takes seconds beyond a few MiB).
 SWEEP_MIN = 4 << 10
 SWEEP_MAX = {"cuda": 256 << 20, "cpu": 4 << 20}
-REPEATS = {"cuda": (5, 20), "cpu": (2, 5)}  # (warm-up, timed) runs per measurement
+# Per measurement: (warm-up runs, timed rounds, runs back to back in a round). On a GPU a round
+# of several, as nccl-tests times them: a small collective lasts microseconds. On a CPU gloo
+# returns when it is done, and a round of one is timed by the wall clock.
+REPEATS = {"cuda": (5, 5, 10), "cpu": (2, 5, 1)}
 
 
 def bus_factor(op: str, world_size: int) -> float:
@@ -122,31 +126,35 @@ def collective(op: str, nbytes: int, world_size: int, device: torch.device):
     return run, elements * 4
 
 
-def time_once(run, device: torch.device) -> float:
-    """Seconds of one collective. Ranks start together (barrier); on a GPU, CUDA events on the
-    stream, read after a synchronize, so only the collective's device time counts."""
+def time_round(run, device: torch.device, runs: int) -> float:
+    """Seconds per collective over `runs` of them back to back. Ranks start together (barrier);
+    on a GPU, CUDA events on the stream around the round, read after a synchronize, so only
+    device time counts."""
     dist.barrier()
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        for _ in range(runs):
+            run()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3 / runs
     start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
+    for _ in range(runs):
+        run()
+    return (time.perf_counter() - start) / runs
 
 
-def measure(op: str, nbytes: int, device: torch.device, repeats: tuple[int, int]) -> tuple:
-    """(bytes moved, seconds): the median of the timed runs after warm-up, the slowest rank's
-    (a collective ends for all when it ends for the last)."""
+def measure(op: str, nbytes: int, device: torch.device, repeats: tuple[int, int, int]) -> tuple:
+    """(bytes moved, seconds per collective): the median of the timed rounds after warm-up, the
+    slowest rank's (a collective ends for all when it ends for the last)."""
     world_size = dist.get_world_size()
     run, moved = collective(op, nbytes, world_size, device)
-    warmup, timed = repeats
+    warmup, rounds, runs = repeats
     for _ in range(warmup):
-        time_once(run, device)
-    median = torch.tensor([statistics.median(time_once(run, device) for _ in range(timed))],
+        run()
+    median = torch.tensor([statistics.median(time_round(run, device, runs)
+                                             for _ in range(rounds))],
                           dtype=torch.float64, device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return moved, median.item()

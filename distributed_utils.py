@@ -6,7 +6,7 @@ SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). This module is the only owner of that 
 launch scripts export none of it. Under SLURM the rendezvous point is the first host of the
 step's node list (expanded here, without scontrol, so that it also works inside a container)
 and a port derived from the job id, so two jobs sharing a node meet at different ports (unless
-their ids differ by a multiple of PORT_RANGE). With CUDA present each rank drives
+their ids differ by a multiple of len(JOB_PORTS)). With CUDA present each rank drives
 `cuda:(local_rank % device_count)` over NCCL (this also covers `--gpus-per-task=1`, where every
 task sees one GPU; two ranks on one GPU are refused); otherwise the CPU over gloo, but not
 silently where the job was given GPUs torch cannot see.
@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from utils import UsageError
 
-DEFAULT_PORT = 29500
-PORT_RANGE = 20000  # ports DEFAULT_PORT .. DEFAULT_PORT + PORT_RANGE - 1 are derived from job ids
+DEFAULT_PORT = 29500  # torchrun's, where no job gives one
+# The ports derived from job ids: below Linux's default range of ports for outgoing connections
+# (32768-60999), any of which the system may have handed to another program on the node.
+JOB_PORTS = range(20000, 32000)
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
 
 
 def master_port_for_job(job_id: str) -> int:
-    return DEFAULT_PORT + int(job_id) % PORT_RANGE
+    return JOB_PORTS[int(job_id) % len(JOB_PORTS)]
 
 
 def rendezvous(env=os.environ) -> tuple[str, int]:

@@ -414,7 +414,10 @@ def train(cfg: Config, argv: list[str]) -> int:
     env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
     failed = True
     try:
-        outcome = run(cfg, env)
+        status = report(run(cfg, env), cfg.epochs, argv)
+        # Leave together: under srun --kill-on-bad-exit the first rank to exit non-zero (a stop
+        # exits 3) ends the others, which must not cut rank 0's pruning or report short.
+        distributed_utils.barrier()
         failed = False
     except Exception as e:
         if not distributed_utils.is_peer_failure(e):
@@ -425,11 +428,16 @@ def train(cfg: Config, argv: list[str]) -> int:
         return EXIT_STATUS["peer_failed"]
     finally:
         distributed_utils.cleanup(failed)
+    return status
+
+
+def report(outcome: Outcome, epochs: int, argv: list[str]) -> int:
+    """Rank 0's last line on a run that did not finish; the exit status."""
     if outcome.diverged:
         log0(f"error: {outcome.diverged}", file=sys.stderr)
         return EXIT_STATUS["diverged"]
     if outcome.stopped_at:
-        log0(stop_report(outcome, cfg.epochs, argv))
+        log0(stop_report(outcome, epochs, argv))
         return EXIT_STATUS["stopped"]
     return EXIT_STATUS["finished"]
 

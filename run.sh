@@ -40,6 +40,7 @@
 #   NPROC     without SLURM: processes to start; default one per visible GPU, 2 on CPU
 #   REPO_DIR  where main.py is, if the job is not submitted from the repository
 #   SAMPLES_DIR  where the samplers write (default logs); SAMPLE_EVERY their interval (5 s)
+#   MAX_REQUEUES  how often a job may requeue itself on SLURM's warning (default 10)
 set -euo pipefail
 
 fail() {
@@ -88,7 +89,7 @@ TASK_SETUP='cd "$1" && shift && exec "$@"'
 # by the SAMPLE_TAG=<tag> in their environment, from /proc). collect_results.py summarises them.
 # Appends: a requeued job goes on.
 sample_node() {
-    local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program stat rss tick
+    local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program ranks stat rss tick
     host=${SLURMD_NODENAME:-$(hostname -s)}   # SLURM's name: emulated nodes share a host
     tick=$(getconf CLK_TCK)
     mkdir -p "$dir"
@@ -101,6 +102,7 @@ sample_node() {
     [ -s "$cpu_csv" ] || echo "time_s,pid,cpu_s,rss_mb" >"$cpu_csv"
     trap '[ -z "$gpu_pid" ] || kill "$gpu_pid" 2>/dev/null; exit 0' TERM INT
     while true; do
+        ranks=" "
         for pid in $(pgrep -u "$(id -u)" -f '[m]ain[.]py'); do
             # This run's ranks only: not another run's, not srun or a shell with main.py among
             # its arguments, not torchrun.
@@ -108,8 +110,14 @@ sample_node() {
             program=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n 1) || continue
             [[ ${program##*/} == python* ]] || continue
             grep -qs 'distributed[.]run' "/proc/$pid/cmdline" && continue
-            # utime and stime are fields 14 and 15 of /proc/PID/stat, after "(comm)".
+            ranks+="$pid "
+        done
+        for pid in $ranks; do
+            # Fields of /proc/PID/stat after "(comm)": ppid is the 2nd, utime and stime the
+            # 12th and 13th. A DataLoader worker (--loader classic) is a fork of its rank, with
+            # its command line and environment: a process whose parent is a rank is no rank.
             stat=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null) || continue
+            [[ $ranks == *" $(echo "$stat" | cut -d ' ' -f 2) "* ]] && continue
             rss=$(awk '/^VmRSS:/ { print $2 }' "/proc/$pid/status" 2>/dev/null) || continue
             echo "$stat" | awk -v t="$(date +%s.%N)" -v pid="$pid" -v rss="${rss:-0}" \
                 -v tick="$tick" '{ printf "%.3f,%s,%.2f,%.1f\n", t, pid, ($12 + $13) / tick,
@@ -174,13 +182,27 @@ run_slurm() {
     trap - USR1 TERM
     # A line that outlives the job: SLURM forgets finished jobs after a while.
     echo "run.sh: job $SLURM_JOB_ID exit status $status"
-    # Requeue whatever the tasks' exit status: a warning that lands while Python is still
-    # starting kills the tasks before they can catch it, and the checkpoints are there anyway.
-    if [ "$requeue" = yes ]; then
-        echo "run.sh: job $SLURM_JOB_ID stopped before its time limit; requeueing it"
+    [ "$requeue" = no ] || requeue_after_warning "$status"
+    return "$status"
+}
+
+# SLURM warned that the time limit is near. Requeue unless the tasks finished anyway (status 0)
+# or the job has been requeued MAX_REQUEUES times: a time limit too short for start-up would
+# warn every restart at once, forever. Any other status requeues: a warning that lands while
+# Python is still starting kills the tasks before they can catch it.
+requeue_after_warning() {
+    local status=$1 restarts=${SLURM_RESTART_COUNT:-0}
+    if [ "$status" -eq 0 ]; then
+        echo "run.sh: job $SLURM_JOB_ID finished before its time limit; not requeued"
+    elif [ "$restarts" -ge "$MAX_REQUEUES" ]; then
+        echo "error: job $SLURM_JOB_ID stopped before its time limit but was requeued" \
+             "$restarts times already (MAX_REQUEUES=$MAX_REQUEUES): not again; to go on," \
+             "submit it anew with --resume and the folder its last [CHECKPOINT] line names" >&2
+    else
+        echo "run.sh: job $SLURM_JOB_ID stopped before its time limit; requeueing it" \
+             "($((restarts + 1)) of at most $MAX_REQUEUES)"
         scontrol requeue "$SLURM_JOB_ID"
     fi
-    return "$status"
 }
 
 # `wait` returns early when a trapped signal arrives: wait again until the process is gone.
@@ -272,6 +294,8 @@ cd "$REPO"
 SAMPLES_DIR=$(realpath -m "${SAMPLES_DIR:-logs}")
 SAMPLE_EVERY=${SAMPLE_EVERY:-5}
 [[ "$SAMPLE_EVERY" =~ ^[1-9][0-9]*$ ]] || fail "SAMPLE_EVERY must be whole seconds: '$SAMPLE_EVERY'"
+MAX_REQUEUES=${MAX_REQUEUES:-10}
+[[ "$MAX_REQUEUES" =~ ^[0-9]+$ ]] || fail "MAX_REQUEUES must be a whole number: '$MAX_REQUEUES'"
 if [ -n "${SLURM_JOB_ID:-}" ]; then
     run_slurm "$@"
 else

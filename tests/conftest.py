@@ -140,9 +140,11 @@ def slurm_env() -> dict:
 
 
 
-def start_ranks(args: list, world_size: int, cwd=REPO, **env) -> list[subprocess.Popen]:
-    """main.py as world_size processes started directly, as srun starts its tasks (no torchrun
-    agent between the test and the ranks): each rank's own signals and exit status are seen."""
+def start_ranks(args: list, world_size: int, cwd=REPO, program="main.py",
+                **env) -> list[subprocess.Popen]:
+    """main.py (or a program that runs it) as world_size processes started directly, as srun
+    starts its tasks (no torchrun agent between the test and the ranks): each rank's own
+    signals and exit status are seen."""
     from dist_harness import free_port
     port = str(free_port())
     def rank_environment(rank: int) -> dict:
@@ -151,7 +153,7 @@ def start_ranks(args: list, world_size: int, cwd=REPO, **env) -> list[subprocess
                     OMP_NUM_THREADS="1")
         return clean_environment(**{**ours, **env})  # a test may override ours
 
-    return [subprocess.Popen([sys.executable, "main.py", *map(str, args)], cwd=cwd, text=True,
+    return [subprocess.Popen([sys.executable, program, *map(str, args)], cwd=cwd, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env=rank_environment(rank))
             for rank in range(world_size)]

@@ -256,6 +256,48 @@ def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(repo_copy, signa
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
 
 
+# main.py with a slow rank 0 after a checkpoint (its pruning takes 3 s) and every rank's exit
+# time written down: srun --kill-on-bad-exit would end rank 0 mid-prune if rank 1 left first.
+SLOW_PRUNE = """
+import atexit, os, sys, time
+import checkpoint, main
+rank = os.environ["RANK"]
+atexit.register(lambda: open(f"exit_rank{rank}", "w").write(repr(time.time())))
+prune = checkpoint.prune
+def slow_prune(*args, **kwargs):
+    if rank == "0":
+        time.sleep(3)
+        open("pruned", "w").write(repr(time.time()))
+    return prune(*args, **kwargs)
+checkpoint.prune = slow_prune
+sys.exit(main.main(sys.argv[1:]))
+"""
+
+
+def test_a_stopped_rank_leaves_only_once_rank_0_is_done(repo_copy):
+    """Both ranks exit 3 on a stop, but none before rank 0 has pruned the old checkpoints and
+    printed how to continue: under srun --kill-on-bad-exit, the first rank to exit non-zero
+    ends the others."""
+    (repo_copy / "slow_prune_main.py").write_text(SLOW_PRUNE)
+    args = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
+            "--batch-size", "32", "--epochs", "2", "--print-every", "20",
+            "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
+    ranks = start_ranks(args, 2, cwd=repo_copy, program="slow_prune_main.py")
+    try:
+        for line in ranks[0].stdout:
+            if line.startswith("epoch 1 step"):
+                ranks[1].send_signal(signal.SIGUSR1)
+                break
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [3, 3], outputs[1][1][-2000:]
+    pruned = float((repo_copy / "pruned").read_text())
+    assert float((repo_copy / "exit_rank1").read_text()) >= pruned
+    assert "continue with: main.py" in outputs[0][0]
+
+
 def test_resume_auto_says_when_it_found_nothing(tmp_path):
     done = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--resume", "auto",
                      "--checkpoint-dir", str(tmp_path / "empty")])

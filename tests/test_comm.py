@@ -3,6 +3,7 @@ sizes of the course CNN, the [COMM] line's round trip, and real 2-rank gloo runs
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -59,7 +60,21 @@ def test_comm_line_round_trip():
 def _tiny_benchmark(env):
     with torch.device("meta"):
         model = build_model("cnn")
-    return comm_bench.run_comm_benchmark(model, env.device, largest=16 << 10, repeats=(1, 3))
+    return comm_bench.run_comm_benchmark(model, env.device, largest=16 << 10, repeats=(1, 3, 2))
+
+
+def _round_of_sleeps(env):
+    calls = []
+    def run():
+        calls.append(1)
+        time.sleep(0.02)
+    return comm_bench.time_round(run, env.device, 5), len(calls)
+
+
+def test_a_round_times_its_collectives_back_to_back_and_gives_the_time_of_one():
+    seconds, calls = spawn(_round_of_sleeps, 1)[0]
+    assert calls == 5
+    assert 0.02 <= seconds < 0.03
 
 
 @pytest.mark.timeout(120)

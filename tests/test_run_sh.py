@@ -95,6 +95,20 @@ def test_run_sh_trains_locally_with_torchrun(repo_copy):
     assert done.stdout.startswith("check: ok: strategy=ddp world sizes 2")
 
 
+def test_the_sampler_counts_ranks_not_their_data_loader_workers(repo_copy):
+    """--loader classic: each rank forks DataLoader workers with its own command line and
+    environment; the CPU sampler writes rows for the two ranks alone."""
+    done = run(["bash", "run.sh", *TINY[:2], "--train-samples", "2048", "--val-samples", "64",
+                "--batch-size", "32", "--epochs", "2", "--loader", "classic",
+                "--num-workers", "2", "--no-checkpoint"],
+               cwd=repo_copy, timeout=170, NPROC="2", SAMPLE_EVERY="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    [samples] = (repo_copy / "logs").glob("cpu_local-*.csv")
+    rows = pd.read_csv(samples)
+    assert rows["time_s"].nunique() >= 2, "sampled at least twice while training"
+    assert rows["pid"].nunique() == 2, rows
+
+
 def test_run_sh_refuses_bad_input_before_starting_ranks(repo_copy):
     t0 = time.monotonic()
     done = run(["bash", "run.sh", "--batch-size", "3"], cwd=repo_copy, NPROC="2")
@@ -147,6 +161,64 @@ def test_a_stopped_run_exits_3_through_run_sh(repo_copy):
     assert script.returncode == 3, err[-3000:]
     assert "continue with: main.py" in out
     assert "error:" not in out + err and "Traceback" not in out + err
+
+
+# What SLURM's binaries would do, for run.sh's batch path: the sampler's srun waits to be
+# ended; the tasks' srun "trains" until SIGUSR1 (the warning, passed on by run.sh), then exits
+# with $TASKS_STATUS; scontrol writes down what it was asked.
+SLURM_STAND_INS = {
+    "srun": """if [[ " $* " == *" --overlap "* ]]; then exec sleep 600; fi
+trap 'exit "$TASKS_STATUS"' USR1
+touch "$CALLS.started"
+while true; do sleep 0.1; done""",
+    "scontrol": 'echo "scontrol $*" >>"$CALLS"',
+}
+
+
+def warned_batch_job(repo_copy: Path, tmp_path: Path, tasks_status: int, restarts: int):
+    """run.sh as SLURM's batch script, given the time-limit warning while its tasks run."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name, body in SLURM_STAND_INS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = clean_environment(
+        PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(calls), TASKS_STATUS=str(tasks_status),
+        SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="node1", SLURM_RESTART_COUNT=str(restarts))
+    script = subprocess.Popen(["bash", "run.sh", *TINY], cwd=repo_copy, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(f"{calls}.started").exists():
+            assert time.monotonic() < deadline and script.poll() is None, script.communicate()
+            time.sleep(0.1)
+        script.send_signal(signal.SIGUSR1)
+        out, err = script.communicate(timeout=30)
+    finally:
+        script.kill()
+    requeues = calls.read_text().splitlines() if calls.exists() else []
+    return subprocess.CompletedProcess(script.args, script.returncode, out, err), requeues
+
+
+@pytest.mark.parametrize("tasks_status, restarts, requeued", [
+    (3, 0, True),    # stopped on the warning with a checkpoint: go on in a requeued job
+    (138, 2, True),  # killed by the warning during start-up: likewise
+    (0, 0, False),   # finished anyway: nothing left to do
+    (3, 10, False),  # the tenth requeue was the last (MAX_REQUEUES): not forever
+])
+def test_the_time_limit_warning_requeues_only_a_job_with_work_left(
+        repo_copy, tmp_path, tasks_status, restarts, requeued):
+    done, requeues = warned_batch_job(repo_copy, tmp_path, tasks_status, restarts)
+    assert done.returncode == tasks_status, done.stdout + done.stderr
+    assert requeues == (["scontrol requeue 4242"] if requeued else []), done.stdout + done.stderr
+    if tasks_status == 0:
+        assert "finished before its time limit; not requeued" in done.stdout
+    if requeued:
+        assert f"requeueing it ({restarts + 1} of at most 10)" in done.stdout
+    if not requeued and tasks_status:
+        assert_one_line_error(done, "requeued 10 times already (MAX_REQUEUES=10): not again",
+                              status=tasks_status)
 
 
 def test_run_sh_rejects_a_bad_nproc():

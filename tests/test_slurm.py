@@ -78,7 +78,7 @@ def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
     config_line = next(line for line in log.splitlines() if line.startswith("[CONFIG] "))
     config = dict(field.split("=", 1) for field in config_line.split()[1:])
     assert (config["world_size"], config["nodes"], config["threads"]) == ("4", "2", "1")
-    assert config["rendezvous"] == f"node1:{29500 + int(job_id) % 20000}"
+    assert config["rendezvous"] == f"node1:{du.master_port_for_job(job_id)}"
     # The configuration was checked once, before srun started the tasks.
     assert log.count("check: ok: strategy=ddp world sizes 4,") == 1
     assert f"run.sh: job {job_id} exit status 0" in log

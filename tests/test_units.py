@@ -32,21 +32,24 @@ def test_bad_rank_variables_are_usage_errors():
 
 def test_rendezvous_prefers_environment_then_slurm_job():
     assert du.rendezvous({"MASTER_ADDR": "h1", "MASTER_PORT": "1234"}) == ("h1", 1234)
-    # 29500 + job id % 20000: ports 29500..49499, different for jobs sharing a node.
-    assert du.rendezvous({"MASTER_ADDR": "h1", "SLURM_JOB_ID": "123456"}) == ("h1", 32956)
-    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "7"}) == ("h", 29507)
-    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "8"}) == ("h", 29508)
+    # 20000 + job id % 12000: ports 20000..31999, different for jobs sharing a node, and
+    # none in Linux's default range for outgoing connections (32768-60999).
+    assert du.rendezvous({"MASTER_ADDR": "h1", "SLURM_JOB_ID": "123456"}) == ("h1", 23456)
+    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "7"}) == ("h", 20007)
+    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "8"}) == ("h", 20008)
+    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "11999"}) == ("h", 31999)
+    assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "12000"}) == ("h", 20000)
     assert du.rendezvous({}) == ("127.0.0.1", 29500)
 
 
 def test_rendezvous_inside_srun_is_the_steps_first_node():
     job = {"SLURM_JOB_ID": "40001", "SLURM_JOB_NODELIST": "nid[001234-001237]"}
-    assert du.rendezvous(job) == ("nid001234", 29501)
+    assert du.rendezvous(job) == ("nid001234", 24001)
     # A step on part of the allocation: its task 0 runs on the step's first node.
     assert du.rendezvous({**job, "SLURM_STEP_NODELIST": "nid[001236-001237]"}) == \
-        ("nid001236", 29501)
+        ("nid001236", 24001)
     # torchrun's (or the user's) own MASTER_ADDR wins over SLURM's.
-    assert du.rendezvous({**job, "MASTER_ADDR": "login1"}) == ("login1", 29501)
+    assert du.rendezvous({**job, "MASTER_ADDR": "login1"}) == ("login1", 24001)
 
 
 @pytest.mark.parametrize("nodelist,hosts", [
