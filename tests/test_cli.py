@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -228,30 +229,39 @@ def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
 
 
+# Two ranks, long enough to be signalled during epoch 1, their checkpoints in ckpt/.
+STOP_RUN = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
+            "--batch-size", "32", "--epochs", "2", "--print-every", "20",
+            "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
+
+
+def signal_rank_1_in_epoch_1(args: list, signum: int, cwd: Path, **start):
+    """Two ranks started directly; rank 1 alone gets `signum` once rank 0 trains epoch 1.
+    Returns the ranks, ended, and their (stdout, stderr)."""
+    ranks = start_ranks(args, 2, cwd=cwd, **start)
+    try:
+        for line in ranks[0].stdout:
+            if line.startswith("epoch 1 step"):
+                ranks[1].send_signal(signum)
+                break
+        return ranks, [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+
+
 @pytest.mark.parametrize("signal_name", ["SIGUSR1", "SIGTERM"])
 def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(repo_copy, signal_name):
     """SLURM's warning (SIGUSR1) or a preemption/scancel (SIGTERM), sent from outside to rank 1
     alone: both ranks agree on a step, save one checkpoint mid-epoch and exit with status 3;
     resuming finishes the run."""
-    args = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
-            "--batch-size", "32", "--epochs", "2", "--print-every", "20",
-            "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
-    ranks = start_ranks(args, 2, cwd=repo_copy)
-    try:
-        for line in ranks[0].stdout:
-            if line.startswith("epoch 1 step"):
-                ranks[1].send_signal(getattr(signal, signal_name))
-                break
-        outputs = [rank.communicate(timeout=120) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
+    ranks, outputs = signal_rank_1_in_epoch_1(STOP_RUN, getattr(signal, signal_name), repo_copy)
     assert [rank.returncode for rank in ranks] == [3, 3], outputs[0][1][-2000:]
     assert "stopped on a signal to another rank at epoch 1 step" in outputs[0][0]
     saved = sorted(p.name for p in (repo_copy / "ckpt").iterdir())
     assert len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != \
         "ckpt_e0001_s000000", saved
-    resumed = run_main([*args, "--resume", "auto"], nproc=2, cwd=repo_copy)
+    resumed = run_main([*STOP_RUN, "--resume", "auto"], nproc=2, cwd=repo_copy)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
 
@@ -279,19 +289,8 @@ def test_a_stopped_rank_leaves_only_once_rank_0_is_done(repo_copy):
     printed how to continue: under srun --kill-on-bad-exit, the first rank to exit non-zero
     ends the others."""
     (repo_copy / "slow_prune_main.py").write_text(SLOW_PRUNE)
-    args = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
-            "--batch-size", "32", "--epochs", "2", "--print-every", "20",
-            "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
-    ranks = start_ranks(args, 2, cwd=repo_copy, program="slow_prune_main.py")
-    try:
-        for line in ranks[0].stdout:
-            if line.startswith("epoch 1 step"):
-                ranks[1].send_signal(signal.SIGUSR1)
-                break
-        outputs = [rank.communicate(timeout=120) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
+    ranks, outputs = signal_rank_1_in_epoch_1(STOP_RUN, signal.SIGUSR1, repo_copy,
+                                              program="slow_prune_main.py")
     assert [rank.returncode for rank in ranks] == [3, 3], outputs[1][1][-2000:]
     pruned = float((repo_copy / "pruned").read_text())
     assert float((repo_copy / "exit_rank1").read_text()) >= pruned
