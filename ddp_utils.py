@@ -17,8 +17,8 @@ def get_ddp_model(model: nn.Module, device: torch.device) -> DDP:
     model = model.to(device)
     # On a GPU, name it: DDP then places inputs and its buckets there. On CPU, device_ids=None.
     device_ids = [device.index] if device.type == "cuda" else None
-    # Gradients as views into DDP's all-reduce buckets: no copy into the buckets and back at
-    # every step (on a GPU, a kernel per parameter each way) and one gradient-sized buffer less.
+    # Gradients as views into DDP's all-reduce buckets: no copying between gradients and
+    # buckets at every step, and one gradient-sized buffer less.
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
 

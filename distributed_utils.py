@@ -133,7 +133,9 @@ def given_gpus(env=os.environ) -> str | None:
 
 
 # The backend that carries each device type's tensors.
-BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# A process group on GPUs: each device type's tensors to its own backend ("cpu:gloo,cuda:nccl").
+GPU_GROUP_BACKEND = ",".join(f"{kind}:{name}" for kind, name in BACKENDS.items())
 
 
 def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[torch.device, str]:
@@ -217,7 +219,7 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
             refuse_shared_gpus(_store, rank, world_size, device)
     # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
     # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
-    groups_backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else backend
+    groups_backend = GPU_GROUP_BACKEND if device.type == "cuda" else backend
     dist.init_process_group(groups_backend, store=dist.PrefixStore("default_pg", _store),
                             rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)

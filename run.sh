@@ -89,7 +89,7 @@ TASK_SETUP='cd "$1" && shift && exec "$@"'
 # by the SAMPLE_TAG=<tag> in their environment, from /proc). collect_results.py summarises them.
 # Appends: a requeued job goes on.
 sample_node() {
-    local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program ranks stat rss tick
+    local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program ranks stat ppid rss tick
     host=${SLURMD_NODENAME:-$(hostname -s)}   # SLURM's name: emulated nodes share a host
     tick=$(getconf CLK_TCK)
     mkdir -p "$dir"
@@ -117,7 +117,8 @@ sample_node() {
             # 12th and 13th. A DataLoader worker (--loader classic) is a fork of its rank, with
             # its command line and environment: a process whose parent is a rank is no rank.
             stat=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null) || continue
-            [[ $ranks == *" $(echo "$stat" | cut -d ' ' -f 2) "* ]] && continue
+            read -r _ ppid _ <<<"$stat"
+            [[ $ranks == *" $ppid "* ]] && continue
             rss=$(awk '/^VmRSS:/ { print $2 }' "/proc/$pid/status" 2>/dev/null) || continue
             echo "$stat" | awk -v t="$(date +%s.%N)" -v pid="$pid" -v rss="${rss:-0}" \
                 -v tick="$tick" '{ printf "%.3f,%s,%.2f,%.1f\n", t, pid, ($12 + $13) / tick,
