@@ -25,8 +25,9 @@
 # REPO_DIR); train.log and train.err are written there. Inside an allocation (salloc),
 # `bash run.sh` launches with srun too.
 #
-# Preemption and time limits: two minutes before the limit SLURM sends SIGUSR1 to this script
-# (--signal=B:USR1@120; change the seconds with sbatch --signal=B:USR1@300). The script passes
+# Preemption and time limits: two minutes before the limit (up to 30 s earlier: SLURM checks
+# every 30 s) SLURM sends SIGUSR1 to this script (--signal=B:USR1@120; change the seconds with
+# sbatch --signal=B:USR1@300). The script passes
 # it to srun, which forwards it to every task; the ranks agree on a step, save a checkpoint
 # and exit; the script then requeues the job (--requeue), which starts again with the same job
 # id, resumes from checkpoints/<job id> (--resume auto) and appends to its logs
@@ -130,6 +131,11 @@ sample_node() {
 }
 
 run_slurm() {
+    # SLURM's warning may come at any time from here on, even before the tasks start (it is
+    # sent at the controller's first 30-second check past the warning time): remember it, and
+    # pass it to srun once srun runs.
+    local srun_pid="" sampler_pid="" status=0 requeue=no
+    trap 'requeue=yes; [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null' USR1
     local in_container=no
     [ -n "${EDF:-}" ] && in_container=yes
     PYTHON=$(pick_python "$in_container")
@@ -154,12 +160,9 @@ run_slurm() {
 
     echo "run.sh: job $SLURM_JOB_ID: ${SLURM_NTASKS:-?} tasks on $SLURM_JOB_NUM_NODES node(s)" \
          "($SLURM_JOB_NODELIST), $PYTHON${EDF:+ in $EDF}"
-    # SLURM's warning may come at any time from here on: remember it, and pass it to srun once
-    # srun runs. --resume auto comes first, here and below: the user's own --resume wins.
-    local srun_pid="" sampler_pid="" status=0 requeue=no
-    trap 'requeue=yes; [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null' USR1
     # Bad input fails here, in one process on this node, rather than in every task. The
     # container's Python is reachable only through srun: there, the tasks find it themselves.
+    # --resume auto comes first, here and below: the user's own --resume wins.
     if [ "$in_container" = no ]; then
         # shellcheck disable=SC2086  # no task count: main.py's default
         "$PYTHON" main.py --resume auto "$@" --check ${SLURM_NTASKS:-} || return
@@ -182,18 +185,22 @@ run_slurm() {
     fi
     trap - USR1 TERM
     # A line that outlives the job: SLURM forgets finished jobs after a while.
-    echo "run.sh: job $SLURM_JOB_ID exit status $status"
-    [ "$requeue" = no ] || requeue_after_warning "$status"
+    if [ -n "$srun_pid" ]; then
+        echo "run.sh: job $SLURM_JOB_ID exit status $status"
+    else
+        echo "run.sh: job $SLURM_JOB_ID was warned of its time limit before its tasks started"
+    fi
+    [ "$requeue" = no ] || requeue_after_warning "$status" "${srun_pid:+started}"
     return "$status"
 }
 
-# SLURM warned that the time limit is near. Requeue unless the tasks finished anyway (status 0)
-# or the job has been requeued MAX_REQUEUES times: a time limit too short for start-up would
-# warn every restart at once, forever. Any other status requeues: a warning that lands while
-# Python is still starting kills the tasks before they can catch it.
+# SLURM warned that the time limit is near. Requeue unless the tasks finished anyway (they
+# started, status 0) or the job has been requeued MAX_REQUEUES times: a time limit too short for
+# start-up would warn every restart at once, forever. Any other status requeues: a warning that
+# lands while Python is still starting kills the tasks before they can catch it.
 requeue_after_warning() {
-    local status=$1 restarts=${SLURM_RESTART_COUNT:-0}
-    if [ "$status" -eq 0 ]; then
+    local status=$1 tasks=$2 restarts=${SLURM_RESTART_COUNT:-0}
+    if [ "$tasks" = started ] && [ "$status" -eq 0 ]; then
         echo "run.sh: job $SLURM_JOB_ID finished before its time limit; not requeued"
     elif [ "$restarts" -ge "$MAX_REQUEUES" ]; then
         echo "error: job $SLURM_JOB_ID stopped before its time limit but was requeued" \

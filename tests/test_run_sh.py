@@ -165,18 +165,30 @@ def test_a_stopped_run_exits_3_through_run_sh(repo_copy):
 
 # What SLURM's binaries would do, for run.sh's batch path: the sampler's srun waits to be
 # ended; the tasks' srun "trains" until SIGUSR1 (the warning, passed on by run.sh), then exits
-# with $TASKS_STATUS; scontrol writes down what it was asked.
+# with $TASKS_STATUS; scontrol writes down what it was asked. The Python that checks the
+# arguments takes as long as the test wants: until it creates $CALLS.checked.
 SLURM_STAND_INS = {
     "srun": """if [[ " $* " == *" --overlap "* ]]; then exec sleep 600; fi
 trap 'exit "$TASKS_STATUS"' USR1
 touch "$CALLS.started"
 while true; do sleep 0.1; done""",
     "scontrol": 'echo "scontrol $*" >>"$CALLS"',
+    "python": """touch "$CALLS.checking"
+until [ -e "$CALLS.checked" ]; do sleep 0.1; done""",
 }
 
 
-def warned_batch_job(repo_copy: Path, tmp_path: Path, tasks_status: int, restarts: int):
-    """run.sh as SLURM's batch script, given the time-limit warning while its tasks run."""
+def wait_for(path: Path, script: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline and script.poll() is None, script.communicate()
+        time.sleep(0.1)
+
+
+def warned_batch_job(repo_copy: Path, tmp_path: Path, tasks_status: int, restarts: int,
+                     warned_while: str = "training"):
+    """run.sh as SLURM's batch script, given the time-limit warning while its tasks train, or
+    while it checks the arguments, before any task started."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
     for name, body in SLURM_STAND_INS.items():
@@ -184,16 +196,19 @@ def warned_batch_job(repo_copy: Path, tmp_path: Path, tasks_status: int, restart
         (bin_dir / name).chmod(0o755)
     env = clean_environment(
         PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(calls), TASKS_STATUS=str(tasks_status),
-        SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_NTASKS="2",
-        SLURM_JOB_NODELIST="node1", SLURM_RESTART_COUNT=str(restarts))
+        PYTHON=str(bin_dir / "python"), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1",
+        SLURM_NTASKS="2", SLURM_JOB_NODELIST="node1", SLURM_RESTART_COUNT=str(restarts))
     script = subprocess.Popen(["bash", "run.sh", *TINY], cwd=repo_copy, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while not Path(f"{calls}.started").exists():
-            assert time.monotonic() < deadline and script.poll() is None, script.communicate()
-            time.sleep(0.1)
-        script.send_signal(signal.SIGUSR1)
+        wait_for(Path(f"{calls}.checking"), script)
+        if warned_while == "checking":
+            script.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)  # bash takes it now, runs the trap once the check ends
+        Path(f"{calls}.checked").touch()
+        if warned_while == "training":
+            wait_for(Path(f"{calls}.started"), script)
+            script.send_signal(signal.SIGUSR1)
         out, err = script.communicate(timeout=30)
     finally:
         script.kill()
@@ -219,6 +234,15 @@ def test_the_time_limit_warning_requeues_only_a_job_with_work_left(
     if not requeued and tasks_status:
         assert_one_line_error(done, "requeued 10 times already (MAX_REQUEUES=10): not again",
                               status=tasks_status)
+
+
+def test_a_warning_before_the_tasks_start_requeues_the_job(repo_copy, tmp_path):
+    """A short time limit can be warned of while run.sh still checks the arguments: no task
+    has trained, so the job must requeue, not end as COMPLETED with nothing done."""
+    done, requeues = warned_batch_job(repo_copy, tmp_path, 0, 0, warned_while="checking")
+    assert requeues == ["scontrol requeue 4242"], done.stdout + done.stderr
+    assert "warned of its time limit before its tasks started" in done.stdout
+    assert not (tmp_path / "calls.started").exists()  # and no task was started after it
 
 
 def test_run_sh_rejects_a_bad_nproc():
