@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import distributed_utils
 from conftest import start_ranks
 
 # Long enough that training is still under way when rank 1 is stopped.
@@ -31,10 +32,13 @@ def wait_for_training(rank0) -> None:
 
 
 def first_error_line(rank0) -> str:
+    """Rank 0's first error: line, or all it wrote to stderr if none (to say what went wrong)."""
+    lines = []
     for line in rank0.stderr:
         if line.startswith("error:"):
             return line
-    return ""
+        lines.append(line)
+    return "no error: line; stderr:\n" + "".join(lines[-40:])
 
 
 def end_rank1_during_training(args: list, signal_sent) -> tuple[str, int, float]:
@@ -70,9 +74,43 @@ def test_a_dead_or_hung_peer_ends_rank_0_with_one_line_and_status_1(failure, sig
     assert elapsed < bound, elapsed
 
 
-# The run's --pg-timeout in the next two tests: a wait longer than this is not one that
+# The run's --pg-timeout in the next three tests: a wait longer than this is not one that
 # --pg-timeout cut short.
 SHORT_TIMEOUT_S = 2
+
+
+def errors_of_two_collectives_a_late_peer_misses(env) -> list[tuple[str, bool]]:
+    """Rank 0 starts two all-reduces a second apart; rank 1 comes to neither within the
+    timeout. What each of rank 0's raised, and whether is_peer_failure says a peer failed."""
+    import torch
+    import torch.distributed as dist
+
+    import distributed_utils
+    if env.rank == 1:
+        time.sleep(3 * SHORT_TIMEOUT_S)
+        return []
+    first = dist.all_reduce(torch.ones(1), async_op=True)
+    time.sleep(SHORT_TIMEOUT_S / 2)  # the first times out while the second still waits
+    second = dist.all_reduce(torch.ones(1), async_op=True)
+    seen = []
+    for work in (first, second):
+        try:
+            work.wait()
+        except RuntimeError as e:
+            seen.append((str(e).splitlines()[0], distributed_utils.is_peer_failure(e)))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_every_error_of_a_timed_out_gloo_context_is_a_peer_failure():
+    """The operation that times out names gloo; the one beside it only says that the pairs
+    were closed. Both are a peer's failure: one line, not a traceback."""
+    from dist_harness import spawn
+    seen, _ = spawn(errors_of_two_collectives_a_late_peer_misses, 2,
+                    pg_timeout_s=SHORT_TIMEOUT_S, timeout=100)
+    assert [text for text, _ in seen][1] == distributed_utils.GLOO_PAIRS_CLOSED, seen
+    assert "gloo" in seen[0][0] and "Timed out" in seen[0][0], seen
+    assert all(peer_failure for _, peer_failure in seen), seen
 
 
 def slow_rank0_work(env, work_s: float) -> str:
