@@ -286,7 +286,7 @@ def on_rank0(fn, *args):
 
 # gloo's errors name its source file, except one: a timeout in one operation closes every pair
 # of its context, and the operations waiting on them get this text alone (gloo's
-# unbound_buffer.cc; measured: 1 stopped peer in 40 ended rank 0 with a traceback without it).
+# unbound_buffer.cc). Without it, a stopped peer could end rank 0 in a traceback (seen in CI).
 GLOO_PAIRS_CLOSED = "Application timeout caused pair closure"
 
 

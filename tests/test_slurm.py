@@ -195,8 +195,9 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
     save and the job requeue itself; the requeued job resumes and finishes; each epoch logged
     once."""
     # SLURM checks time limits every 30 s and warns at the first check past limit - warning -
-    # 30 s: here 15 to 45 s after the start (measured: at 27 s, whatever the warning time), when
-    # the ranks train. 28 epochs are 70 s of training on a quiet machine: longer than that.
+    # 30 s: here 15 to 45 s after the start (.ci/slurm/warning_timing.sh measured 27.0 and
+    # 31.1 s, whatever the warning time), when the ranks train. 28 epochs are about 100 s of
+    # training on the 2-core machine (3.4 to 3.9 s each, two ranks): longer than that.
     epochs = 28
     submit = sh(["sbatch", "--parsable", "--time=00:01:00", "--signal=B:USR1@15",
                  "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "run.sh",
