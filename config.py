@@ -135,7 +135,7 @@ class Config:
                             metavar="N")
 
 
-def _flag(name: str) -> str:
+def option_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
@@ -164,7 +164,7 @@ def _add_option(parser: argparse.ArgumentParser, f) -> None:
                                 action="store_false" if f.default else "store_true",
                                 help=help_text)
         return
-    parser.add_argument(_flag(f.name), *meta["aliases"], dest=f.name, type=_value_type(f),
+    parser.add_argument(option_flag(f.name), *meta["aliases"], dest=f.name, type=_value_type(f),
                         default=f.default, choices=meta["choices"], metavar=meta["metavar"],
                         help=help_text)
 
@@ -182,7 +182,7 @@ def validate(cfg: Config) -> Config:
         minimum, value = f.metadata["minimum"], getattr(cfg, f.name)
         if minimum is None or value is None:
             continue
-        name = _flag(f.name)
+        name = option_flag(f.name)
         if isinstance(value, float):
             if not math.isfinite(value) or value <= minimum:
                 raise UsageError(f"{name} must be a positive number, got {value}")

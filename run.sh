@@ -88,7 +88,7 @@ TASK_SETUP='cd "$1" && shift && exec "$@"'
 # SAMPLE_EVERY seconds until it is sent SIGTERM: gpu_<tag>_<host>.csv (nvidia-smi, where there
 # is one) and cpu_<tag>_<host>.csv (CPU seconds and resident memory of this run's ranks, found
 # by the SAMPLE_TAG=<tag> in their environment, from /proc). collect_results.py summarises them.
-# Appends: a requeued job goes on.
+# Appends: a requeued job goes on. It ends on SAMPLER_STOP (see stop_sampler).
 sample_node() {
     local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program ranks stat ppid rss tick
     host=${SLURMD_NODENAME:-$(hostname -s)}   # SLURM's name: emulated nodes share a host
@@ -101,7 +101,7 @@ sample_node() {
     fi
     local cpu_csv=$dir/cpu_${tag}_$host.csv
     [ -s "$cpu_csv" ] || echo "time_s,pid,cpu_s,rss_mb" >"$cpu_csv"
-    trap '[ -z "$gpu_pid" ] || kill "$gpu_pid" 2>/dev/null; exit 0' TERM INT
+    trap '[ -z "$gpu_pid" ] || kill "$gpu_pid" 2>/dev/null; exit 0' "$SAMPLER_STOP" TERM INT
     while true; do
         ranks=" "
         for pid in $(pgrep -u "$(id -u)" -f '[m]ain[.]py'); do
@@ -128,6 +128,23 @@ sample_node() {
         sleep "$every" &
         wait $! || true   # a SIGTERM ends the wait at once, not after the sleep
     done
+}
+
+# The samplers end on a signal that srun passes on to its tasks: they exit 0, so the step ends
+# as completed. A SIGTERM would make srun cancel the step, and write "CANCELLED AT" and "task 0:
+# Killed" into the job's stderr, where they read as a crash of training. Should the signal be
+# lost (srun had not yet set up its handlers), SIGTERM ends it after STOP_GRACE seconds.
+SAMPLER_STOP=USR2
+STOP_GRACE=10
+stop_sampler() {
+    local pid=$1 waited=0
+    kill -s "$SAMPLER_STOP" "$pid" 2>/dev/null || return 0   # it may have ended by itself
+    while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$STOP_GRACE" ]; do
+        sleep 1
+        waited=$((waited + 1))
+    done
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
 }
 
 run_slurm() {
@@ -170,9 +187,11 @@ run_slurm() {
     if [ "$requeue" = no ]; then
         # One sampler per node, beside the tasks (--overlap: it takes none of their resources).
         export SAMPLE_TAG=$SLURM_JOB_ID
+        local sampler_code
+        sampler_code="$(declare -p SAMPLER_STOP; declare -f sample_node); sample_node \"\$@\""
         srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" \
-            --ntasks-per-node=1 bash -c "$(declare -f sample_node); sample_node \"\$@\"" \
-            sampler "$SAMPLES_DIR" "$SAMPLE_TAG" "$SAMPLE_EVERY" &
+            --ntasks-per-node=1 bash -c "$sampler_code" sampler \
+            "$SAMPLES_DIR" "$SAMPLE_TAG" "$SAMPLE_EVERY" &
         sampler_pid=$!
         trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
         # In the background, so that this shell can take SLURM's warning while the tasks train.
@@ -180,8 +199,7 @@ run_slurm() {
             --resume auto "$@" &
         srun_pid=$!
         wait_through_signals "$srun_pid" || status=$?
-        kill -TERM "$sampler_pid" 2>/dev/null || true   # it may have ended by itself
-        wait "$sampler_pid" 2>/dev/null || true
+        stop_sampler "$sampler_pid"
     fi
     trap - USR1 TERM
     # A line that outlives the job: SLURM forgets finished jobs after a while.
@@ -256,8 +274,7 @@ run_local() {
     local sampler_pid=$!
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" \
         --log-dir "$folder" --redirects 2 main.py "$@" 2>"$folder/torchrun.log" || status=$?
-    kill -TERM "$sampler_pid" 2>/dev/null || true
-    wait "$sampler_pid" 2>/dev/null || true
+    stop_sampler "$sampler_pid"
     [ "$status" -eq 0 ] || report_failure "$folder" "$status"
 }
 

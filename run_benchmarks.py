@@ -130,16 +130,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# main.py's options that the sweep sets in every job (sweep_choices), each with the sweep's own
+# option that chooses it. Given again after `--`, main.py would take the last one: a job named
+# ddp_1gpu would train FSDP, silently.
+SWEEP_OPTION = {"strategy": "--strategies", "epochs": "--epochs", "batch_size": "--batch-size",
+                "precision": "--precision"}
+
+
+def main_option(token: str) -> str | None:
+    """The Config field a main.py option sets (`--batch-size=64`, an alias or an abbreviation
+    argparse would accept), or None when the token names no single one."""
+    if not token.startswith("--"):
+        return None
+    name = token.split("=", 1)[0]
+    actions = config.add_options(argparse.ArgumentParser())._option_string_actions
+    dests = ({actions[name].dest} if name in actions else
+             {action.dest for option, action in actions.items() if option.startswith(name)})
+    return dests.pop() if len(dests) == 1 else None
+
+
+def refuse_sweep_options(tokens: list[str], where: str) -> None:
+    """One error line for a main.py option that the sweep chooses itself."""
+    for token in tokens:
+        if (dest := main_option(token)) in SWEEP_OPTION:
+            fail(f"{token.split('=', 1)[0]} {where} is the sweep's choice: use "
+                 f"run_benchmarks.py {SWEEP_OPTION[dest]} instead")
+
+
 def parse_args(ours: list[str]) -> argparse.Namespace:
     """Our options; one of main.py's given before `--` is named, with where it goes."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(ours)
     if unknown:
-        main_options = config.add_options(argparse.ArgumentParser())._option_string_actions
-        name = unknown[0].split("=", 1)[0]
-        if name in main_options:
-            fail(f"{name} is an option of main.py: put main.py's options after --, e.g. "
-                 f"python run_benchmarks.py [options] -- {shlex.join(unknown)}")
+        refuse_sweep_options(unknown[:1], "is an option of main.py that")
+        if main_option(unknown[0]):
+            fail(f"{unknown[0].split('=', 1)[0]} is an option of main.py: put main.py's options "
+                 f"after --, e.g. python run_benchmarks.py [options] -- {shlex.join(unknown)}")
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
 
@@ -193,10 +219,16 @@ def plan(args) -> list[Configuration]:
             for g in gpu_counts for s in dict.fromkeys(args.strategies)]
 
 
+def sweep_choices(run: Configuration, args) -> dict:
+    """What the sweep decides for each job, by Config field (the keys of SWEEP_OPTION)."""
+    return {"strategy": run.strategy, "epochs": args.epochs, "batch_size": run.global_batch,
+            "precision": args.precision}
+
+
 def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
-    return ["--strategy", run.strategy, "--epochs", str(args.epochs),
-            "--batch-size", str(run.global_batch), "--precision", args.precision,
-            "--comm-benchmark", *extra]  # every job measures its collectives (comm.csv)
+    chosen = [word for dest, value in sweep_choices(run, args).items()
+              for word in (config.option_flag(dest), str(value))]
+    return [*chosen, "--comm-benchmark", *extra]  # every job measures its collectives (comm.csv)
 
 
 def count(n: int, noun: str) -> str:
@@ -478,6 +510,7 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
 def main(argv=None) -> int:
     ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
     args = parse_args(ours)
+    refuse_sweep_options(extra, "after --")
     check_args(args)
     runs = plan(args)
     if not (args.local or args.dry_run):  # before the checks: without SLURM they are in vain

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from config import option_flag
 from conftest import REPO, TINY, assert_one_line_error, clean_environment, metrics_in, run
 from utils import parse_comm
 
@@ -368,6 +369,12 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
     (["--gpus", "1", "2", "--strategies", "ddp", "single"], "single run one process"),
     (["--gpus", "1", "--dataset", "synthetic"], "--dataset is an option of main.py: put main.py's "
                                                 "options after --"),
+    (["--gpus", "1", "--strategy", "fsdp"], "--strategy is an option of main.py that is the "
+                                            "sweep's choice: use run_benchmarks.py --strategies"),
+    (["--gpus", "1", "--", "--method=fsdp"], "--method after -- is the sweep's choice: use "
+                                             "run_benchmarks.py --strategies"),
+    (["--gpus", "1", "--", "--batch", "64"], "--batch after -- is the sweep's choice: use "
+                                             "run_benchmarks.py --batch-size"),
     (["--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3"],
      "main.py --strategy ddp: each rank's 128 images per step do not split into --grad-accum 3"),
     (["--gpus", "2", "--", "--dataset", "synthetic", "--modle", "cnn"], "unrecognized arguments"),
@@ -377,6 +384,24 @@ def test_bad_sweeps_are_refused_before_anything_runs(args, fragment, repo_copy):
     line, exit status 2, and no job script or log folder written."""
     assert_one_line_error(benchmarks("--dry-run", *args, cwd=repo_copy), fragment)
     assert not (repo_copy / "jobs").exists() and not list((repo_copy / "logs").iterdir())
+
+
+def test_every_main_py_option_the_sweep_sets_is_refused_after_the_double_dash(repo_copy):
+    """main.py takes the last of two: given again after --, a job named ddp_1gpu would train
+    what came after it. The options refused are exactly those each job's command line sets."""
+    import run_benchmarks
+    args = run_benchmarks.parse_args(["--gpus", "1"])
+    job = run_benchmarks.main_args(run_benchmarks.plan(args)[0], args, [])
+    set_with_a_value = {flag: value for flag, value in zip(job, job[1:]) if flag.startswith("--")
+                        and not value.startswith("--")}
+    assert set(set_with_a_value) == {option_flag(d) for d in run_benchmarks.SWEEP_OPTION}
+    for dest, ours in run_benchmarks.SWEEP_OPTION.items():
+        flag = option_flag(dest)
+        assert_one_line_error(
+            benchmarks("--dry-run", "--gpus", "1", "--", flag, set_with_a_value[flag],
+                       cwd=repo_copy), f"{flag} after -- is the sweep's choice: use "
+                                       f"run_benchmarks.py {ours}")
+    assert not (repo_copy / "jobs").exists()
 
 
 @pytest.mark.timeout(300)

@@ -157,6 +157,8 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     plots = sh(["./plot_results.sh"], repo_copy, slurm_env, 120)
     assert plots.returncode == 0, plots.stderr
     assert re.search(rf"^reading \S*logs/{folder.group(1)}\b", plots.stderr, re.M), plots.stderr
+    # A sound sweep is called sound: no run skipped, none said to have failed after its epochs.
+    assert not re.search(r"^(note|skipped) ", plots.stderr, re.M), plots.stderr
     with open(repo_copy / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(r["strategy"], int(r["gpus"])) for r in rows} == {
