@@ -62,6 +62,11 @@ COMM_CSV = "comm.csv"  # the [COMM] lines, beside the results CSV
 DEFAULT_OUT = Path("results.csv")  # whose side CSVs keep their plain names (side_path)
 
 
+# What to do when there is nothing to read: `make run` prints its lines to the terminal only.
+HOW_TO_GET_LOGS = (": logs come from a sweep (python run_benchmarks.py, or with --local on this "
+                   "machine) or from sbatch run.sh")
+
+
 class Skip(Exception):
     """Why a log gives no data: the file is reported with this reason and left out."""
 
@@ -70,10 +75,27 @@ class Skip(Exception):
 class Scan:
     """What one log says, line by line."""
     metrics: list[dict] = field(default_factory=list)  # parsed [METRIC] lines, in order
-    expected_epochs: int | None = None  # from the last [CONFIG] line, when there is one
+    config: dict = field(default_factory=dict)  # the last [CONFIG] line's fields
     bad_metric_line: int | None = None  # number of a [METRIC] line that is cut off or malformed
     crash_lines: list[str] = field(default_factory=list)  # signs of a crash after the last metric
     comm: list[dict] = field(default_factory=list)  # parsed [COMM] lines (--comm-benchmark)
+
+    @property
+    def expected_epochs(self) -> int | None:
+        """How many epochs a complete run has, as main.py's [CONFIG] line says."""
+        epochs = self.config.get("epochs")
+        return epochs if isinstance(epochs, int) else None
+
+    @property
+    def threads_per_core(self) -> float:
+        """The threads of one node's ranks per CPU core of the node, from the [CONFIG] line (nan
+        where it does not say): above 1 the ranks took turns on the cores, and the run's times
+        measure that sharing rather than the strategy."""
+        try:
+            ranks = self.config["world_size"] / self.config["nodes"]
+            return ranks * self.config["threads"] / self.config["cpus"]
+        except (KeyError, TypeError, ZeroDivisionError):
+            return math.nan
 
     @property
     def crash(self) -> str | None:
@@ -91,6 +113,7 @@ class LoggedRun:
     epochs: list[dict]  # one metric line per epoch, in epoch order
     notes: list[str]
     comm: list[dict] = field(default_factory=list)  # the job's [COMM] lines
+    threads_per_core: float = math.nan  # Scan.threads_per_core
 
 
 def scan_log(text: str) -> Scan:
@@ -105,9 +128,8 @@ def scan_log(text: str) -> Scan:
             scan.comm.append(comm)
         elif METRIC_TAG in line:
             scan.bad_metric_line = scan.bad_metric_line or number
-        elif (config := parse_config(line)) and isinstance(config.get("epochs"), int):
-            # main.py's [CONFIG] line says how many epochs a complete run has.
-            scan.expected_epochs = config["epochs"]
+        elif (config := parse_config(line)) is not None:
+            scan.config = config
         elif STOPPED_RE.search(line.strip()):
             continue
         elif any(marker in line for marker in CRASH_MARKERS) or (
@@ -209,7 +231,7 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
                      "(requeued?): kept the last")
     identity, identity_notes = run_identity(epochs, path.name)
     return LoggedRun(sweep_name(path.parent), path.name, identity, epochs,
-                     notes + identity_notes, scan.comm)
+                     notes + identity_notes, scan.comm, scan.threads_per_core)
 
 
 def sweep_name(folder: Path) -> str:
@@ -221,12 +243,12 @@ def log_files(folder: Path) -> list[Path]:
     """The files of a folder that may be run logs: run.sh's sampler CSVs beside them are read
     by samples.py, not here, so they are not reported as logs without metrics."""
     if not folder.is_dir():
-        raise UsageError(f"no logs folder {folder}")
+        raise UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
     sampled = {path for *_, path in samples.sample_files(folder)}
     files = sorted(p for p in folder.iterdir()
                    if p.is_file() and not p.name.startswith(".") and p not in sampled)
     if not files:
-        raise UsageError(f"no log files in {folder}")
+        raise UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
     return files
 
 
@@ -284,6 +306,20 @@ def collect(folders: list[Path], report: Callable[[str], None]) -> list[LoggedRu
     return runs
 
 
+def cores_outnumbered(results: pd.DataFrame) -> str | None:
+    """A warning naming the configurations whose ranks had more threads than their node had
+    CPU cores (several "GPUs" on a laptop's cores), or None: their times measure the sharing."""
+    if "threads_per_core" not in results:
+        return None
+    shared = results[pd.to_numeric(results["threads_per_core"], errors="coerce") > 1]
+    if shared.empty:
+        return None
+    names = [f"{strategy} on {gpus:.0f}" for strategy, gpus in
+             sorted(set(zip(shared["strategy"], shared["gpus"])))]
+    return (f"warning: the ranks outnumbered the CPU cores of their node in {', '.join(names)} "
+            "GPU(s): their times measure how the ranks shared the cores, not the strategy")
+
+
 def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
     """A warning for each configuration whose runs come from more than one sweep."""
     sweeps_of = {}
@@ -302,7 +338,8 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
         for fields in run.epochs:
             # strategy, nodes, job_id are identity columns already; world_size stays as logged
             other = {k: v for k, v in fields.items() if k not in IDENTITY}
-            rows.append({"sweep": run.sweep, "log": run.log, **run.identity, **other})
+            rows.append({"sweep": run.sweep, "log": run.log, **run.identity, **other,
+                         "threads_per_core": run.threads_per_core})
     frame = pd.DataFrame(rows)  # columns in order of first appearance
     leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
     return frame[leading + [c for c in frame.columns if c not in leading]]
@@ -360,6 +397,7 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                      "steps": final.get("train_images", math.nan) / final.get("global_batch",
                                                                                math.nan),
                      "sharding": final.get("sharding", pd.NA),
+                     "threads_per_core": final.get("threads_per_core", math.nan),
                      "device": final.get("device", pd.NA)})
     return pd.DataFrame(rows)
 
@@ -420,6 +458,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         throughput_min=("throughput", "min"), throughput_max=("throughput", "max"),
         peak_mem=("peak_mem", "max"), state_mem=("state_mem", "max"),
         **{t: (t, "median") for t in (*TIME_PARTS, "comm_model")},
+        threads_per_core=("threads_per_core", "max"),
         device=("device", lambda d: "/".join(sorted(set(d.dropna())))))
     one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
     table["speedup"] = table["strategy"].map(one_gpu) / table["time"]
@@ -575,6 +614,8 @@ def main(argv=None) -> int:
     print(markdown_table(summarize(results, comm)))
     if study := scaling(results):
         note(study)
+    if warning := cores_outnumbered(results):
+        note(warning)
     try:
         write_sample_tables(args.out, folders, results)
     except OSError as e:

@@ -248,6 +248,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
                 "fp32_math": fp32_math,
                 "deterministic": torch.are_deterministic_algorithms_enabled(),
                 "rendezvous": rendezvous_text(env), "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),  # the node's: its ranks' threads share them
                 **sizes,
                 "steps_per_epoch": len(loaders.train), "parameters": parameters,
                 "torch": torch.__version__, **labels.setting}

@@ -28,8 +28,8 @@ from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
 from collect_results import (COMM_CSV, COURSE_COLUMNS, DEFAULT_OUT, GPU_TIMELINE_CSV,  # noqa: E402
-                             TIME_PARTS, markdown_table, note, scaling, side_path, summarize,
-                             write_atomically)
+                             TIME_PARTS, cores_outnumbered, markdown_table, note, scaling,
+                             side_path, summarize, write_atomically)
 from utils import UsageError, fail  # noqa: E402
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
@@ -176,6 +176,8 @@ def context(results: pd.DataFrame) -> str:
     parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")
     if sweep := values(results, "sweep"):
         parts.append(f"sweep {sweep}")
+    if warning := cores_outnumbered(results):
+        parts.append(warning.removeprefix("warning: "))
     return " · ".join(parts)
 
 
@@ -236,7 +238,13 @@ def plot_speedup(summary: pd.DataFrame) -> Figure:
     rows = plot_lines(speed_ax, summary, "speedup", "speedup over 1 GPU (x), log scale")
     gpus = sorted(rows["gpus"].unique())
     speed_ax.plot(gpus, gpus, color="black", label="ideal", **IDEAL_STYLE)
-    log2_axis(speed_ax, "y", gpus)  # log-log: the ideal is the diagonal
+    # log-log: the ideal is the diagonal. A speedup below 1 (slower than one GPU) gets ticks of
+    # its own (1/2, 1/4...) and every point its value: the GPU counts alone label none of it.
+    below_one = math.floor(math.log2(min(rows["speedup"].min(), 1)))
+    log2_axis(speed_ax, "y", [*gpus, *(2.0 ** k for k in range(below_one, 0))])
+    for speedup, count in zip(rows["speedup"], rows["gpus"]):
+        speed_ax.annotate(f"{speedup:.2f}", (count, speedup), textcoords="offset points",
+                          xytext=(4, -10), fontsize="small")
     speed_ax.set_title("Speedup (1-GPU epoch time / N-GPU epoch time)")
     speed_ax.legend()
     plot_lines(eff_ax, summary, "efficiency", "parallel efficiency (%)")
@@ -261,6 +269,9 @@ PART_NAMES = {"t_compute": "compute", "t_data": "data", "t_comm": "communication
               "t_wait": "waiting"}
 
 
+BAR_WIDTH = 0.7
+
+
 def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     """A stacked bar per strategy and GPU count of where the epoch went (the four add up to the
     epoch time), and each strategy's ideal: its 1-GPU time / N."""
@@ -274,12 +285,13 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     for part in TIME_PARTS:
         # A negative part (t_comm where the compute calibration overshot) cannot be stacked.
         height = rows[part].clip(lower=0)
-        ax.bar(x, height, bottom=bottom, label=PART_NAMES[part], width=0.7)
+        ax.bar(x, height, bottom=bottom, label=PART_NAMES[part], width=BAR_WIDTH)
         bottom += height
     one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
     ideal = rows["strategy"].map(one_gpu) / rows["gpus"]
-    ax.scatter(x, ideal, marker="_", s=900, color="black", zorder=3,
-               label="ideal: 1-GPU time / N")
+    # A dash across each bar: a line, so that its legend entry is as small as the others'.
+    ax.hlines(ideal, [i - BAR_WIDTH / 2 for i in x], [i + BAR_WIDTH / 2 for i in x],
+              color="black", zorder=3, label="ideal: 1-GPU time / N", **IDEAL_STYLE)
     ax.set_xticks(list(x), [f"{s}\n{g:.0f} GPU" for s, g in zip(rows["strategy"], rows["gpus"])])
     ax.set_ylabel("seconds per epoch (median after epoch 1)")
     ax.set_title("Where an epoch's time goes (negative parts drawn as 0)")
@@ -432,6 +444,8 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
         text = (f"{row['strategy']} on {row['gpus']:.0f} GPU(s): the largest cost is "
                 f"{PART_NAMES[part]}, {row[part]:.3f} s of {row['time']:.2f} s per epoch "
                 f"({100 * row[part] / row['time']:.0f}%)")
+        if row.get("threads_per_core", 0) > 1:
+            text += "; but its ranks shared too few cores for this to be a finding"
         if pd.notna(row.get("comm_model")):
             text += (f"; its messages would take {row['comm_model']:.3f} s at the measured "
                      f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden")

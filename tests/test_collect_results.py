@@ -29,10 +29,11 @@ def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **chan
     return {**fields, **changes}
 
 
-def log_text(metrics: list[dict], expected_epochs: int | None = None) -> str:
-    """A log as main.py writes it: a [CONFIG] line (only its epochs= matters here), progress
+def log_text(metrics: list[dict], expected_epochs: int | None = None, **config) -> str:
+    """A log as main.py writes it: a [CONFIG] line (its epochs= and the fields given), progress
     chatter, and one line per metric from utils.format_metric."""
-    lines = [f"[CONFIG] strategy=ddp epochs={expected_epochs or len(metrics)} seed=42"]
+    lines = [" ".join([f"[CONFIG] strategy=ddp epochs={expected_epochs or len(metrics)} seed=42",
+                       *(f"{k}={v}" for k, v in config.items())])]
     for fields in metrics:
         lines += [f"epoch {fields['epoch']} step 2/2 loss 2.3 500.0 ms/step", format_metric(fields)]
     return "\n".join(lines) + "\n"
@@ -246,6 +247,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys, case):
     assert not (tmp_path / "r.csv").exists()
 
 
+def test_logs_of_a_local_run_alone_say_how_to_get_something_to_plot(tmp_path, capsys):
+    """What `make run` leaves in logs/: its sampler's CSV and torchrun's folder, no run log
+    (rank 0 prints to the terminal). The error says where logs come from."""
+    logs = tmp_path / "logs"
+    (logs / "torchrun" / "20261123-101500-42").mkdir(parents=True)
+    (logs / "cpu_local-20261123-101500-42_host.csv").write_text("time_s,pid,cpu_s,rss_mb\n")
+    code, out, err = cli(capsys, "--logs", logs, "--out", tmp_path / "r.csv")
+    assert code != 0 and out == ""
+    assert err.splitlines()[-1] == (f"error: no log files in {logs}: logs come from a sweep "
+                                    "(python run_benchmarks.py, or with --local on this "
+                                    "machine) or from sbatch run.sh")
+
+
 def test_cli_writes_csv_and_prints_summary(tmp_path, capsys):
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -436,3 +450,24 @@ def test_no_comm_lines_no_comm_csv(tmp_path, capsys):
     assert cli(capsys, "--logs", tmp_path, "--out", out)[0] == 0
     assert not out.with_name("comm.csv").exists()
     assert collect_results.summarize(pd.read_csv(out))["comm_model"].isna().all()
+
+
+@pytest.mark.parametrize("cpus", [2, 4])
+def test_ranks_that_outnumber_their_cores_are_said_so(tmp_path, capsys, cpus):
+    """Four one-thread ranks on one node, as the [CONFIG] line says: on 2 cores they took turns
+    (the collector warns, naming the configuration), on 4 they did not."""
+    config = {"world_size": 4, "nodes": 1, "threads": 1, "cpus": cpus}
+    (tmp_path / "ddp_4gpu_7.log").write_text(
+        log_text([metric_fields(e, world_size=4) for e in (1, 2)], **config))
+    results, _ = collect(tmp_path)
+    assert results["threads_per_core"].tolist() == [4 / cpus] * 2
+    warning = collect_results.cores_outnumbered(results)
+    if cpus == 2:
+        assert warning.startswith("warning: the ranks outnumbered the CPU cores of their node "
+                                  "in ddp on 4 GPU(s): ")
+    else:
+        assert warning is None
+    code, _, err = cli(capsys, "--logs", tmp_path, "--out", tmp_path / "r.csv")
+    assert code == 0 and (warning in err.splitlines() if warning else "warning" not in err)
+    read_back = pd.read_csv(tmp_path / "r.csv")  # the CSV keeps what the plots need to say so
+    assert collect_results.cores_outnumbered(read_back) == warning

@@ -1,6 +1,7 @@
 """plot_results.py and plot_results.sh: every PNG from a small CSV, the course's CSV too; a bad
 CSV is one line of error; the shell script runs collect then plot from any directory."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -293,3 +294,39 @@ def test_strategies_that_draw_the_same_curve_both_stay_visible():
             assert ddp.get_linestyle() != fsdp.get_linestyle(), name
             assert ddp.get_alpha() < 1 and fsdp.get_alpha() < 1, name
         plot_results.plt.close(fig)
+
+
+def test_figures_and_report_say_when_ranks_outnumbered_their_cores():
+    """The 4-"GPU" runs shared 2 cores: the subtitle of every figure and the report say so,
+    and the report's largest cost of that configuration is not offered as a finding."""
+    results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 4): [6.0, 5.0]}))
+    results["threads_per_core"] = results["gpus"] / 2
+    warning = collect_results.cores_outnumbered(results).removeprefix("warning: ")
+    assert plot_results.context(results).endswith(warning)
+    report = plot_results.report_text(results, None, [])
+    costs = [line for line in report.splitlines() if line.startswith("- ddp on ")]
+    assert [line.endswith("too few cores for this to be a finding.") for line in costs] == [
+        False, True]
+
+
+def test_speedups_below_one_are_readable():
+    """A strategy slower on more GPUs: the log axis has ticks below 1 down to its lowest
+    speedup, and every point is labelled with its value."""
+    results = runs_frame({("fsdp", 1): [9.0, 9.0], ("fsdp", 2): [12.0, 12.0],
+                          ("fsdp", 4): [23.0, 23.0]})
+    (speed_ax, _) = plot_results.plot_speedup(plot_results.summarize(results)).axes
+    ticks = [t for t in speed_ax.get_yticks() if speed_ax.get_ylim()[0] <= t]
+    assert min(ticks) <= 9 / 23 and {0.5, 1.0} <= set(ticks)
+    assert [t.get_text() for t in speed_ax.texts] == ["1.00", "0.75", "0.39"]
+
+
+def test_every_legend_entry_of_the_breakdown_stands_clear_of_its_label():
+    fig = plot_results.plot_time_breakdown(plot_results.summarize(
+        with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [6.0, 5.0]}))))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = fig.axes[0].get_legend()
+    for handle, text in zip(legend.legend_handles, legend.get_texts(), strict=True):
+        drawn = handle.get_window_extent(renderer)  # a scatter's marker has no finite extent
+        assert math.isfinite(drawn.x0) and drawn.x1 < text.get_window_extent(renderer).x0, (
+            text.get_text())

@@ -93,6 +93,7 @@ def test_run_sh_trains_locally_with_torchrun(repo_copy):
     assert (config["world_size"], config["nodes"]) == ("2", "1")
     assert re.fullmatch(r"[\w.-]+:\d+", config["rendezvous"]), config["rendezvous"]
     assert config["threads"] == str(max(1, os.cpu_count() // 2))
+    assert config["cpus"] == str(os.cpu_count())  # what the collector weighs the threads against
     assert done.stdout.startswith("check: ok: strategy=ddp world sizes 2")
 
 
