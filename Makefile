@@ -1,12 +1,15 @@
 # make install: a virtual environment in .venv; make run: the main job locally;
 # make test: install if needed, then every test (SLURM tests run when root can start SLURM;
 # GPU tests when there is a GPU). make test-gpu: the GPU tests and benchmark.py alone.
+# make lint: ruff (lint and format check) and shellcheck, installed from requirements-dev.txt.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LINT_STAMP := $(VENV)/.lint-installed
+SHELL_SCRIPTS := $(wildcard *.sh) .ci/run $(wildcard .ci/*.sh .ci/slurm/*.sh)
 
-.PHONY: install run test test-fast test-gpu clean
+.PHONY: install run test test-fast test-gpu lint format clean
 
 install: $(STAMP)
 
@@ -28,6 +31,20 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests -m gpu -rs $(PYTEST_ARGS)
 	$(PY) benchmark.py
+
+$(LINT_STAMP): requirements-dev.txt $(STAMP)
+	$(PY) -m pip install -r requirements-dev.txt
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
+
+# Rewrites the Python files as make lint wants them (import order, then layout).
+format: $(LINT_STAMP)
+	$(VENV)/bin/ruff check --select I --fix .
+	$(VENV)/bin/ruff format .
 
 clean:
 	rm -rf $(VENV) .pytest_cache __pycache__ tests/__pycache__
