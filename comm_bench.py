@@ -27,7 +27,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # call in recent torch); the old ones where torch is older.
 ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-GRADIENT_BYTES = 4  # both strategies reduce gradients in fp32 (README, Precision)
+GRADIENT_BYTES = 4  # both strategies reduce gradients in fp32 (docs/strategies.md, Precision)
 # DDP's bucketing (torch.nn.parallel.DistributedDataParallel): the first bucket is capped at
 # 1 MiB so that communication starts early in backward, the others at bucket_cap_mb=25.
 DDP_FIRST_BUCKET = 1 << 20

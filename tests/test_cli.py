@@ -337,7 +337,8 @@ def checkpoint_of_another_strategy(tmp_path) -> list[str]:
     (lambda tmp_path: ["--strategy", "fsdp", "--cpu-offload"], "--cpu-offload moves"),
 ])
 def test_bad_input_table_as_the_user_sees_it(tmp_path, setup, message):
-    """Each row of the README's table: one `error:` line, exit status 2, no traceback."""
+    """Each row of the bad-input table (docs/troubleshooting.md): one `error:` line, exit
+    status 2, no traceback."""
     args = setup(tmp_path)
     assert_one_line_error(run_main([*TINY, "--batch-size", "64", "--epochs", "2", *args]),
                           message)

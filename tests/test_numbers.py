@@ -1,4 +1,4 @@
-"""Every reported number means what the README says, and no run goes wrong silently: the parts
+"""Every reported number means what docs/metrics.md says, and no run goes wrong silently: the parts
 of the GPU path that a CPU can show (the rest is in test_gpu.py, which needs CUDA)."""
 
 import math

@@ -89,7 +89,7 @@ def test_a_figure_not_drawn_leaves_no_older_one_behind(tmp_path, capsys):
 
 
 def test_side_files_belong_to_their_results_file(tmp_path, capsys):
-    """The README's OUT=old.csv beside results.csv: each results file has its own side CSVs
+    """docs/results.md's OUT=old.csv beside results.csv: each results file has its own side CSVs
     (old_comm.csv, ...; results.csv keeps comm.csv), and plot_results reads its own alone."""
     new, old = tmp_path / "new", tmp_path / "old"
     new.mkdir()

@@ -126,7 +126,7 @@ def test_a_refused_job_is_a_clear_error(slurm_env, repo_copy):
 
 @pytest.mark.timeout(420)
 def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
-    """The README's loopback sweep: jobs one at a time, logs in the sweep's own folder, the
+    """docs/slurm.md's loopback sweep: jobs one at a time, logs in the sweep's own folder, the
     collection job plots it, and plot_results.sh then picks that sweep by default."""
     from plot_results import FIGURES
     sweep = sh([sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "4", "--wait",

@@ -4,7 +4,7 @@
 # cluster and prints how many seconds after its start each batch script got SIGUSR1. The
 # controller checks time limits every 30 s and warns at its first check past
 # limit - warning - 30 s, so the answer depends on that check's phase, not only on the warning.
-# The README and tests/test_slurm.py's requeue test rely on these numbers.
+# docs/performance.md and tests/test_slurm.py's requeue test rely on these numbers.
 #
 #     sudo .ci/slurm/start.sh && export SLURM_CONF=/tmp/project-slurm/etc/slurm.conf
 #     .ci/slurm/warning_timing.sh [SECONDS ...]
