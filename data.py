@@ -13,8 +13,10 @@ The distributed ideas, in order:
    accuracy are summed over ranks, so each test image counts exactly once.
 
 Two input paths give the same batches. `tensor` (the default) keeps the whole data set as one
-uint8 tensor on the training device and crops, flips and normalizes whole batches there: no
-worker processes, no per-image Python. `classic` is the course's torchvision transforms and
+uint8 tensor on the training device; at the start of an epoch it gathers the rank's shard in
+the epoch's order and crops and flips all of it there, in a few whole-tensor operations, so that
+a step only slices its batch and normalizes it: no worker processes, no per-image Python, and
+no per-step launches beyond those two (airbench's design). `classic` is the course's torchvision transforms and
 `DataLoader`, kept for the exercise and for comparison.
 
 Images are uint8 (3, H, W): CIFAR-10 32x32; Fashion-MNIST's 28x28 grey images padded to 32x32
@@ -551,6 +553,9 @@ class RandomCropFlip:
     The two patterns are built once: on a GPU every batch's small kernels are paid in launches.
     """
 
+    # Images per gather: its int64 offsets take 8 bytes a pixel (128 MiB at this many pixels).
+    PIXELS_PER_GATHER = 2**24
+
     def __init__(self, image_shape: tuple, device: torch.device, padding: int = CROP_PADDING):
         c, h, w = image_shape
         pw = w + 2 * padding
@@ -569,6 +574,19 @@ class RandomCropFlip:
         offsets = torch.where(flip, self.mirrored, self.pattern) + (dy * self.padded_width + dx)
         padded = F.pad(images, (p,) * 4).view(n, -1)
         return padded.gather(1, offsets).view(images.shape)
+
+    def in_place(self, images: torch.Tensor, generator: torch.Generator) -> None:
+        """Crops and flips every image, a bounded number of images at a time."""
+        per_gather = max(1, self.PIXELS_PER_GATHER // images[0].numel())
+        for chunk in images.split(per_gather):
+            chunk.copy_(self(chunk, generator))  # self() read the chunk into a padded copy
+
+
+def augmentation_seed(seed: int, rank: int, epoch: int) -> int:
+    """The crop-and-flip stream of one rank's epoch, drawn anew from (seed, rank, epoch): a run
+    resumed mid-epoch augments the rest of the epoch as the uninterrupted run did, on any
+    device, with no generator state to carry in the checkpoint."""
+    return int(np.random.SeedSequence([seed, rank, epoch]).generate_state(1, np.uint64)[0])
 
 
 class Normalize:
@@ -594,6 +612,10 @@ class ShardSampler(DistributedSampler):
         super().__init__(range(size), world_size, rank, shuffle=shuffle, seed=seed)
         self.skip = 0  # samples of this rank's shard already trained on this epoch
 
+    def epoch_indices(self) -> list[int]:
+        """This rank's whole shard of the epoch, in order, the part already trained included."""
+        return list(super().__iter__())
+
     def __iter__(self):
         return itertools.islice(super().__iter__(), self.skip, None)
 
@@ -608,12 +630,16 @@ class ShardSampler(DistributedSampler):
 class TensorLoader:
     """A rank's batches, sliced from the whole data set held as one tensor on the device.
 
-    The epoch's indices come from `sampler` (a DistributedSampler) in one host-to-device copy;
-    every batch is then an index, an optional crop/flip and a normalize, all on the device.
+    At the start of an epoch, the rank's shard in the sampler's order (a DistributedSampler) is
+    gathered into one uint8 tensor, cropped and flipped as a whole; a step then slices its batch
+    and normalizes it. The epoch's copy is the size of the rank's shard (CIFAR-10: 150 MiB at
+    one rank, less at more; Tiny ImageNet: 1.2 GiB), and the gathers are bounded
+    (RandomCropFlip.PIXELS_PER_GATHER).
     """
 
     def __init__(self, split: Split, sampler: ShardSampler, batch_size: int, steps: int,
-                 normalize: Normalize, augment: bool, generator: torch.Generator):
+                 normalize: Normalize, augment: bool, generator: torch.Generator, seed: int,
+                 rank: int):
         device = normalize.mean.device
         # Rows of one flat image each: index_select on them is a plain row copy, many times
         # faster than advanced indexing of the 4-d tensor on the CPU. A copy on the CPU too:
@@ -623,20 +649,34 @@ class TensorLoader:
         self.labels = split.labels.to(device, copy=True)
         self.sampler, self.batch_size, self.steps = sampler, batch_size, steps
         self.normalize, self.generator = normalize, generator
+        self.seed, self.rank = seed, rank
         self.crop_flip = RandomCropFlip(self.image_shape, device) if augment else None
+        self.epoch_bytes = 0  # of the last epoch's copy, for Loaders.device_bytes
 
     def __len__(self) -> int:
         return self.steps
 
+    def epoch_images(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The epoch's images, augmented where asked, and their labels, in the order of its
+        batches: all of the rank's shard, also when a resumed run skips its first steps."""
+        order = self.sampler.epoch_indices()[:self.steps * self.batch_size]
+        indices = torch.tensor(order, device=self.images.device)
+        images = self.images.index_select(0, indices).view(-1, *self.image_shape)
+        if self.crop_flip:
+            self.generator.manual_seed(augmentation_seed(self.seed, self.rank,
+                                                         self.sampler.epoch))
+            self.crop_flip.in_place(images, self.generator)
+        labels = self.labels[indices]
+        self.epoch_bytes = images.nbytes + labels.nbytes
+        return images, labels
+
     def __iter__(self):
         """This epoch's batches from the sampler's position on (see Loaders.set_position)."""
-        indices = torch.tensor(list(self.sampler), device=self.images.device)
-        for step in range(self.sampler.steps_left(self.steps, self.batch_size)):
-            batch = indices[step * self.batch_size:(step + 1) * self.batch_size]
-            images = self.images.index_select(0, batch).view(-1, *self.image_shape)
-            if self.crop_flip:
-                images = self.crop_flip(images, self.generator)
-            yield self.normalize(images), self.labels[batch]
+        images, labels = self.epoch_images()
+        first = self.sampler.skip // self.batch_size
+        for start in range(first * self.batch_size, len(labels), self.batch_size):
+            batch = slice(start, start + self.batch_size)
+            yield self.normalize(images[batch]), labels[batch]
 
 
 class ImageDataset(Dataset):
@@ -707,8 +747,8 @@ class Loaders:
 
     def device_bytes(self) -> int:
         """Bytes of data set this rank keeps on its training device (the tensor path's)."""
-        return sum(t.numel() * t.element_size() for loader in (self.train, self.val)
-                   if isinstance(loader, TensorLoader) for t in (loader.images, loader.labels))
+        return sum(loader.images.nbytes + loader.labels.nbytes + loader.epoch_bytes
+                   for loader in (self.train, self.val) if isinstance(loader, TensorLoader))
 
     def set_position(self, epoch: int, step: int = 0) -> None:
         """Shuffle for `epoch` (the same order on every rank) and start after `step` batches."""
@@ -730,10 +770,10 @@ def build_loaders(train: Split, val: Split, spec: DatasetSpec, *, kind: str, ran
     if kind == "tensor":
         norm = Normalize(spec, device, memory_format)
         # Per-rank augmentation stream, independent of the sampler's shared permutation.
-        gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+        gen = torch.Generator(device=device)
 
         def make(split, sampler, steps, aug):
-            return TensorLoader(split, sampler, local_batch, steps, norm, aug, gen)
+            return TensorLoader(split, sampler, local_batch, steps, norm, aug, gen, seed, rank)
     else:
         def make(split, sampler, steps, aug):
             return ClassicLoader(split, sampler, local_batch, steps, spec, aug, device,

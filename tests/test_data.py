@@ -236,3 +236,27 @@ def test_failed_download_ends_every_rank_with_the_same_message(tmp_path):
     (line,) = first_lines
     assert line.startswith("UsageError: downloading CIFAR-10") and "no route to host" in line
     assert "python data.py --download --data-dir" in line
+
+
+def test_an_epoch_is_augmented_at_its_start_and_a_resumed_one_the_same_way():
+    """The crops and flips of a rank's epoch come from (seed, rank, epoch) alone, drawn for
+    the whole epoch when it starts: a loader built anew and started at step 3 (a resumed run)
+    gives the batches the uninterrupted one gave from step 3, and another epoch others."""
+    split = data.make_synthetic(96, 8, seed=1)[0]
+
+    def batches(epoch: int, step: int = 0) -> list[torch.Tensor]:
+        loaders = data.build_loaders(split, split, SPEC, kind="tensor", rank=1, world_size=2,
+                                     global_batch=16, seed=5, augment=True,
+                                     device=torch.device("cpu"))
+        loaders.set_position(epoch, step)
+        return [images for images, _ in loaders.train]
+
+    uninterrupted, resumed = batches(epoch=2), batches(epoch=2, step=3)
+    assert len(uninterrupted) == 6 and len(resumed) == 3
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted[3:], resumed))
+    assert not torch.equal(batches(epoch=3)[0], uninterrupted[0])
+    plain = data.build_loaders(split, split, SPEC, kind="tensor", rank=1, world_size=2,
+                               global_batch=16, seed=5, augment=False,
+                               device=torch.device("cpu"))
+    plain.set_position(2)
+    assert not any(torch.equal(a, b) for a, (b, _) in zip(uninterrupted, plain.train))
