@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from config import SHARDED
 from distributed_utils import barrier, run_name
-from utils import UsageError, is_rank_zero, log0
+from utils import UsageError, is_rank_zero, log0, read_ranks
 
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
 META_FILE = "meta.pt"
@@ -80,11 +80,11 @@ def _quiet_fsdp1_state_dict():
 
 def _rank() -> int:
     """This rank's number, for the files it writes (is_rank_zero() decides who writes alone)."""
-    return dist.get_rank() if dist.is_initialized() else 0
+    return read_ranks()[0]
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return read_ranks()[2]
 
 
 def _rng_state(generator: torch.Generator | None) -> dict:

@@ -41,12 +41,43 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line on stderr, exit code 2, no traceback."""
 
 
-def is_rank_zero() -> bool:
-    # Read from the environment so it works before and after the process group exists.
-    for var in ("RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return os.environ[var] == "0"
-    return True
+def env_int(env, name: str) -> int:
+    """An integer environment variable; a UsageError, naming it, where it is not one."""
+    try:
+        return int(env[name])
+    except ValueError:
+        raise UsageError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def read_ranks(env=os.environ) -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's variables, else SLURM's, else (0, 0, 1).
+
+    The one reading of the launchers' variables: distributed_utils.setup() joins the process
+    group as this rank, and is_rank_zero() asks it too (no torch here: the logging and the
+    option checks ask it before torch loads). SLURM's are used only inside a job step
+    (`srun`): the batch script itself also carries SLURM_PROCID=0 and the job's SLURM_NTASKS,
+    and would otherwise wait for peers that never come.
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+    else:
+        return 0, 0, 1
+    rank, local_rank, world_size = (env_int(env, n) if n in env else 0 for n in names)
+    if not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} is outside world size {world_size} ({', '.join(names)})")
+    return rank, local_rank, world_size
+
+
+def is_rank_zero(env=os.environ) -> bool:
+    """Whether this process is rank 0, as read_ranks() says: the same before and after the
+    process group exists. Where the launcher's variables make no sense, every process is
+    rank 0, so that the error about them is seen."""
+    try:
+        return read_ranks(env)[0] == 0
+    except UsageError:
+        return True
 
 
 def log0(*args, **kwargs) -> None:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import distributed_utils as du
+import utils
 from model import MODELS, build_model, count_parameters
 from utils import UsageError
 
@@ -20,14 +21,36 @@ from utils import UsageError
       "SLURM_LOCALID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}, (1, 1, 2)),
 ])
 def test_ranks_from_torchrun_or_slurm(env, expected):
-    assert du.read_ranks(env) == expected
+    assert utils.read_ranks(env) == expected
+
+
+RANK_ENVIRONMENTS = [
+    {}, {"RANK": "0", "WORLD_SIZE": "2"}, {"RANK": "1", "WORLD_SIZE": "2"},
+    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
+    # The batch script, and a RANK without a WORLD_SIZE: no launcher, so this is rank 0.
+    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, {"RANK": "1"},
+    # torchrun's rank 0 inside an srun task whose SLURM_PROCID is 1: torchrun's variables win.
+    {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+     "SLURM_STEP_ID": "0"},
+]
+
+
+@pytest.mark.parametrize("env", RANK_ENVIRONMENTS)
+def test_rank_zero_is_the_rank_read_ranks_reads(env):
+    """One reading of the launchers' variables: who prints and writes alone (is_rank_zero) is
+    the rank that joins the process group as rank 0 (read_ranks, distributed_utils.setup)."""
+    assert utils.is_rank_zero(env) == (utils.read_ranks(env)[0] == 0)
+
+
+def test_bad_rank_variables_make_every_process_speak():
+    assert utils.is_rank_zero({"RANK": "x", "WORLD_SIZE": "2"})
 
 
 def test_bad_rank_variables_are_usage_errors():
     with pytest.raises(UsageError, match="outside world size"):
-        du.read_ranks({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
+        utils.read_ranks({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
     with pytest.raises(UsageError, match="not an integer"):
-        du.read_ranks({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
+        utils.read_ranks({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
 
 
 def test_rendezvous_prefers_environment_then_slurm_job():
