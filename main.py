@@ -25,6 +25,7 @@ import torch
 import checkpoint
 import data
 import distributed_utils
+import stopping
 from comm_bench import run_comm_benchmark
 from config import ONE_PROCESS, SHARDED, Config, add_options, validate
 from ddp_utils import get_ddp_model, get_dp_model
@@ -338,7 +339,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
             for old in checkpoint.prune(folder, cfg.keep_last, protect=source):
                 log0(f"[CHECKPOINT] deleted {old} (--keep-last {cfg.keep_last})")
 
-    with checkpoint.StopRequest(cfg.pg_timeout) as stop:
+    with stopping.StopRequest(cfg.pg_timeout) as stop:
         try:
             history, stopped_at = trainer.fit(position, cfg.epochs, stop, save)
         except Diverged as e:
@@ -402,7 +403,7 @@ def continue_command(argv: list[str], folder: Path) -> str:
 
 def stop_report(outcome: Outcome, epochs: int, argv: list[str]) -> str:
     at = outcome.stopped_at
-    signal_name = checkpoint.stop_signal() or "a signal to another rank"
+    signal_name = stopping.stop_signal() or "a signal to another rank"
     text = (f"[CHECKPOINT] stopped on {signal_name} at epoch {at.epoch} step {at.step} of "
             f"{epochs} epochs")
     if outcome.folder is None:
@@ -445,7 +446,7 @@ def report(outcome: Outcome, epochs: int, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    with checkpoint.catch_stop_signals():  # a warning during start-up must not kill us either
+    with stopping.catch_stop_signals():  # a warning during start-up must not kill us either
         try:
             cfg, world_sizes = parse_command_line(argv)
             set_deterministic(cfg.deterministic)

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from checkpoint import Position, StopRequest
+from checkpoint import Position
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv, barrier
+from stopping import StopRequest
 from utils import COURSE_FIELDS, format_metric, is_rank_zero, log0
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import checkpoint
+import stopping
 from config import Config
 from dist_harness import spawn, spawn_outcomes
 from main import run
@@ -57,9 +58,9 @@ def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
     """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step, while
     train(env, cfg) runs. The ranks agree on stops every 4 steps (a shorter interval than the
     default, to stop mid-epoch)."""
-    checkpoint.STOP_POLL_EVERY = 4
+    stopping.STOP_POLL_EVERY = 4
     if env.rank == rank:
-        poll, calls = checkpoint.StopRequest.poll, []
+        poll, calls = stopping.StopRequest.poll, []
 
         def poll_and_signal(self):
             calls.append(1)
@@ -67,8 +68,8 @@ def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
                 os.kill(os.getpid(), signal.SIGUSR1)
             return poll(self)
 
-        checkpoint.StopRequest.poll = poll_and_signal
-    with checkpoint.catch_stop_signals():  # as main() does
+        stopping.StopRequest.poll = poll_and_signal
+    with stopping.catch_stop_signals():  # as main() does
         return train(env, cfg)
 
 
