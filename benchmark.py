@@ -33,7 +33,7 @@ import distributed_utils
 from checkpoint import Position
 from comm_bench import run_comm_benchmark
 from config import Config
-from main import build_trainer
+from session import build_trainer
 from model import build_model
 from train import synchronize
 from utils import parse_metric

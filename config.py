@@ -189,3 +189,20 @@ def validate(cfg: Config) -> Config:
         elif value < minimum:
             raise UsageError(f"{name} must be at least {minimum}, got {value}")
     return cfg
+
+
+def check_world(cfg: Config, world_size: int, train_size: int) -> None:
+    """Whether this configuration can run on world_size ranks with train_size training images:
+    the checks that need the launcher's world size and the data, not torch."""
+    if cfg.strategy in ONE_PROCESS and world_size > 1:
+        raise UsageError(f"--strategy {cfg.strategy} drives every device from one process; "
+                         f"start one process (python main.py), not {world_size}")
+    if cfg.batch_size < world_size or cfg.batch_size % world_size:
+        raise UsageError(f"global batch size {cfg.batch_size} must be a multiple of the world "
+                         f"size {world_size} (each rank gets an equal share)")
+    if (cfg.batch_size // world_size) % cfg.grad_accum:
+        raise UsageError(f"each rank's {cfg.batch_size // world_size} images per step do not "
+                         f"split into --grad-accum {cfg.grad_accum} equal micro-batches")
+    if train_size < cfg.batch_size:
+        raise UsageError(f"{train_size} training images make no full global batch of "
+                         f"{cfg.batch_size}")

@@ -93,6 +93,25 @@ def rendezvous(env=os.environ) -> tuple[str, int]:
     return addr, port
 
 
+def rendezvous_text(world_size: int) -> str:
+    """Where the ranks meet, for the [CONFIG] line: host:port, or none for a world of one."""
+    if world_size == 1:
+        return "none"  # a world of one meets nobody
+    addr, port = rendezvous()
+    return f"{addr}:{port}"
+
+
+def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:
+    """Across nodes, NCCL outside CSCS's container has no Slingshot plugin and falls back to
+    TCP sockets without a word: a scaling study would then measure TCP."""
+    if nodes > 1 and backend == "nccl" and not environ.get("NCCL_NET"):
+        return ("warning: NCCL across nodes without NCCL_NET: without the network plugin it "
+                "falls back to TCP sockets; run in the container (EDF=$PWD/edf.toml sbatch "
+                "run.sh), which sets NCCL_NET=\"AWS Libfabric\" and fails if the plugin is "
+                "missing")
+    return None
+
+
 # Variables through which a launcher gives this process GPUs (SLURM also sets
 # CUDA_VISIBLE_DEVICES, but a container or a user may clear it); "" or -1 hide every GPU.
 GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE")

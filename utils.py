@@ -30,6 +30,20 @@ COURSE_FIELDS = (
     ("peak_mem", "{:d}MB"),
 )
 
+# Every field of a `[METRIC]` line, in the line's order: the one place that order is written.
+# After the course's five come the labels that name the run, the project's first measurements,
+# the labels that say how it ran, then what was added since: measurements, then labels. New
+# fields go at the end of the last two groups, so that the positions readers rely on stay put.
+# format_metric() orders any line by it; fields it does not name follow in the order given.
+METRIC_FIELDS = (
+    *(name for name, _ in COURSE_FIELDS),
+    "strategy", "world_size", "nodes", "global_batch", "local_batch",  # the run
+    "train_loss", "val_time", "throughput", "data_wait", "state_mem",  # first measurements
+    "precision", "device", "dataset", "seed", "job_id",  # the setting
+    "data_mem", "reserved_mem", "t_compute", "t_data", "t_comm", "t_wait",  # measured since
+    "sharding", "train_images",  # labels added since (e.g. the sharding FSDP really used)
+)
+
 METRIC_TAG = "[METRIC]"
 CONFIG_TAG = "[CONFIG]"  # one line per run, first: the whole resolved configuration
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -92,11 +106,19 @@ def format_value(value) -> str:
     return str(value).replace(" ", "_")
 
 
+def metric_order(fields: dict) -> dict:
+    """The fields of a `[METRIC]` line in its order: METRIC_FIELDS', then any others as given."""
+    known = {name: fields[name] for name in METRIC_FIELDS if name in fields}
+    return {**known, **{k: v for k, v in fields.items() if k not in known}}
+
+
 def format_metric(fields: dict) -> str:
-    """The `[METRIC]` line: course fields first (fixed formats), then the rest as given."""
+    """The `[METRIC]` line: course fields first (fixed formats), then the rest in the order of
+    METRIC_FIELDS."""
     head = [name + "=" + fmt.format(fields[name]) for name, fmt in COURSE_FIELDS]
     course_names = {name for name, _ in COURSE_FIELDS}
-    tail = [f"{k}={format_value(v)}" for k, v in fields.items() if k not in course_names]
+    tail = [f"{k}={format_value(v)}" for k, v in metric_order(fields).items()
+            if k not in course_names]
     return " ".join([METRIC_TAG, *head, *tail])
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import DistributedSampler
 import data
 from config import Config
 from dist_harness import spawn, spawn_outcomes
-from main import build_trainer, run
+from session import build_trainer, run
 from test_equivalence import full_state
 from utils import UsageError
 

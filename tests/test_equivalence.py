@@ -6,7 +6,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from dist_harness import spawn
 from config import Config
-from main import build_trainer, run
+from session import build_trainer, run
 
 # 240 images = 10 global batches of 24, divisible by world sizes 1, 2 and 3. fp32, no
 # augmentation (synthetic), so every world size sees exactly the same global batches.

@@ -10,7 +10,7 @@ import checkpoint
 import stopping
 from config import Config
 from dist_harness import spawn, spawn_outcomes
-from main import run
+from session import run
 from test_equivalence import full_state, train_and_gather
 
 # Augmentation on: resuming must also restore every rank's random stream.

@@ -9,7 +9,7 @@ import checkpoint
 from config import Config
 from conftest import TINY, assert_one_line_error, metrics_in, run_main
 from dist_harness import spawn
-from main import build_trainer, run
+from session import build_trainer, run
 from test_equivalence import CFG as EQUAL, full_state, train_and_gather
 from test_resume import signal_rank_then_train
 

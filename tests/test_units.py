@@ -160,3 +160,12 @@ def test_course_cnn_size():
     expected = (3 * 16 + 16 * 32 + 32 * 64) * 9 + 16 + 32 + 64 + 1024 * 512 + 512 + 512 * 10 + 10
     assert count_parameters(build_model("cnn")) == expected == 553_514
     assert set(MODELS) >= {"cnn"}
+
+
+def test_a_trainer_is_built_with_keywords():
+    """Trainer's fields are named where it is built: no row of positional Nones to miscount."""
+    from train import Trainer
+    with pytest.raises(TypeError):
+        Trainer(None, None, None, None)
+    bare = Trainer(model=None, optimizer=None, precision=None, env=None)
+    assert bare.loaders is None and bare.labels == {} and bare.grad_accum == 1
