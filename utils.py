@@ -162,14 +162,20 @@ def parse_config(line: str) -> dict | None:
 SWEEP_PREFIX = "sweep-"
 
 
+def time_stamped(folder: Path, prefix: str, suffix: str = "") -> Path:
+    """folder/<prefix><date-time>[-n]<suffix>: named by the time now, and by n = 2, 3, ... where
+    that name is taken, so never an earlier file or folder (nothing is made here)."""
+    stem = prefix + time.strftime("%Y%m%d-%H%M%S")
+    path, n = folder / f"{stem}{suffix}", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}{suffix}"
+    return path
+
+
 def next_sweep_folder(logs: Path) -> Path:
     """logs/sweep-<date-time>[-n]: the folder a sweep started now would use (not made here)."""
-    stem = SWEEP_PREFIX + time.strftime("%Y%m%d-%H%M%S")
-    folder, n = logs / stem, 1
-    while folder.exists():
-        n += 1
-        folder = logs / f"{stem}-{n}"
-    return folder
+    return time_stamped(logs, SWEEP_PREFIX)
 
 
 def sweep_folders(logs: Path) -> list[Path]:

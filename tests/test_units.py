@@ -169,3 +169,18 @@ def test_a_trainer_is_built_with_keywords():
         Trainer(None, None, None, None)
     bare = Trainer(model=None, optimizer=None, precision=None, env=None)
     assert bare.loaders is None and bare.labels == {} and bare.grad_accum == 1
+
+
+def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
+    """One function names the sweeps' folders and the local sweep's logs: the time, then -2,
+    -3, ... where a run started in the same second took the name (before any suffix)."""
+    monkeypatch.setattr(utils.time, "strftime", lambda fmt: "20260101-120000")
+    log = utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log")
+    assert log.name == "ddp_2gpu_local-20260101-120000.log"
+    log.touch()
+    assert utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log").name == \
+        "ddp_2gpu_local-20260101-120000-2.log"
+    assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000"
+    (tmp_path / "sweep-20260101-120000").mkdir()
+    (tmp_path / "sweep-20260101-120000-2").mkdir()
+    assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000-3"
