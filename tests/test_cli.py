@@ -365,7 +365,7 @@ def test_resume_auto_says_when_it_found_nothing(tmp_path):
 # ----------------------------------------------------------------------------- the user's view
 
 def corrupt_cifar_dir(tmp_path) -> list[str]:
-    from test_data import write_cifar_dir
+    from helpers import write_cifar_dir
     folder = write_cifar_dir(tmp_path / "data")
     (folder / "data_batch_3").write_bytes(b"not a pickle")
     return ["--dataset", "cifar10", "--data-dir", str(tmp_path / "data")]

@@ -184,3 +184,18 @@ def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
     (tmp_path / "sweep-20260101-120000").mkdir()
     (tmp_path / "sweep-20260101-120000-2").mkdir()
     assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000-3"
+
+
+def test_no_test_file_imports_another():
+    """What two test files share lives in conftest.py, helpers.py or dist_harness.py: importing
+    a test file would also collect its tests again under another name, and tie the two."""
+    import ast
+    from pathlib import Path
+    imports = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            imports += [f"{path.name}: {name}" for name in names
+                        if name.split(".")[0].startswith("test_")]
+    assert not imports, imports
