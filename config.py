@@ -1,10 +1,11 @@
 """Every option of a training run, each with its default and help in one place: the fields of
 `Config`, from which main.py's command-line parser is built.
 
-This module imports no torch, so that tools which only plan runs (run_benchmarks.py, on a login
-node that may have no torch outside a container) share the same choices and checks. The names
-of strategies, precisions, models and data sets are owned here; the modules that implement
-them (fsdp_utils, model, data) key their tables by these names.
+This module imports no torch, so that main.py reads its options before torch loads, and tools
+which only plan runs (run_benchmarks.py, on a login node that may have no torch outside a
+container) share the same choices and checks. The names of strategies, precisions, models and
+data sets are owned here; the modules that implement them (strategies, fsdp_utils, model, data)
+key their tables by these names.
 """
 
 import argparse
