@@ -133,7 +133,8 @@ def train(cfg: Config, argv: list[str]) -> int:
     env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
     failed = True
     try:
-        status = report(session.run(cfg, env), cfg.epochs, argv)
+        outcome = session.run(cfg, env)  # build this rank's trainer, resume it, train it
+        status = report(outcome, cfg.epochs, argv)
         # Leave together: under srun --kill-on-bad-exit the first rank to exit non-zero (a stop
         # exits 3) ends the others, which must not cut rank 0's pruning or report short.
         distributed_utils.barrier()
