@@ -7,7 +7,7 @@
 4. DDP and FSDP at world sizes 1, 2 and 4, one GPU each, as many as there are GPUs (1 and 2
    on a CPU), launched by torchrun as users do: images/s and scaling efficiency.
 
-Every number comes from the project's own code paths (data.py, train.py, main.py), so a
+Every number comes from the project's own code paths (data.py, train.py, session.py), so a
 regression in them shows here. Warm-up (first batches, first epoch) is never timed.
 
     python benchmark.py            # a few minutes on a 2-core CPU
@@ -33,7 +33,7 @@ import distributed_utils
 from checkpoint import Position
 from comm_bench import run_comm_benchmark
 from config import Config
-from main import build_trainer
+from session import build_trainer
 from model import build_model
 from train import synchronize
 from utils import parse_metric

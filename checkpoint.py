@@ -10,19 +10,13 @@ written into `<name>.tmp/` first and rank 0 renames it once every rank has finis
 mid-write leaves the previous checkpoint as the latest. Only `prune` deletes checkpoints: the
 oldest of a run beyond --keep-last, never the one resumed from.
 A run's checkpoints share a folder (`folder_for`); a fresh run never writes into a folder that
-holds another run's checkpoints.
-
-`StopRequest` turns SIGUSR1 (SLURM's warning before the time limit; run.sh asks for it with
-`--signal=B:USR1@T` and srun forwards it to every task) and SIGTERM (preemption, `scancel`)
-into a decision that all ranks take at the same step boundary, within a few steps.
+holds another run's checkpoints. When to save on a signal is stopping.py's to say.
 """
 
 import contextlib
-import datetime
 import os
 import re
 import shutil
-import signal
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from config import SHARDED
 from distributed_utils import barrier, run_name
-from utils import UsageError, is_rank_zero, log0
+from utils import UsageError, is_rank_zero, log0, read_ranks
 
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
 META_FILE = "meta.pt"
@@ -80,11 +74,11 @@ def _quiet_fsdp1_state_dict():
 
 def _rank() -> int:
     """This rank's number, for the files it writes (is_rank_zero() decides who writes alone)."""
-    return dist.get_rank() if dist.is_initialized() else 0
+    return read_ranks()[0]
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return read_ranks()[2]
 
 
 def _rng_state(generator: torch.Generator | None) -> dict:
@@ -312,85 +306,3 @@ def load_newest_readable(directory: Path, identity: Identity, model, optimizer,
             return path, position
         log0(f"[CHECKPOINT] {next(filter(None, errors))}: trying an older one")
     return None, Position()
-
-
-_stop_signal: str | None = None  # set by the handler: the name of the signal received
-
-
-def _on_stop_signal(signum, frame) -> None:
-    global _stop_signal
-    _stop_signal = signal.Signals(signum).name
-
-
-@contextlib.contextmanager
-def catch_stop_signals():
-    """From here on SIGUSR1 (SLURM's time-limit warning) and SIGTERM (preemption, scancel) no
-    longer end the process: they only ask for a checkpoint and a stop."""
-    previous = {sig: signal.signal(sig, _on_stop_signal)
-                for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def stop_signal() -> str | None:
-    return _stop_signal
-
-
-# Steps between two agreements on a stop. One agreement (a gloo all-reduce, started in one step
-# and read in a later one) cost about 0.5 ms per step between two ranks on a 2-core machine:
-# as much as a whole training step of this model on a GPU. A stop then comes at most this many
-# steps later, well within SLURM's warning time.
-STOP_POLL_EVERY = 10
-
-
-class StopRequest:
-    """A signal to one rank becomes a stop at the same step on every rank.
-
-    Every STOP_POLL_EVERY-th call, `poll` starts a tiny all-reduce (MAX) of this rank's flag on
-    a CPU gloo group and reads the result of the previous one: the ranks agree at most two
-    intervals after the first of them was signalled, at the same step (every rank calls `poll`
-    once per step), without any device synchronization in the training loop.
-    """
-
-    def __init__(self, timeout_s: float = 300.0):
-        # The group's timeout is the run's --pg-timeout, not gloo's default of 30 minutes.
-        self.group = (dist.new_group(backend="gloo",
-                                     timeout=datetime.timedelta(seconds=timeout_s))
-                      if _world() > 1 else None)
-        self.pending = None
-        self.every, self.calls = STOP_POLL_EVERY, 0
-
-    def __enter__(self) -> "StopRequest":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.drain()
-        self.group = self.pending = None  # the group dies with the model's, in cleanup()
-
-    def poll(self) -> bool:
-        """True on every rank at the same step once any rank was signalled."""
-        if self.group is None:
-            return _stop_signal is not None
-        self.calls += 1
-        if (self.calls - 1) % self.every:
-            return False
-        agreed = self.drain()
-        flag = torch.tensor([int(_stop_signal is not None)])
-        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group,
-                                        async_op=True), flag)
-        return agreed
-
-    def drain(self) -> bool:
-        """Finish the all-reduce in flight (before a stop, an epoch's end or shutdown)."""
-        if self.group is None:
-            return _stop_signal is not None
-        if self.pending is None:
-            return False
-        work, flag = self.pending
-        work.wait()
-        self.pending = None
-        return bool(flag.item())

@@ -1,10 +1,11 @@
 """Every option of a training run, each with its default and help in one place: the fields of
 `Config`, from which main.py's command-line parser is built.
 
-This module imports no torch, so that tools which only plan runs (run_benchmarks.py, on a login
-node that may have no torch outside a container) share the same choices and checks. The names
-of strategies, precisions, models and data sets are owned here; the modules that implement
-them (fsdp_utils, model, data) key their tables by these names.
+This module imports no torch, so that main.py reads its options before torch loads, and tools
+which only plan runs (run_benchmarks.py, on a login node that may have no torch outside a
+container) share the same choices and checks. The names of strategies, precisions, models and
+data sets are owned here; the modules that implement them (strategies, fsdp_utils, model, data)
+key their tables by these names.
 """
 
 import argparse
@@ -189,3 +190,20 @@ def validate(cfg: Config) -> Config:
         elif value < minimum:
             raise UsageError(f"{name} must be at least {minimum}, got {value}")
     return cfg
+
+
+def check_world(cfg: Config, world_size: int, train_size: int) -> None:
+    """Whether this configuration can run on world_size ranks with train_size training images:
+    the checks that need the launcher's world size and the data, not torch."""
+    if cfg.strategy in ONE_PROCESS and world_size > 1:
+        raise UsageError(f"--strategy {cfg.strategy} drives every device from one process; "
+                         f"start one process (python main.py), not {world_size}")
+    if cfg.batch_size < world_size or cfg.batch_size % world_size:
+        raise UsageError(f"global batch size {cfg.batch_size} must be a multiple of the world "
+                         f"size {world_size} (each rank gets an equal share)")
+    if (cfg.batch_size // world_size) % cfg.grad_accum:
+        raise UsageError(f"each rank's {cfg.batch_size // world_size} images per step do not "
+                         f"split into --grad-accum {cfg.grad_accum} equal micro-batches")
+    if train_size < cfg.batch_size:
+        raise UsageError(f"{train_size} training images make no full global batch of "
+                         f"{cfg.batch_size}")

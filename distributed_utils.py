@@ -2,8 +2,9 @@
 
 The same program runs as a plain script (world size 1), under `torchrun` (which exports
 RANK/LOCAL_RANK/WORLD_SIZE and MASTER_ADDR/MASTER_PORT) and under `srun` (which exports
-SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). This module is the only owner of that contract: the
-launch scripts export none of it. Under SLURM the rendezvous point is the first host of the
+SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). Which rank this process is, and how many there are,
+is utils.read_ranks()'s to say (it needs no torch); this module owns the rest of the contract:
+the launch scripts export none of it. Under SLURM the rendezvous point is the first host of the
 step's node list (expanded here, without scontrol, so that it also works inside a container)
 and a port derived from the job id, so two jobs sharing a node meet at different ports (unless
 their ids differ by a multiple of len(JOB_PORTS)). With CUDA present each rank drives
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from utils import UsageError
+from utils import UsageError, env_int, read_ranks
 
 DEFAULT_PORT = 29500  # torchrun's, where no job gives one
 # The ports derived from job ids: below Linux's default range of ports for outgoing connections
@@ -40,31 +41,6 @@ class DistEnv:
     world_size: int
     device: torch.device
     backend: str
-
-
-def _int_env(env, name: str) -> int:
-    try:
-        return int(env[name])
-    except ValueError:
-        raise UsageError(f"environment variable {name}={env[name]!r} is not an integer") from None
-
-
-def read_ranks(env=os.environ) -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's variables, else SLURM's, else (0, 0, 1).
-
-    SLURM's are used only inside a job step (`srun`): the batch script itself also carries
-    SLURM_PROCID=0 and the job's SLURM_NTASKS, and would otherwise wait for peers that never come.
-    """
-    if "RANK" in env and "WORLD_SIZE" in env:
-        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
-        names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
-    else:
-        return 0, 0, 1
-    rank, local_rank, world_size = (_int_env(env, n) if n in env else 0 for n in names)
-    if not 0 <= rank < world_size:
-        raise UsageError(f"rank {rank} is outside world size {world_size} ({', '.join(names)})")
-    return rank, local_rank, world_size
 
 
 def expand_hostlist(nodelist: str) -> list[str]:
@@ -109,12 +85,31 @@ def rendezvous(env=os.environ) -> tuple[str, int]:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         addr = expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1"
     if env.get("MASTER_PORT"):
-        port = _int_env(env, "MASTER_PORT")
+        port = env_int(env, "MASTER_PORT")
     elif env.get("SLURM_JOB_ID", "").isdigit():
         port = master_port_for_job(env["SLURM_JOB_ID"])
     else:
         port = DEFAULT_PORT
     return addr, port
+
+
+def rendezvous_text(world_size: int) -> str:
+    """Where the ranks meet, for the [CONFIG] line: host:port, or none for a world of one."""
+    if world_size == 1:
+        return "none"  # a world of one meets nobody
+    addr, port = rendezvous()
+    return f"{addr}:{port}"
+
+
+def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:
+    """Across nodes, NCCL outside CSCS's container has no Slingshot plugin and falls back to
+    TCP sockets without a word: a scaling study would then measure TCP."""
+    if nodes > 1 and backend == "nccl" and not environ.get("NCCL_NET"):
+        return ("warning: NCCL across nodes without NCCL_NET: without the network plugin it "
+                "falls back to TCP sockets; run in the container (EDF=$PWD/edf.toml sbatch "
+                "run.sh), which sets NCCL_NET=\"AWS Libfabric\" and fails if the plugin is "
+                "missing")
+    return None
 
 
 # Variables through which a launcher gives this process GPUs (SLURM also sets

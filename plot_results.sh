@@ -9,15 +9,17 @@
 #
 # Options go to collect_results.py.
 # Works from any directory: the defaults are the repository's logs/, results.csv and plots/;
-# paths you give are taken from where you call it. Uses the repository's .venv when there is
-# one (or $PYTHON). Opens the PNGs only where there is a viewer and a display.
+# paths you give are taken from where you call it. Runs the Python run.sh runs (pick_python.sh:
+# $PYTHON, else the active virtual environment's, else the repository's .venv, else python3);
+# before `make install` it says so in one line. Opens the PNGs only where there is a viewer and
+# a display.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-if [[ -z "${PYTHON:-}" ]]; then
-    PYTHON=python3
-    [[ -x "$here/.venv/bin/python" ]] && PYTHON="$here/.venv/bin/python"
-fi
+# shellcheck source=pick_python.sh
+source "$here/pick_python.sh"
+PYTHON=$(pick_python "$here")
+require_modules "$PYTHON" pandas matplotlib
 logs="${LOGS:-$here/logs}"
 csv="${OUT:-$here/results.csv}"
 plots="${PLOTS:-$here/plots}"

@@ -63,21 +63,6 @@ find_repo() {
     fail "cannot find main.py: submit from the repository's directory, or set REPO_DIR"
 }
 
-pick_python() {
-    local in_container=$1
-    if [ -n "${PYTHON:-}" ]; then
-        echo "$PYTHON"
-    elif [ "$in_container" = yes ]; then
-        echo python   # the image's own: a host virtual environment does not work inside it
-    elif [ -n "${VIRTUAL_ENV:-}" ]; then
-        echo "$VIRTUAL_ENV/bin/python"
-    elif [ -x "$REPO/.venv/bin/python" ]; then
-        echo "$REPO/.venv/bin/python"
-    else
-        echo python3
-    fi
-}
-
 # Each task changes into the repository first: a container starts in the image's working
 # directory, not in the job's. main.py itself reads its rank, world size and rendezvous point
 # from SLURM's variables (distributed_utils.py): nothing about them is decided here.
@@ -155,7 +140,7 @@ run_slurm() {
     trap 'requeue=yes; [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null' USR1
     local in_container=no
     [ -n "${EDF:-}" ] && in_container=yes
-    PYTHON=$(pick_python "$in_container")
+    PYTHON=$(pick_python "$REPO" "$in_container")
 
     # Recommended by CSCS for PyTorch with NCCL: abort the job on an NCCL error instead of
     # hanging; keep GPU-aware MPICH out of NCCL's way (it can deadlock); no JIT cache on the
@@ -244,11 +229,12 @@ wait_through_signals() {
 
 visible_gpus() {
     "$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null \
-        || fail "$PYTHON cannot import torch: run 'make install', or set PYTHON"
+        || fail "$PYTHON cannot count the GPUs: import torch; torch.cuda.device_count() fails"
 }
 
 run_local() {
-    PYTHON=$(pick_python no)
+    PYTHON=$(pick_python "$REPO")
+    require_modules "$PYTHON" torch
     local gpus procs
     gpus=$(visible_gpus)
     procs=${NPROC:-$((gpus > 0 ? gpus : 2))}
@@ -316,6 +302,8 @@ last_line() {   # of rank $2's stderr under torchrun's --log-dir $1: a traceback
 
 REPO=$(find_repo)
 cd "$REPO"
+# shellcheck source=pick_python.sh  # pick_python, require_modules: which Python, shared
+source "$REPO/pick_python.sh"
 SAMPLES_DIR=$(realpath -m "${SAMPLES_DIR:-logs}")
 SAMPLE_EVERY=${SAMPLE_EVERY:-5}
 [[ "$SAMPLE_EVERY" =~ ^[1-9][0-9]*$ ]] || fail "SAMPLE_EVERY must be whole seconds: '$SAMPLE_EVERY'"

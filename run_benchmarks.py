@@ -41,7 +41,7 @@ from pathlib import Path
 
 import config
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import fail, next_sweep_folder
+from utils import fail, next_sweep_folder, time_stamped
 
 REPO = Path(__file__).resolve().parent
 JOBS_DIR = REPO / "jobs"
@@ -462,16 +462,6 @@ def without_slurm() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 
 
-def new_local_log(logs: Path, run: Configuration) -> Path:
-    """<sweep>/<name>_local-<time>.log: the place of a job id, and never an earlier run's file."""
-    stem = f"{run.name}_local-{time.strftime('%Y%m%d-%H%M%S')}"
-    log, n = logs / f"{stem}.log", 1
-    while log.exists():
-        n += 1
-        log = logs / f"{stem}-{n}.log"
-    return log
-
-
 def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     """The same sweep through run.sh without SLURM: torchrun, one configuration at a time."""
     logs = next_sweep_folder(LOGS_DIR)
@@ -486,7 +476,8 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     print(f"sweep {logs.name}: logs in {relative(logs)}/", flush=True)
     failed = []
     for run, name in repeated(runs, args.repeats):
-        log = new_local_log(logs, run)
+        # <sweep>/<name>_local-<time>.log: the place of a job id, never an earlier run's file.
+        log = time_stamped(logs, f"{run.name}_local-", ".log")
         print(f"{name}: {count(run.gpus, 'process')} here, log {relative(log)}", flush=True)
         with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
             status = subprocess.run(["bash", "run.sh", *main_args(run, args, extra)], cwd=REPO,

@@ -12,11 +12,12 @@ is the maximum over ranks, and throughput counts the images of all ranks.
 import contextlib
 import ctypes
 import math
+import os
 import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -27,10 +28,12 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from checkpoint import Position, StopRequest
+from checkpoint import Position
+from config import Config
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv, barrier
-from utils import COURSE_FIELDS, format_metric, is_rank_zero, log0
+from stopping import StopRequest
+from utils import format_metric, is_rank_zero, log0, metric_order
 
 
 @dataclass
@@ -43,6 +46,57 @@ class Precision:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+
+def set_fp32_math(precision: str) -> str:
+    """GPUs compute fp32 convolutions in TF32 unless told otherwise (cuDNN's default): make
+    fp32 mean IEEE fp32, and tf32 ask for TF32 in convolutions and matrix products alike.
+    Returns what fp32 operations run as. (No effect on a CPU.)"""
+    math = "tf32" if precision == "tf32" else "ieee"
+    # The legacy switches first, to the same answer: code that still reads them (torch.compile's
+    # in some versions) raises where only the per-operation settings below were made.
+    torch.set_float32_matmul_precision("high" if math == "tf32" else "highest")
+    torch.backends.cudnn.allow_tf32 = math == "tf32"
+    torch.backends.cuda.matmul.fp32_precision = math
+    torch.backends.cudnn.conv.fp32_precision = math
+    torch.backends.cudnn.rnn.fp32_precision = math
+    return math
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels only (an error names any op that has none); cuBLAS needs its
+    workspace fixed before CUDA starts for that."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
+
+
+def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """--optimizer: Adam, or SGD with momentum 0.9."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=cfg.lr)
+
+
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer,
+                   steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """The learning rate per optimizer step: linear warm-up, then constant, step or cosine."""
+    if cfg.lr_schedule == "none" and not cfg.warmup_epochs:
+        return None
+    warmup, total = cfg.warmup_epochs * steps_per_epoch, cfg.epochs * steps_per_epoch
+    milestones = [int(total * 0.5), int(total * 0.75)]
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_schedule == "step":
+            return 0.1 ** sum(step >= m for m in milestones)
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def synchronize_device(device: torch.device) -> None:
@@ -233,27 +287,6 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-# The measurements the project's first [METRIC] lines carried, between the run's labels and
-# its setting. Keys added since go at the end, so that positions readers rely on stay put.
-FIRST_MEASURED = ("train_loss", "val_time", "throughput", "data_wait", "state_mem")
-
-
-@dataclass
-class MetricLabels:
-    """The fields of a `[METRIC]` line that are not measured: after the course's five, those
-    that name the run; after the first measurements, those that say how it ran; at the end,
-    labels added since (e.g. the sharding FSDP really used)."""
-    run: dict  # strategy, world_size, nodes, global_batch, local_batch
-    setting: dict  # precision, device, dataset, seed, job_id
-    later: dict  # sharding, train_images
-
-    def line(self, measured: dict) -> dict:
-        course = {name: measured[name] for name, _ in COURSE_FIELDS}
-        first = {k: measured[k] for k in FIRST_MEASURED}
-        added = {k: v for k, v in measured.items() if k not in course and k not in first}
-        return {**course, **self.run, **first, **self.setting, **added, **self.later}
-
-
 @dataclass
 class Segment:
     """What this rank did in the part of an epoch this process trained (the whole epoch unless
@@ -313,17 +346,18 @@ class StepProfiler:
         self.saved = True
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trainer:
-    """One rank's part of a training run, and the loop that trains it."""
+    """One rank's part of a training run, and the loop that trains it. Built with keywords; a
+    bare trainer (ComputeCalibration's) has only what `step` needs: no loaders, labels, meter."""
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    loaders: Loaders
     precision: Precision
     env: DistEnv
-    labels: MetricLabels
-    print_every: int
-    memory: MemoryMeter
+    loaders: Loaders | None = None
+    labels: dict = field(default_factory=dict)  # the [METRIC] line's fields that are not measured
+    print_every: int = 50
+    memory: MemoryMeter | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     grad_accum: int = 1
     clip_grad: float | None = None
@@ -350,7 +384,7 @@ class Trainer:
             if not math.isfinite(measured["train_loss"]):  # the same on every rank: all-reduced
                 raise Diverged(f"epoch {reached.epoch}: the training loss is "
                                f"{measured['train_loss']}")
-            history.append(self.labels.line(measured))
+            history.append(metric_order({**measured, **self.labels}))
             log0(format_metric(history[-1]))
             position = Position(epoch=position.epoch + 1)
             save(position)

@@ -30,6 +30,20 @@ COURSE_FIELDS = (
     ("peak_mem", "{:d}MB"),
 )
 
+# Every field of a `[METRIC]` line, in the line's order: the one place that order is written.
+# After the course's five come the labels that name the run, the project's first measurements,
+# the labels that say how it ran, then what was added since: measurements, then labels. New
+# fields go at the end of the last two groups, so that the positions readers rely on stay put.
+# format_metric() orders any line by it; fields it does not name follow in the order given.
+METRIC_FIELDS = (
+    *(name for name, _ in COURSE_FIELDS),
+    "strategy", "world_size", "nodes", "global_batch", "local_batch",  # the run
+    "train_loss", "val_time", "throughput", "data_wait", "state_mem",  # first measurements
+    "precision", "device", "dataset", "seed", "job_id",  # the setting
+    "data_mem", "reserved_mem", "t_compute", "t_data", "t_comm", "t_wait",  # measured since
+    "sharding", "train_images",  # labels added since (e.g. the sharding FSDP really used)
+)
+
 METRIC_TAG = "[METRIC]"
 CONFIG_TAG = "[CONFIG]"  # one line per run, first: the whole resolved configuration
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -41,12 +55,43 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line on stderr, exit code 2, no traceback."""
 
 
-def is_rank_zero() -> bool:
-    # Read from the environment so it works before and after the process group exists.
-    for var in ("RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return os.environ[var] == "0"
-    return True
+def env_int(env, name: str) -> int:
+    """An integer environment variable; a UsageError, naming it, where it is not one."""
+    try:
+        return int(env[name])
+    except ValueError:
+        raise UsageError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def read_ranks(env=os.environ) -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's variables, else SLURM's, else (0, 0, 1).
+
+    The one reading of the launchers' variables: distributed_utils.setup() joins the process
+    group as this rank, and is_rank_zero() asks it too (no torch here: the logging and the
+    option checks ask it before torch loads). SLURM's are used only inside a job step
+    (`srun`): the batch script itself also carries SLURM_PROCID=0 and the job's SLURM_NTASKS,
+    and would otherwise wait for peers that never come.
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+    else:
+        return 0, 0, 1
+    rank, local_rank, world_size = (env_int(env, n) if n in env else 0 for n in names)
+    if not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} is outside world size {world_size} ({', '.join(names)})")
+    return rank, local_rank, world_size
+
+
+def is_rank_zero(env=os.environ) -> bool:
+    """Whether this process is rank 0, as read_ranks() says: the same before and after the
+    process group exists. Where the launcher's variables make no sense, every process is
+    rank 0, so that the error about them is seen."""
+    try:
+        return read_ranks(env)[0] == 0
+    except UsageError:
+        return True
 
 
 def log0(*args, **kwargs) -> None:
@@ -61,11 +106,19 @@ def format_value(value) -> str:
     return str(value).replace(" ", "_")
 
 
+def metric_order(fields: dict) -> dict:
+    """The fields of a `[METRIC]` line in its order: METRIC_FIELDS', then any others as given."""
+    known = {name: fields[name] for name in METRIC_FIELDS if name in fields}
+    return {**known, **{k: v for k, v in fields.items() if k not in known}}
+
+
 def format_metric(fields: dict) -> str:
-    """The `[METRIC]` line: course fields first (fixed formats), then the rest as given."""
+    """The `[METRIC]` line: course fields first (fixed formats), then the rest in the order of
+    METRIC_FIELDS."""
     head = [name + "=" + fmt.format(fields[name]) for name, fmt in COURSE_FIELDS]
     course_names = {name for name, _ in COURSE_FIELDS}
-    tail = [f"{k}={format_value(v)}" for k, v in fields.items() if k not in course_names]
+    tail = [f"{k}={format_value(v)}" for k, v in metric_order(fields).items()
+            if k not in course_names]
     return " ".join([METRIC_TAG, *head, *tail])
 
 
@@ -109,14 +162,20 @@ def parse_config(line: str) -> dict | None:
 SWEEP_PREFIX = "sweep-"
 
 
+def time_stamped(folder: Path, prefix: str, suffix: str = "") -> Path:
+    """folder/<prefix><date-time>[-n]<suffix>: named by the time now, and by n = 2, 3, ... where
+    that name is taken, so never an earlier file or folder (nothing is made here)."""
+    stem = prefix + time.strftime("%Y%m%d-%H%M%S")
+    path, n = folder / f"{stem}{suffix}", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}{suffix}"
+    return path
+
+
 def next_sweep_folder(logs: Path) -> Path:
     """logs/sweep-<date-time>[-n]: the folder a sweep started now would use (not made here)."""
-    stem = SWEEP_PREFIX + time.strftime("%Y%m%d-%H%M%S")
-    folder, n = logs / stem, 1
-    while folder.exists():
-        n += 1
-        folder = logs / f"{stem}-{n}"
-    return folder
+    return time_stamped(logs, SWEEP_PREFIX)
 
 
 def sweep_folders(logs: Path) -> list[Path]:

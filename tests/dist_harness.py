@@ -1,4 +1,5 @@
-"""Run a function on N real gloo ranks (spawned processes) and collect what each returns.
+"""Run a function on N real gloo ranks (spawned processes) and collect what each returns; and
+the functions several test files run on them (a run's weights and metrics, a signal mid-run).
 
 The ranks find each other the way torchrun's do: RANK/LOCAL_RANK/WORLD_SIZE and
 MASTER_ADDR/MASTER_PORT in the environment, read by distributed_utils.setup().
@@ -7,12 +8,16 @@ MASTER_ADDR/MASTER_PORT in the environment, read by distributed_utils.setup().
 import io
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import distributed_utils
+import stopping
+from session import run
 
 
 def free_port() -> int:
@@ -75,3 +80,44 @@ def spawn_outcomes(fn, world_size: int, *args, timeout: float = 180,
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- rank functions
+
+# 240 images = 10 global batches of 24, divisible by world sizes 1, 2 and 3. fp32, no
+# augmentation (synthetic), so every world size sees exactly the same global batches.
+# SGD, not Adam: Adam's step g / (sqrt(v) + eps) turns the last-bit differences of near-zero
+# gradients summed in another order into steps of up to +-lr (seen here: 4e-3 after 20 steps).
+EQUAL_CFG = dict(dataset="synthetic", train_samples=240, val_samples=60, batch_size=24, epochs=2,
+                 print_every=1000, seed=7, optimizer="sgd", lr=0.05, checkpoint=False)
+
+
+def full_state(env, model) -> dict | None:
+    """The whole model's parameters, gathered from every rank's shard, on rank 0 (else None)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)  # every rank must take part
+    return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
+
+
+def train_and_gather(env, cfg):
+    outcome = run(cfg, env)
+    return full_state(env, outcome.trainer.model), outcome.history
+
+
+def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
+    """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step, while
+    train(env, cfg) runs. The ranks agree on stops every 4 steps (a shorter interval than the
+    default, to stop mid-epoch)."""
+    stopping.STOP_POLL_EVERY = 4
+    if env.rank == rank:
+        poll, calls = stopping.StopRequest.poll, []
+
+        def poll_and_signal(self):
+            calls.append(1)
+            if len(calls) == at_poll:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return poll(self)
+
+        stopping.StopRequest.poll = poll_and_signal
+    with stopping.catch_stop_signals():  # as main() does
+        return train(env, cfg)

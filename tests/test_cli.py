@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 import main
+import strategies
 from conftest import (REPO, TINY, assert_one_line_error, clean_environment, metrics_in,
                       run_main, start_ranks)
-from utils import COURSE_METRIC_RE, format_metric, parse_config, parse_metric
+from utils import COURSE_METRIC_RE, METRIC_FIELDS, format_metric, parse_config, parse_metric
 
 QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
 
@@ -29,6 +30,17 @@ def test_metric_line_round_trips_and_matches_the_course_regex():
     assert parsed["strategy"] == "fsdp" and parsed["world_size"] == 4
     assert parsed["throughput"] == pytest.approx(22727.5)
     assert parsed["peak_mem"] == 91 and parsed["epoch"] == 3
+
+
+def test_metric_fields_come_in_the_one_order_whatever_order_they_are_given_in():
+    """utils.METRIC_FIELDS is the line's order: training, the collector's fixtures and any other
+    writer give the fields in whatever order, the line has the same one."""
+    fields = {"epoch": 2, "time": 1.0, "val_loss": 0.5, "acc": 50.0, "peak_mem": 10,
+              **{name: 1 for name in METRIC_FIELDS[5:]}, "extra": "x"}
+    backwards = dict(reversed(list(fields.items())))
+    line = format_metric(backwards)
+    assert line == format_metric(fields)
+    assert list(parse_metric(line)) == [*METRIC_FIELDS, "extra"]
 
 
 def test_parser_reads_srun_prefixed_coloured_lines_and_rejects_cut_ones():
@@ -52,6 +64,7 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     required = ("strategy world_size nodes global_batch local_batch train_loss val_time "
                 "throughput data_wait state_mem precision device dataset seed job_id").split()
     assert all(k in metrics[-1] for k in required), set(required) - set(metrics[-1])
+    assert list(metrics[-1]) == list(METRIC_FIELDS)  # every field, in the one order
     last = metrics[-1]
     assert (last["strategy"], last["world_size"], last["local_batch"]) == ("fsdp", 2, 64)
     assert last["acc"] > 50, "synthetic data is learnable: far above 10% chance"
@@ -118,6 +131,51 @@ def test_unknown_choices_are_refused(args):
     assert "Traceback" not in result.stderr
 
 
+# main.py as `python main.py ARGS` runs it, then whether torch was loaded by the time it ended.
+RUN_MAIN_THEN_ASK_FOR_TORCH = """
+import runpy, sys
+sys.argv = ["main.py", *sys.argv[1:]]
+try:
+    runpy.run_path("main.py", run_name="__main__")
+except SystemExit as e:
+    status = e.code
+print("torch loaded:", "torch" in sys.modules)
+sys.exit(status)
+"""
+
+
+def test_a_mistyped_option_is_answered_before_torch_loads_with_what_was_meant():
+    done = subprocess.run([sys.executable, "-c", RUN_MAIN_THEN_ASK_FOR_TORCH, "--stratgy", "ddp"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=clean_environment())
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[-1] == "error: unrecognized option --stratgy; did you mean --strategy?", lines
+    assert len(lines) <= 2 and all(line.startswith("usage:") for line in lines[:-1]), lines
+    assert "torch loaded: False" in done.stdout
+
+
+@pytest.mark.parametrize("option", ["--gpus", "--nproc_per_node", "--nodes", "--ntasks-per-node"])
+def test_a_rank_count_option_says_the_launcher_sets_it(option):
+    done = run_main([option, "4", *QUICK], timeout=60)
+    line = assert_one_line_error(done, f"main.py has no {option}",
+                                 "the launcher sets the number of ranks",
+                                 "torchrun --nproc_per_node", "srun/sbatch --ntasks",
+                                 "python run_benchmarks.py --gpus")
+    assert done.stderr.splitlines()[-1] == line
+
+
+def test_the_modules_that_read_the_options_load_no_torch():
+    """main.py parses before torch loads: what it imports first, and config.py that the sweep
+    tool reads on a login node, import no torch."""
+    code = ("import sys, config, utils, stopping, main, run_benchmarks; "
+            "print(sorted(m for m in ('torch', 'numpy', 'pandas') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=clean_environment())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_unwritable_checkpoint_folder_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # root ignores permission bits: use a file as parent
@@ -137,9 +195,9 @@ def test_precision_the_device_cannot_do_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(UsageError, match="bf16 is not supported on Tesla V100"):
-        main.check_device_options(Config(precision="bf16"), torch.device("cuda", 0))
+        strategies.check_device_options(Config(precision="bf16"), torch.device("cuda", 0))
     with pytest.raises(UsageError, match="--cpu-offload"):
-        main.check_device_options(Config(strategy="fsdp", cpu_offload=True),
+        strategies.check_device_options(Config(strategy="fsdp", cpu_offload=True),
                                   torch.device("cpu"))
 
 
@@ -307,7 +365,7 @@ def test_resume_auto_says_when_it_found_nothing(tmp_path):
 # ----------------------------------------------------------------------------- the user's view
 
 def corrupt_cifar_dir(tmp_path) -> list[str]:
-    from test_data import write_cifar_dir
+    from helpers import write_cifar_dir
     folder = write_cifar_dir(tmp_path / "data")
     (folder / "data_batch_3").write_bytes(b"not a pickle")
     return ["--dataset", "cifar10", "--data-dir", str(tmp_path / "data")]

@@ -9,44 +9,10 @@ import pytest
 
 import collect_results
 from conftest import call_main
+from helpers import COURSE_LOGS, log_text, metric_fields, run_log, runs_frame, write_log
 from utils import format_comm, format_metric
 
-REPO = Path(__file__).resolve().parents[1]
-COURSE_LOGS = REPO / "tests" / "fixtures" / "alps-course-logs"  # the course's real outputs
 COURSE_LOG = "ddp_4gpu_15epochs.train.log"
-
-
-def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **changes) -> dict:
-    """Every field main.py logs, in its order, with values the line's formats keep exactly."""
-    fields = {
-        "epoch": epoch, "time": 2.5, "val_loss": 1.5 - epoch / 8, "acc": 40.0 + epoch,
-        "peak_mem": 800, "strategy": strategy, "world_size": world_size, "nodes": 1,
-        "global_batch": 256, "local_batch": 256 // world_size, "train_loss": 2.25,
-        "val_time": 0.125, "throughput": 1000.0 * world_size, "data_wait": 0.0625,
-        "state_mem": 8856264, "precision": "fp32", "device": "cpu", "dataset": "synthetic",
-        "seed": 42, "job_id": "1234",
-    }
-    return {**fields, **changes}
-
-
-def log_text(metrics: list[dict], expected_epochs: int | None = None, **config) -> str:
-    """A log as main.py writes it: a [CONFIG] line (its epochs= and the fields given), progress
-    chatter, and one line per metric from utils.format_metric."""
-    lines = [" ".join([f"[CONFIG] strategy=ddp epochs={expected_epochs or len(metrics)} seed=42",
-                       *(f"{k}={v}" for k, v in config.items())])]
-    for fields in metrics:
-        lines += [f"epoch {fields['epoch']} step 2/2 loss 2.3 500.0 ms/step", format_metric(fields)]
-    return "\n".join(lines) + "\n"
-
-
-def write_log(path: Path, metrics: list[dict], expected_epochs: int | None = None,
-              tail: str = "") -> Path:
-    path.write_text(log_text(metrics, expected_epochs) + tail)
-    return path
-
-
-def run_log(folder: Path, name: str, epochs: int = 3, **changes) -> Path:
-    return write_log(folder / name, [metric_fields(e, **changes) for e in range(1, epochs + 1)])
 
 
 def collect(folder: Path) -> tuple[pd.DataFrame, list[str]]:
@@ -185,14 +151,6 @@ def test_stderr_beside_a_log_reports_its_crash(tmp_path):
 
 
 # ---- summary ----
-
-def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame:
-    rows = [{"log": f"{s}_{g}gpu.log", "strategy": s, "gpus": g, "nodes": 1, "job_id": "1",
-             "epoch": e, "time": t, "val_loss": 1.0 / e, "acc": 50.0 + e, "peak_mem": 100 * g,
-             "throughput": 1000.0 * g / t}
-            for (s, g), times in times_by_run.items() for e, t in enumerate(times, 1)]
-    return pd.DataFrame(rows)
-
 
 def test_speedup_and_efficiency():
     summary = collect_results.summarize(runs_frame({

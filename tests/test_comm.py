@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import comm_bench
-from conftest import TINY, metrics_in, run_main
+from conftest import REPO, TINY, metrics_in, run_main
 from dist_harness import spawn
 from model import build_model, count_parameters
-from test_collect_results import REPO
 from utils import COMM_FIELDS, format_comm, parse_comm
 
 

@@ -2,7 +2,6 @@
 
 import pickle
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -10,9 +9,9 @@ from torch.utils.data import DistributedSampler
 
 import data
 from config import Config
-from dist_harness import spawn, spawn_outcomes
-from main import build_trainer, run
-from test_equivalence import full_state
+from dist_harness import full_state, spawn, spawn_outcomes
+from helpers import write_cifar_dir
+from session import build_trainer, run
 from utils import UsageError
 
 SPEC = data.DATASETS["synthetic"]
@@ -154,20 +153,6 @@ def test_validation_weights_mask_only_the_padding():
 
 
 # ----------------------------------------------------------------------------- CIFAR-10 files
-
-def write_cifar_dir(root, n_train_per_file=20, n_test=30, seed=0):
-    """A small data set in CIFAR-10's own python format."""
-    rng = np.random.default_rng(seed)
-    folder = root / data.CIFAR10_FOLDER
-    folder.mkdir(parents=True)
-    for name, n in [(f, n_train_per_file) for f in data.CIFAR10_TRAIN_FILES] + [
-            (data.CIFAR10_TEST_FILE, n_test)]:
-        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                 b"labels": rng.integers(0, 10, n).tolist(), b"batch_label": name.encode()}
-        with open(folder / name, "wb") as f:
-            pickle.dump(batch, f)
-    return folder
-
 
 def test_loads_any_directory_in_the_cifar10_python_format(tmp_path):
     folder = write_cifar_dir(tmp_path)

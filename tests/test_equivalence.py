@@ -2,31 +2,11 @@
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from dist_harness import spawn
 from config import Config
-from main import build_trainer, run
-
-# 240 images = 10 global batches of 24, divisible by world sizes 1, 2 and 3. fp32, no
-# augmentation (synthetic), so every world size sees exactly the same global batches.
-# SGD, not Adam: Adam's step g / (sqrt(v) + eps) turns the last-bit differences of near-zero
-# gradients summed in another order into steps of up to +-lr (seen here: 4e-3 after 20 steps).
-CFG = dict(dataset="synthetic", train_samples=240, val_samples=60, batch_size=24, epochs=2,
-           print_every=1000, seed=7, optimizer="sgd", lr=0.05, checkpoint=False)
-
-
-def full_state(env, model) -> dict | None:
-    """The whole model's parameters, gathered from every rank's shard, on rank 0 (else None)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)  # every rank must take part
-    return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
-
-
-def train_and_gather(env, cfg):
-    outcome = run(cfg, env)
-    return full_state(env, outcome.trainer.model), outcome.history
-
+from dist_harness import EQUAL_CFG as CFG
+from dist_harness import spawn, train_and_gather
+from session import build_trainer
 
 @pytest.fixture(scope="module")
 def reference():

@@ -17,7 +17,7 @@ from checkpoint import Position
 from config import Config
 from conftest import TINY, metrics_in, run_main
 from dist_harness import spawn
-from main import build_trainer
+from session import build_trainer
 from utils import parse_config
 
 # Two epochs of 8 steps on TINY's 256 images: a few seconds per run.

@@ -157,7 +157,7 @@ def test_a_dead_peer_on_nccl_ends_rank_0_with_one_line_and_status_1():
     communicator (destroying it would wait for the dead peer's work) and exits."""
     import signal
 
-    from test_failures import ARGS, DEAD_S, end_rank1_during_training
+    from helpers import ARGS, DEAD_S, end_rank1_during_training
     error, status, elapsed = end_rank1_during_training([*ARGS, "--device", "cuda"],
                                                        signal.SIGKILL)
     assert error.startswith("error: rank 0: rank(s) 1 died or hung"), error

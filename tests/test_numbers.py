@@ -11,7 +11,7 @@ import train
 from config import Config
 from conftest import TINY, assert_one_line_error, metrics_in, run_main
 from dist_harness import spawn, spawn_outcomes
-from main import build_trainer, run
+from session import build_trainer, run
 from utils import parse_config
 
 CFG = dict(dataset="synthetic", train_samples=256, val_samples=64, batch_size=32, epochs=1,
@@ -209,7 +209,7 @@ def test_deterministic_switches_torch_to_deterministic_kernels():
 
 
 def test_multi_node_nccl_without_the_network_plugin_is_warned():
-    from main import network_warning
+    from distributed_utils import network_warning
     assert "falls back to TCP" in network_warning(2, "nccl", {})
     assert network_warning(2, "nccl", {"NCCL_NET": "AWS Libfabric"}) is None
     assert network_warning(1, "nccl", {}) is None  # one node: NVLink, no network
@@ -230,10 +230,10 @@ def test_time_breakdown_accounts_for_the_epoch():
 
 
 def training_result(env, cfg, calibrate):
-    import main
+    import session
     if not calibrate:
-        main.calibrate_compute = lambda *args: None
-    outcome = main.run(cfg, env)
+        session.calibrate_compute = lambda *args: None
+    outcome = session.run(cfg, env)
     return [{k: h[k] for k in ("train_loss", "val_loss", "acc")} for h in outcome.history]
 
 

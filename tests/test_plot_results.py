@@ -13,8 +13,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import collect_results
 import plot_results
-from conftest import call_main
-from test_collect_results import COURSE_LOGS, REPO, run_log, runs_frame
+from conftest import REPO, call_main
+from helpers import COURSE_LOGS, run_log, runs_frame
 from utils import format_comm
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

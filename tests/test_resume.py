@@ -1,16 +1,13 @@
 """Checkpoint and resume: an interrupted run ends exactly where an uninterrupted one ends."""
 
-import os
-import signal
 
 import pytest
 import torch
 
 import checkpoint
 from config import Config
-from dist_harness import spawn, spawn_outcomes
-from main import run
-from test_equivalence import full_state, train_and_gather
+from dist_harness import full_state, signal_rank_then_train, spawn, spawn_outcomes, train_and_gather
+from session import run
 
 # Augmentation on: resuming must also restore every rank's random stream.
 CFG = dict(dataset="synthetic", augment=True, train_samples=384, val_samples=96, batch_size=32,
@@ -51,25 +48,6 @@ def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight, strateg
     spawn(train_and_gather, 2, Config(**common, epochs=2))
     state, history = spawn(train_and_gather, 2, Config(**common, epochs=4, resume="auto"))[0]
     assert_same_run(state, history, ref_state, ref_history, epochs=[3, 4])
-
-
-def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
-    """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step, while
-    train(env, cfg) runs. The ranks agree on stops every 4 steps (a shorter interval than the
-    default, to stop mid-epoch)."""
-    checkpoint.STOP_POLL_EVERY = 4
-    if env.rank == rank:
-        poll, calls = checkpoint.StopRequest.poll, []
-
-        def poll_and_signal(self):
-            calls.append(1)
-            if len(calls) == at_poll:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return poll(self)
-
-        checkpoint.StopRequest.poll = poll_and_signal
-    with checkpoint.catch_stop_signals():  # as main() does
-        return train(env, cfg)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])

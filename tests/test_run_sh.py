@@ -378,7 +378,8 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
                                              "run_benchmarks.py --batch-size"),
     (["--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3"],
      "main.py --strategy ddp: each rank's 128 images per step do not split into --grad-accum 3"),
-    (["--gpus", "2", "--", "--dataset", "synthetic", "--modle", "cnn"], "unrecognized arguments"),
+    (["--gpus", "2", "--", "--dataset", "synthetic", "--modle", "cnn"],
+     "unrecognized option --modle; did you mean --model?"),
 ])
 def test_bad_sweeps_are_refused_before_anything_runs(args, fragment, repo_copy):
     """Our own options, and main.py's through main.py --check for every configuration: one

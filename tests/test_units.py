@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import distributed_utils as du
+import utils
 from model import MODELS, build_model, count_parameters
 from utils import UsageError
 
@@ -20,14 +21,36 @@ from utils import UsageError
       "SLURM_LOCALID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}, (1, 1, 2)),
 ])
 def test_ranks_from_torchrun_or_slurm(env, expected):
-    assert du.read_ranks(env) == expected
+    assert utils.read_ranks(env) == expected
+
+
+RANK_ENVIRONMENTS = [
+    {}, {"RANK": "0", "WORLD_SIZE": "2"}, {"RANK": "1", "WORLD_SIZE": "2"},
+    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
+    # The batch script, and a RANK without a WORLD_SIZE: no launcher, so this is rank 0.
+    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, {"RANK": "1"},
+    # torchrun's rank 0 inside an srun task whose SLURM_PROCID is 1: torchrun's variables win.
+    {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+     "SLURM_STEP_ID": "0"},
+]
+
+
+@pytest.mark.parametrize("env", RANK_ENVIRONMENTS)
+def test_rank_zero_is_the_rank_read_ranks_reads(env):
+    """One reading of the launchers' variables: who prints and writes alone (is_rank_zero) is
+    the rank that joins the process group as rank 0 (read_ranks, distributed_utils.setup)."""
+    assert utils.is_rank_zero(env) == (utils.read_ranks(env)[0] == 0)
+
+
+def test_bad_rank_variables_make_every_process_speak():
+    assert utils.is_rank_zero({"RANK": "x", "WORLD_SIZE": "2"})
 
 
 def test_bad_rank_variables_are_usage_errors():
     with pytest.raises(UsageError, match="outside world size"):
-        du.read_ranks({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
+        utils.read_ranks({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
     with pytest.raises(UsageError, match="not an integer"):
-        du.read_ranks({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
+        utils.read_ranks({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
 
 
 def test_rendezvous_prefers_environment_then_slurm_job():
@@ -137,3 +160,42 @@ def test_course_cnn_size():
     expected = (3 * 16 + 16 * 32 + 32 * 64) * 9 + 16 + 32 + 64 + 1024 * 512 + 512 + 512 * 10 + 10
     assert count_parameters(build_model("cnn")) == expected == 553_514
     assert set(MODELS) >= {"cnn"}
+
+
+def test_a_trainer_is_built_with_keywords():
+    """Trainer's fields are named where it is built: no row of positional Nones to miscount."""
+    from train import Trainer
+    with pytest.raises(TypeError):
+        Trainer(None, None, None, None)
+    bare = Trainer(model=None, optimizer=None, precision=None, env=None)
+    assert bare.loaders is None and bare.labels == {} and bare.grad_accum == 1
+
+
+def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
+    """One function names the sweeps' folders and the local sweep's logs: the time, then -2,
+    -3, ... where a run started in the same second took the name (before any suffix)."""
+    monkeypatch.setattr(utils.time, "strftime", lambda fmt: "20260101-120000")
+    log = utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log")
+    assert log.name == "ddp_2gpu_local-20260101-120000.log"
+    log.touch()
+    assert utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log").name == \
+        "ddp_2gpu_local-20260101-120000-2.log"
+    assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000"
+    (tmp_path / "sweep-20260101-120000").mkdir()
+    (tmp_path / "sweep-20260101-120000-2").mkdir()
+    assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000-3"
+
+
+def test_no_test_file_imports_another():
+    """What two test files share lives in conftest.py, helpers.py or dist_harness.py: importing
+    a test file would also collect its tests again under another name, and tie the two."""
+    import ast
+    from pathlib import Path
+    imports = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            imports += [f"{path.name}: {name}" for name in names
+                        if name.split(".")[0].startswith("test_")]
+    assert not imports, imports

@@ -1,0 +1,75 @@
+"""How each `--strategy` runs: the wrapper that makes one rank's model data-parallel (DDP or
+DataParallel from ddp_utils.py, FSDP1 or FSDP2 from fsdp_utils.py, or none), how a step of it
+runs at a `--precision`, and what its options need of the device.
+
+The names of the strategies are config.py's; this module only maps them to the code that runs
+them, so that adding a strategy touches config.py (its name) and this file.
+"""
+
+import torch
+
+import distributed_utils
+from config import SHARDED, Config
+from ddp_utils import get_ddp_model, get_dp_model
+from fsdp_utils import get_fsdp2_model, get_fsdp_model, low_precision
+from train import Precision
+from utils import UsageError
+
+
+def wrap_model(cfg: Config, model: torch.nn.Module, device: torch.device, world_size: int,
+               nodes: int) -> torch.nn.Module:
+    """The model as --strategy trains it on this rank: in --channels-last memory format,
+    with synchronized BatchNorm (--sync-bn), wrapped, and compiled (--compile)."""
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    shard = dict(sharding=cfg.sharding, precision=cfg.precision, cpu_offload=cfg.cpu_offload,
+                 ranks_per_node=world_size // nodes)
+    if cfg.strategy == "ddp":
+        model = get_ddp_model(model, device)
+    elif cfg.strategy == "fsdp":
+        model = get_fsdp_model(model, device, **shard)
+    elif cfg.strategy == "fsdp2":
+        model = get_fsdp2_model(model, device, **shard)
+    elif cfg.strategy == "dp":
+        model = get_dp_model(model, device)
+    else:  # single
+        model = model.to(device)
+    return torch.compile(model) if cfg.compile else model
+
+
+def make_precision(precision: str, strategy: str, device: torch.device) -> Precision:
+    """How a step of this strategy runs at this --precision: FSDP casts through its mixed
+    precision policy (fsdp_utils); every unsharded model (DDP, DP, single) needs autocast."""
+    fp16 = precision == "fp16"
+    if strategy == "fsdp":  # FSDP1's gradients are flat shards: its scaler sees them all
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler(device.type, enabled=fp16)
+    else:
+        scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+    return Precision(None if strategy in SHARDED else low_precision(precision), scaler)
+
+
+def check_device_options(cfg: Config, device: torch.device) -> None:
+    """Options the device cannot do."""
+    if (cfg.precision == "bf16" and device.type == "cuda" and torch.cuda.is_available()
+            and not torch.cuda.is_bf16_supported()):
+        raise UsageError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
+                         "use --precision fp16 or fp32")
+    if cfg.cpu_offload and device.type != "cuda":
+        raise UsageError("--cpu-offload moves FSDP's shards from the GPU to the CPU; "
+                         "without a GPU they are on the CPU already")
+    if cfg.sync_bn and device.type != "cuda":
+        raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
+    if cfg.sync_bn and cfg.strategy != "ddp":
+        raise UsageError("--sync-bn is for --strategy ddp")
+
+
+def check_device(cfg: Config) -> tuple[torch.device, str]:
+    """The device the run would take here, or, for `--device cuda` checked on a machine without
+    a GPU (a login node planning a sweep), a GPU assumed: its model is unknown here."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        return torch.device("cuda"), "cuda (no GPU here: bf16 support not checked)"
+    device, _ = distributed_utils.pick_device(0, cfg.device)
+    return device, device.type

@@ -1,0 +1,132 @@
+"""What several test files share that is not a fixture: logs and CSVs as the training program
+and the collector write them, a CIFAR-10 folder, and two ranks of which one dies or hangs.
+(conftest.py runs commands; dist_harness.py runs functions on real ranks.) No test file imports
+another: what two of them need lives here."""
+
+import os
+import pickle
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from conftest import REPO, start_ranks
+from utils import format_metric
+
+COURSE_LOGS = REPO / "tests" / "fixtures" / "alps-course-logs"  # the course's real outputs
+
+
+# ----------------------------------------------------------------------------- logs and CSVs
+
+def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **changes) -> dict:
+    """The fields main.py logs, with values the line's formats keep exactly."""
+    fields = {
+        "epoch": epoch, "time": 2.5, "val_loss": 1.5 - epoch / 8, "acc": 40.0 + epoch,
+        "peak_mem": 800, "strategy": strategy, "world_size": world_size, "nodes": 1,
+        "global_batch": 256, "local_batch": 256 // world_size, "train_loss": 2.25,
+        "val_time": 0.125, "throughput": 1000.0 * world_size, "data_wait": 0.0625,
+        "state_mem": 8856264, "precision": "fp32", "device": "cpu", "dataset": "synthetic",
+        "seed": 42, "job_id": "1234",
+    }
+    return {**fields, **changes}
+
+
+def log_text(metrics: list[dict], expected_epochs: int | None = None, **config) -> str:
+    """A log as main.py writes it: a [CONFIG] line (its epochs= and the fields given), progress
+    chatter, and one line per metric from utils.format_metric."""
+    lines = [" ".join([f"[CONFIG] strategy=ddp epochs={expected_epochs or len(metrics)} seed=42",
+                       *(f"{k}={v}" for k, v in config.items())])]
+    for fields in metrics:
+        lines += [f"epoch {fields['epoch']} step 2/2 loss 2.3 500.0 ms/step", format_metric(fields)]
+    return "\n".join(lines) + "\n"
+
+
+def write_log(path: Path, metrics: list[dict], expected_epochs: int | None = None,
+              tail: str = "") -> Path:
+    path.write_text(log_text(metrics, expected_epochs) + tail)
+    return path
+
+
+def run_log(folder: Path, name: str, epochs: int = 3, **changes) -> Path:
+    return write_log(folder / name, [metric_fields(e, **changes) for e in range(1, epochs + 1)])
+
+
+def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame:
+    rows = [{"log": f"{s}_{g}gpu.log", "strategy": s, "gpus": g, "nodes": 1, "job_id": "1",
+             "epoch": e, "time": t, "val_loss": 1.0 / e, "acc": 50.0 + e, "peak_mem": 100 * g,
+             "throughput": 1000.0 * g / t}
+            for (s, g), times in times_by_run.items() for e, t in enumerate(times, 1)]
+    return pd.DataFrame(rows)
+
+
+
+# ----------------------------------------------------------------------------- data
+
+def write_cifar_dir(root, n_train_per_file=20, n_test=30, seed=0):
+    """A small data set in CIFAR-10's own python format."""
+    import data  # loads torch: only the tests that write CIFAR-10 files pay for it
+    rng = np.random.default_rng(seed)
+    folder = root / data.CIFAR10_FOLDER
+    folder.mkdir(parents=True)
+    for name, n in [(f, n_train_per_file) for f in data.CIFAR10_TRAIN_FILES] + [
+            (data.CIFAR10_TEST_FILE, n_test)]:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, n).tolist(), b"batch_label": name.encode()}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    return folder
+
+
+
+# ----------------------------------------------------------------------------- a peer fails
+
+# Long enough that training is still under way when rank 1 is stopped.
+ARGS = ["--dataset", "synthetic", "--train-samples", "40000", "--val-samples", "256",
+        "--batch-size", "32", "--epochs", "1", "--print-every", "20", "--no-checkpoint"]
+PG_TIMEOUT_S = 10
+# What the README promises: a dead peer is named within DEAD_S (measured 3.0-3.1 s on the 2-core
+# development machine: gloo sees the closed socket at once, then the survivors give the others
+# 3 s to check in); a hung one within --pg-timeout and that same grace, plus margin.
+DEAD_S = 6
+HUNG_S = PG_TIMEOUT_S + 6
+
+
+def wait_for_training(rank0) -> None:
+    for line in rank0.stdout:  # rank 0's progress lines: training is under way
+        if line.startswith("epoch 1 step"):
+            return
+    raise AssertionError("training never started: " + rank0.stderr.read()[-2000:])
+
+
+def first_error_line(rank0) -> str:
+    """Rank 0's first error: line, or all it wrote to stderr if none (to say what went wrong)."""
+    lines = []
+    for line in rank0.stderr:
+        if line.startswith("error:"):
+            return line
+        lines.append(line)
+    return "no error: line; stderr:\n" + "".join(lines[-40:])
+
+
+def end_rank1_during_training(args: list, signal_sent) -> tuple[str, int, float]:
+    """Two ranks train; rank 1 gets signal_sent. Rank 0's error line, exit status, and the
+    seconds it took to say so."""
+    ranks = start_ranks([*args, "--pg-timeout", PG_TIMEOUT_S], 2, PYTHONUNBUFFERED="1")
+    rank0, rank1 = ranks
+    watchdog = threading.Timer(150, rank0.kill)  # a rank 0 that never reacts ends the test
+    watchdog.start()
+    try:
+        wait_for_training(rank0)
+        t0 = time.monotonic()
+        os.kill(rank1.pid, signal_sent)
+        error = first_error_line(rank0)
+        elapsed = time.monotonic() - t0
+        status = rank0.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        for rank in ranks:  # SIGKILL also ends a stopped process
+            rank.kill()
+            rank.communicate()
+    return error, status, elapsed
