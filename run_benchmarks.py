@@ -27,7 +27,6 @@ SBATCH_PARTITION and SBATCH_ACCOUNT.
 """
 
 import argparse
-import importlib.util
 import math
 import os
 import re
@@ -434,11 +433,30 @@ def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
           f"above>\n{collect_script(sweep, args)}", end="")
 
 
+def job_python(in_container: bool) -> str:
+    """The Python run.sh gives the jobs (pick_python.sh decides, for both): the sweep checks
+    them with it, whichever Python runs the sweep itself."""
+    done = subprocess.run(["bash", "-c", 'source "$1/pick_python.sh" && pick_python "$@"',
+                           "pick", str(REPO), "yes" if in_container else "no"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or sys.executable
+
+
+def has_torch(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", "import importlib.util, sys; "
+                               "sys.exit(importlib.util.find_spec('torch') is None)"],
+                              capture_output=True).returncode == 0
+    except OSError:  # no such interpreter: the jobs will say so
+        return False
+
+
 def check_configurations(runs: list[Configuration], args, extra: list[str]) -> None:
     """main.py --check for each strategy at every GPU count of the sweep, before anything is
     written or submitted: a typo fails here, in seconds, not in the queue."""
-    if importlib.util.find_spec("torch") is None:
-        print("note: no torch in this Python: main.py's options are not checked before "
+    python = job_python(bool(args.environment))
+    if not has_torch(python):
+        print(f"note: no torch in {python}: main.py's options are not checked before "
               "submitting", file=sys.stderr, flush=True)
         return
     # A login node has no GPU: unless the sweep says where it runs, check for the GPU nodes'.
@@ -447,7 +465,7 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> N
     for strategy, batch in dict.fromkeys((r.strategy, r.global_batch) for r in runs):
         same = [r for r in runs if (r.strategy, r.global_batch) == (strategy, batch)]
         first, sizes = same[0], [str(r.gpus) for r in same]
-        done = subprocess.run([sys.executable, "main.py", *main_args(first, args, extra),
+        done = subprocess.run([python, "main.py", *main_args(first, args, extra),
                                *device, "--check", *sizes],
                               cwd=REPO, capture_output=True, text=True,
                               env=without_slurm())

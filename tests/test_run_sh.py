@@ -406,6 +406,16 @@ def test_every_main_py_option_the_sweep_sets_is_refused_after_the_double_dash(re
     assert not (repo_copy / "jobs").exists()
 
 
+def test_a_sweep_started_by_a_python_without_torch_checks_with_the_jobs_python(repo_copy):
+    """`python run_benchmarks.py` from a shell whose python has no torch: the configurations
+    are still checked, with the Python run.sh will give the jobs (pick_python.sh's choice)."""
+    done = run([sys.executable, "-S", repo_copy / "run_benchmarks.py", "--dry-run", "--gpus",
+                "2", "--", "--dataset", "synthetic", "--grad-accum", "3"], cwd=repo_copy,
+               PYTHON=sys.executable)
+    assert_one_line_error(done, "each rank's 128 images per step do not split into "
+                                "--grad-accum 3")
+
+
 @pytest.mark.timeout(300)
 def test_local_sweep_trains_collects_and_plots(repo_copy):
     done = benchmarks("--local", "--gpus", "1", "2", "--strategies", "ddp", "--epochs", "1",
