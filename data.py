@@ -594,13 +594,22 @@ class Normalize:
 
     def __init__(self, spec: DatasetSpec, device: torch.device,
                  memory_format=torch.contiguous_format):
-        self.mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1) * 255
+        # (x / 255 - mean) / std as one multiply-add of the uint8 pixels: x * scale + shift.
+        mean = torch.tensor(spec.mean, dtype=torch.float64).view(1, 3, 1, 1)
+        std = torch.tensor(spec.std, dtype=torch.float64).view(1, 3, 1, 1)
+        self.scale = (1 / (255 * std)).float().to(device)
+        self.shift = (-mean / std).float().to(device)
         self.memory_format = memory_format
 
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(self.mean.device, non_blocking=True).float()
-        return ((x - self.mean) / self.std).contiguous(memory_format=self.memory_format)
+        x = images.to(self.device, non_blocking=True)
+        # One operation per batch: addcmul reads the uint8 pixels and writes float32.
+        return torch.addcmul(self.shift, x, self.scale).contiguous(
+            memory_format=self.memory_format)
 
 
 # ----------------------------------------------------------------------------- loaders
@@ -640,7 +649,7 @@ class TensorLoader:
     def __init__(self, split: Split, sampler: ShardSampler, batch_size: int, steps: int,
                  normalize: Normalize, augment: bool, generator: torch.Generator, seed: int,
                  rank: int):
-        device = normalize.mean.device
+        device = normalize.device
         # Rows of one flat image each: index_select on them is a plain row copy, many times
         # faster than advanced indexing of the 4-d tensor on the CPU. A copy on the CPU too:
         # the rank then holds its data set as it does on a GPU, not as pages of a mapped file.
@@ -674,9 +683,10 @@ class TensorLoader:
         """This epoch's batches from the sampler's position on (see Loaders.set_position)."""
         images, labels = self.epoch_images()
         first = self.sampler.skip // self.batch_size
-        for start in range(first * self.batch_size, len(labels), self.batch_size):
-            batch = slice(start, start + self.batch_size)
-            yield self.normalize(images[batch]), labels[batch]
+        # The epoch's batches as views, made in one operation each for images and labels.
+        batches = zip(images.split(self.batch_size), labels.split(self.batch_size))
+        for batch_images, batch_labels in itertools.islice(batches, first, None):
+            yield self.normalize(batch_images), batch_labels
 
 
 class ImageDataset(Dataset):

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
 
 from checkpoint import Position
 from config import Config
@@ -68,15 +69,26 @@ def set_deterministic(enabled: bool) -> None:
     workspace fixed before CUDA starts for that."""
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
+    # cuDNN tries its algorithms on the first batch of each shape and keeps the fastest: the
+    # fastest may not be deterministic.
+    torch.backends.cudnn.benchmark = not enabled
     torch.use_deterministic_algorithms(enabled)
 
 
 def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    """--optimizer: Adam, or SGD with momentum 0.9."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    return torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    """--optimizer: Adam, or SGD with momentum 0.9. Fused (one kernel for every parameter) where
+    torch has it for the parameters, else foreach (one per operation over all of them): torch's
+    default on a CPU is a loop of about ten operations per parameter and step. FSDP2's DTensor
+    parameters have no sharding rule for the fused kernels (torch 2.14), only for foreach."""
+    optimizer, options = ((torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else
+                          (torch.optim.Adam, {}))
+    params = list(model.parameters())
+    if not any(isinstance(p, DTensor) for p in params):
+        try:
+            return optimizer(params, lr=cfg.lr, fused=True, **options)
+        except RuntimeError:  # parameters on a device without fused kernels
+            pass
+    return optimizer(params, lr=cfg.lr, foreach=True, **options)
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer,
@@ -196,16 +208,23 @@ class StageTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.seconds, self.events = 0.0, []
+        self.pairs = []  # CUDA events, made once and recorded again every epoch
+        self.reset()
+
+    def reset(self) -> None:
+        """A new epoch."""
+        self.seconds, self.used = 0.0, 0
 
     @contextlib.contextmanager
     def measure(self):
         if self.cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            if self.used == len(self.pairs):
+                self.pairs.append(tuple(torch.cuda.Event(enable_timing=True) for _ in "se"))
+            start, end = self.pairs[self.used]
+            self.used += 1
             start.record()
             yield
             end.record()
-            self.events.append((start, end))
         else:
             t0 = time.perf_counter()
             yield
@@ -213,7 +232,7 @@ class StageTimer:
 
     def total(self) -> float:
         """Call after the device has synchronized."""
-        return self.seconds + sum(s.elapsed_time(e) for s, e in self.events) / 1000
+        return self.seconds + sum(s.elapsed_time(e) for s, e in self.pairs[:self.used]) / 1000
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -247,13 +266,14 @@ class Progress:
         self.tty = sys.stdout.isatty()
         self.start = time.perf_counter()
 
-    def update(self, step: int, loss_sum: torch.Tensor, images: int) -> None:
+    def update(self, step: int, mean_loss_sum: torch.Tensor) -> None:
+        """After `step`; mean_loss_sum adds up the steps' mean losses since first_step."""
         done = step + 1
         if not self.enabled or (done % self.every and done != self.steps):
             return
         ms = 1000 * (time.perf_counter() - self.start) / (done - self.first_step)
         # .item() waits for the device: paid once every `every` steps, not every step.
-        loss = loss_sum.item() / images
+        loss = mean_loss_sum.item() / (done - self.first_step)
         text = f"epoch {self.epoch} step {done:>5}/{self.steps} loss {loss:.4f} {ms:.1f} ms/step"
         if self.tty:
             bar = "#" * (30 * done // self.steps)
@@ -364,6 +384,9 @@ class Trainer:
     calibration: "ComputeCalibration | None" = None  # for t_compute (see time_breakdown)
     profiler: StepProfiler | None = None
 
+    def __post_init__(self):
+        self.data_timer = StageTimer(self.env.device)  # data_wait, its events made once
+
     def fit(self, start: Position, epochs: int, stop: StopRequest,
             save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
         """Epochs from `start` to `epochs`, each saved when done. Returns the `[METRIC]` fields
@@ -439,12 +462,13 @@ class Trainer:
         """
         self.model.train()
         device = self.env.device
-        loss_sum = torch.zeros((), device=device)
+        mean_loss_sum = torch.zeros((), device=device)  # of the steps' mean losses
         seen = 0  # images: known on the host, no device work per step
         self.loaders.set_position(start.epoch, start.step)
         total = len(self.loaders.train)
         progress = Progress(start.epoch, total, self.print_every, is_rank_zero(), start.step)
-        data_wait = StageTimer(device)
+        data_wait = self.data_timer
+        data_wait.reset()
 
         synchronize(device)
         t_start = time.perf_counter()
@@ -454,18 +478,18 @@ class Trainer:
             with data_wait.measure():
                 images, labels = next(batches)
 
-            batch_loss = self.step(images, labels)
+            self.step(images, labels, mean_loss_sum)
             if self.profiler:
                 self.profiler.profiler.step()
-            loss_sum += batch_loss
             seen += len(labels)
-            progress.update(step, batch_loss, len(labels))
+            progress.update(step, mean_loss_sum)
             step += 1
         synchronize(device)
         elapsed = time.perf_counter() - t_start
 
         own_data = data_wait.total()
-        loss_sum, seen = all_reduce([loss_sum, seen], device)
+        # Every step takes a full local batch: the images' loss sum, once per epoch.
+        loss_sum, seen = all_reduce([mean_loss_sum * self.loaders.train.batch_size, seen], device)
         # The epoch lasts until its slowest rank is done: every rank takes that time, so that
         # `time` does not depend on which rank reports it and the t_* parts add up to it.
         most_data, elapsed = all_reduce([own_data, elapsed], device, dist.ReduceOp.MAX)
@@ -474,23 +498,28 @@ class Trainer:
                            start.data_wait + most_data, start.time + elapsed)
         return reached, step == total, segment
 
-    def step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, images: torch.Tensor, labels: torch.Tensor,
+             mean_loss_sum: torch.Tensor) -> None:
         """One optimizer step on this rank's share of the global batch, in `grad_accum`
-        micro-batches whose gradients are reduced over the ranks once, after the last.
-        Returns the share's summed loss (detached, on the device): what the epoch adds up."""
+        micro-batches whose gradients are reduced over the ranks once, after the last. Adds the
+        share's mean loss to `mean_loss_sum` (on the device: no host synchronisation)."""
         model, scaler = self.model, self.precision.scaler
         self.optimizer.zero_grad(set_to_none=True)
-        micro = list(zip(images.chunk(self.grad_accum), labels.chunk(self.grad_accum)))
-        loss_sum = None
+        micro = (((images, labels),) if self.grad_accum == 1 else
+                 tuple(zip(images.chunk(self.grad_accum), labels.chunk(self.grad_accum))))
         for i, (x, y) in enumerate(micro):
             with gradient_sync(model, enabled=i == len(micro) - 1):
                 with self.precision.autocast(x.device):
                     logits = model(x)
-                loss = F.cross_entropy(logits.float(), y, reduction="sum")
-                # Divided by the whole share's size: the micro-batches' gradients add up to
-                # those of the share's mean. Without fp16 the scaler passes everything through.
-                scaler.scale(loss / len(labels)).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                loss = F.cross_entropy(logits.float(), y)
+                # Weighted by its share of the rank's batch, a micro-batch's mean loss gives
+                # gradients that add up to those of the share's mean (one micro-batch: weight 1,
+                # no operation). Without fp16 the scaler passes everything through.
+                weight = len(y) / len(labels)
+                weighted = loss if weight == 1 else loss * weight
+                scaler.scale(weighted).backward()
+            with torch.no_grad():  # no graph, and so no detach
+                mean_loss_sum += weighted
         if self.clip_grad is not None:
             scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             clip_gradients(model, self.clip_grad)
@@ -498,7 +527,6 @@ class Trainer:
         scaler.update()
         if self.scheduler is not None:
             self.scheduler.step()
-        return loss_sum
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -544,7 +572,8 @@ class ComputeCalibration:
         self.images = torch.randn(local_batch, *image_shape, device=device).contiguous(
             memory_format=memory_format)
         self.labels = torch.randint(0, num_classes, (local_batch,), device=device)
-        self.bare.step(self.images, self.labels)  # first-step allocations, kernel choices
+        self.losses = torch.zeros((), device=device)  # where the steps add their loss, unread
+        self.bare.step(self.images, self.labels, self.losses)  # allocations, kernel choices
 
     def seconds_per_step(self, budget_s: float = 0.25, most: int = 10) -> float:
         """The median of as many steps as fit in budget_s, at most `most` (a median: a shared
@@ -554,7 +583,7 @@ class ComputeCalibration:
         while len(times) < most and time.perf_counter() - start < budget_s:
             synchronize_device(device)
             t0 = time.perf_counter()
-            self.bare.step(self.images, self.labels)
+            self.bare.step(self.images, self.labels, self.losses)
             synchronize_device(device)
             times.append(time.perf_counter() - t0)
         return statistics.median(times)

@@ -119,7 +119,7 @@ def memory_formats(env, cfg):
     channels_last?"""
     trainer, _ = build_trainer(cfg, env)
     images, labels = next(iter(trainer.loaders.train))
-    trainer.step(images, labels)
+    trainer.step(images, labels, torch.zeros(()))
     convs = [m.weight for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d)]
     nhwc = torch.channels_last
     return {"convs": len(convs),
