@@ -39,8 +39,10 @@ EXIT_STATUS = {
     "finished": 0,
     "peer_failed": 1,  # another rank died or hung; its own log says why
     "usage": 2,  # bad input: one `error:` line
-    "stopped": 3,  # SIGUSR1/SIGTERM: a checkpoint was saved; resume to finish
+    "stopped": 3,  # SIGUSR1/SIGUSR2/SIGTERM: a checkpoint was saved; resume to finish
     "diverged": 4,  # the training loss became NaN or infinite; the last good checkpoint stays
+    "checkpoint": 5,  # a checkpoint could not be saved or read: one `error:` line says which,
+    # why, and what is intact (docs/reliability.md)
 }
 
 
@@ -48,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="exit status: 0 finished, 1 another rank died or hung, 2 bad input, 3 stopped by "
-               "SIGUSR1/SIGTERM after saving a checkpoint (resume to finish), 4 diverged (the "
-               "training loss became NaN or infinite)")
+               "SIGUSR1/SIGUSR2/SIGTERM after saving a checkpoint (resume to finish), 4 diverged "
+               "(the training loss became NaN or infinite), 5 a checkpoint could not be saved "
+               "or read")
     add_options(parser)
     parser.add_argument("--check", nargs="*", type=int, metavar="N",
                         help="validate the configuration for world sizes N (default: the "
@@ -320,7 +323,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
                                                            *resumable)
     elif cfg.resume:
         source = checkpoint.resolve(cfg.resume, folder or Path("."))
-        position = checkpoint.load(source, fits, *resumable)
+        position = checkpoint.load_everywhere(source, fits, *resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
     if warning := network_warning(resolved["nodes"], env.backend):
         log0(warning)
@@ -455,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             return train(cfg, argv)
         except UsageError as e:
             log0(f"error: {e}", file=sys.stderr)  # the same on every rank: one line, rank 0's
+            if isinstance(e, checkpoint.CheckpointError):
+                return EXIT_STATUS["checkpoint"]
             return EXIT_STATUS["usage"]
 
 
