@@ -190,16 +190,16 @@ def _fsync(path: Path) -> None:
 def _move_into_place(tmp: Path, final: Path) -> None:
     """Rename a finished checkpoint folder to its name: atomic, so it appears complete or not at
     all, and only once its files are on disk (fsync: a power cut must not leave a named
-    checkpoint of empty files). One already there is set aside first: an unreadable one (no
-    meta file, or one passed over on resuming) for good, as `<name>.damaged`; a readable one
-    (a run resumed from an older checkpoint on purpose) is deleted once the new one is in
-    place."""
+    checkpoint of empty files). One already there is set aside first: one without its meta
+    file (damaged) for good, as `<name>.damaged`; a finished one (a run resumed from an older
+    checkpoint on purpose) is deleted once the new one is in place. (Those that --resume auto
+    found unreadable were set aside when it did.)"""
     for f in tmp.iterdir():
         _fsync(f)
     _fsync(tmp)
     old = None
     if final.exists():
-        damaged = final.resolve() in _damaged or not (final / META_FILE).is_file()
+        damaged = not (final / META_FILE).is_file()
         old = _aside(final) if damaged else final.with_name(final.name + ".old")
         if not damaged:
             shutil.rmtree(old, ignore_errors=True)
@@ -234,10 +234,6 @@ def _remove_leftovers(directory: Path) -> None:
 class CheckpointError(UsageError):
     """A checkpoint that cannot be written or read: one line, and main.py's exit status
     `checkpoint`. The same on every rank."""
-
-
-# Checkpoints this process found unreadable (resolved paths): never overwritten or pruned.
-_damaged: set[Path] = set()
 
 
 def _cause(error: BaseException) -> str:
@@ -335,8 +331,7 @@ def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]
     (the one the run resumed from) nor one being written. Rank 0 calls this. Returns what went:
     a sweep of large models' checkpoints would otherwise fill a quota."""
     old = finished(directory)[:-keep] if keep else []
-    gone = [p for p in old if (protect is None or p.resolve() != Path(protect).resolve())
-            and p.resolve() not in _damaged]
+    gone = [p for p in old if protect is None or p.resolve() != Path(protect).resolve()]
     for path in list(gone):
         try:
             shutil.rmtree(path)
@@ -457,7 +452,6 @@ def load_newest_readable(directory: Path, identity: Identity, model, optimizer,
             position = load_everywhere(path, identity, model, optimizer, generator, scheduler)
         except Unreadable as e:
             damaged.append((path, str(e)))
-            _damaged.add(path.resolve())
             if path != found[0]:
                 log0(f"[CHECKPOINT] {e}: trying an older one")
             continue
