@@ -223,12 +223,14 @@ def _aside(path: Path) -> Path:
 
 
 def _remove_leftovers(directory: Path) -> None:
-    """Folders that runs killed mid-write left half-written (rank 0, after a save): never a
-    checkpoint, never resumed from. Whatever cannot be removed stays, harmlessly."""
-    for path in directory.glob("ckpt_e*_s*.tmp"):
-        if NAME_RE.match(path.name.removesuffix(".tmp")) and path.is_dir():
+    """Folders that runs killed mid-write (or mid-delete) left half-written (rank 0, after a
+    save): never a checkpoint, never resumed from. Whatever cannot be removed stays,
+    harmlessly."""
+    for path in directory.glob("ckpt_e*_s*.*"):
+        stem, _, suffix = path.name.rpartition(".")
+        if suffix in ("tmp", "deleting") and NAME_RE.match(stem) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
-            log0(f"[CHECKPOINT] removed {path}, left half-written by a run that was killed")
+            log0(f"[CHECKPOINT] removed {path}, which a killed run left unfinished")
 
 
 class CheckpointError(UsageError):
@@ -333,8 +335,10 @@ def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]
     old = finished(directory)[:-keep] if keep else []
     gone = [p for p in old if protect is None or p.resolve() != Path(protect).resolve()]
     for path in list(gone):
-        try:
-            shutil.rmtree(path)
+        try:  # renamed first: a kill mid-delete leaves no half-deleted checkpoint by its name
+            trash = path.with_name(path.name + ".deleting")
+            os.replace(path, trash)
+            shutil.rmtree(trash)
         except OSError as e:  # nothing is lost by keeping it: say so, and train on
             gone.remove(path)
             log0(f"[CHECKPOINT] could not delete {path} ({_cause(e)}): it stays")

@@ -33,8 +33,9 @@ def snapshot(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def train_epochs(folder: Path, epochs: int, strategy: str = "ddp", *extra) -> None:
-    nproc = 2 if strategy != "ddp" else None
+def train_epochs(folder: Path, epochs: int, strategy: str = "ddp", *extra,
+                 nproc: int | None = None) -> None:
+    nproc = nproc or (2 if strategy != "ddp" else None)
     done = run_main([*ARGS, "--strategy", strategy, "--checkpoint-dir", folder, "--epochs",
                      epochs, *extra], nproc=nproc)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -234,7 +235,7 @@ def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_pat
     """--resume PATH whose file rank 1 alone cannot read: not rank 1 failing while rank 0
     trains on and waits for it, but both ending at once, status 5, one line."""
     folder = tmp_path / "ck"
-    train_epochs(folder, 1)
+    train_epochs(folder, 1, nproc=2)  # at the world size that resumes: rank 1 reads its file
     path = folder / "ckpt_e0002_s000000"
     args = [*ARGS, "--checkpoint-dir", folder, "--epochs", 2, "--resume", path]
     statuses, outputs, spread = run_ranks(args, "1:load:rng_rank1.pt", tmp_path)
@@ -379,3 +380,157 @@ def test_sigterm_reaches_the_tasks_as_sigterm_and_ends_the_batch_job(repo_copy, 
     assert calls == ["scancel --signal=TERM 4242", "srun got TERM"], done.stdout + done.stderr
     assert done.returncode == STATUS_STOPPED
     assert "run.sh: job 4242 exit status 3" in done.stdout
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+# The random steps, signals, ranks and kill times come from this seed (printed, and set with
+# FAULTS_SEED to repeat a run or try another).
+SEED = int(os.environ.get("FAULTS_SEED", "20261123"))
+SIGNALS = [signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM]
+# 12 steps of 16 images an epoch, augmentation on (resuming must restore every random stream).
+STOP_CFG = dict(dataset="synthetic", augment=True, train_samples=192, val_samples=32,
+                batch_size=16, print_every=10**6, seed=11, epochs=4, pg_timeout=60)
+STEPS_PER_EPOCH = 12
+
+
+def whole_model(env, model) -> dict | None:
+    """The whole model's parameters, gathered from every rank's shard, on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+    return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
+
+
+def train_until_signalled(env, cfg, at_poll, rank, signum):
+    """main.py's run on every rank, with `signum` sent to `rank` at its at_poll-th step (0:
+    never). The ranks agree on a stop at every step (the next step after the signal), as main()
+    catches the signals. Returns the whole model and where a stop left training."""
+    import main
+    checkpoint.STOP_POLL_EVERY = 1
+    if env.rank == rank and at_poll:
+        poll, calls = checkpoint.StopRequest.poll, []
+
+        def poll_and_signal(self):
+            calls.append(1)
+            if len(calls) == at_poll:
+                os.kill(os.getpid(), signum)
+            return poll(self)
+
+        checkpoint.StopRequest.poll = poll_and_signal
+    with checkpoint.catch_stop_signals():
+        outcome = main.run(cfg, env)
+    return whole_model(env, outcome.trainer.model), outcome.stopped_at
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ten_stops_at_random_steps_then_resumes_end_as_the_uninterrupted_run(tmp_path,
+                                                                           strategy):
+    """Two ranks, stopped by a random stop signal to a random rank at 10 random steps of 4
+    epochs, each stop resumed in new processes: the same parameters as without the stops, to
+    the bit."""
+    rng = random.Random(f"{SEED}-stops-{strategy}")
+    cfg = dict(STOP_CFG, strategy=strategy)
+    reference, _ = spawn(train_until_signalled, 2, Config(**cfg, checkpoint=False), 0, 0, 0)[0]
+    total = cfg["epochs"] * STEPS_PER_EPOCH
+    targets = sorted(rng.sample(range(1, total), 10))
+    done, stops = 0, []
+    for target in targets:
+        signum, rank = rng.choice(SIGNALS), rng.randrange(2)
+        state, at = spawn(train_until_signalled, 2,
+                          Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"),
+                          target - done, rank, signum)[0]
+        assert at is not None, f"no stop at step {target}"
+        done = (at.epoch - 1) * STEPS_PER_EPOCH + at.step
+        assert done == target, (done, target)
+        stops.append(f"{signal.Signals(signum).name}@rank{rank}:e{at.epoch}s{at.step}")
+    state, at = spawn(train_until_signalled, 2,
+                      Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"), 0, 0, 0)[0]
+    assert at is None and state.keys() == reference.keys()
+    differing = [k for k in state if not torch.equal(state[k], reference[k])]
+    print(f"\n[FAULTS] seed={SEED} strategy={strategy} stops survived: {len(stops)} "
+          f"({' '.join(stops)}); parameters differing from the uninterrupted run: "
+          f"{len(differing)} of {len(state)}")
+    assert not differing
+
+
+KILL_ARGS = ["--dataset", "synthetic", "--train-samples", "64", "--val-samples", "32",
+             "--batch-size", "16", "--print-every", "1000", "--device", "cpu", "--pg-timeout",
+             "10", "--keep-last", "2", "--seed", "3"]
+KILL_EPOCHS = 30
+
+
+def unreadable(path: Path) -> str | None:
+    """Why the checkpoint at path cannot be read whole, or None: every file of it loaded, as
+    resuming would (FSDP's shards through DCP, without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    try:
+        for f in path.glob("*.pt"):
+            torch.load(f, weights_only=False)
+        if (path / ".metadata").exists():
+            dcp_to_torch_save(path, path.parent / "probe.pt")
+            (path.parent / "probe.pt").unlink()
+        elif not (path / checkpoint.DDP_FILE).is_file():
+            return "no model file"
+        return None if (path / checkpoint.META_FILE).is_file() else "no meta file"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def final_model(folder: Path) -> dict:
+    newest = checkpoint.latest(folder)
+    if (newest / checkpoint.DDP_FILE).is_file():
+        return torch.load(newest / checkpoint.DDP_FILE, weights_only=False)["model"]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(newest, folder / "final.pt")
+    return torch.load(folder / "final.pt", weights_only=False)["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tmp_path,
+                                                                            strategy):
+    """Two ranks started as srun starts them; a random one is SIGKILLed at a random moment
+    after start-up, 10 times, each run resuming the last (--resume auto). After every kill the
+    checkpoint --resume auto would pick is readable, and the run, finished at last, ends with
+    the parameters of an uninterrupted one, to the bit."""
+    rng = random.Random(f"{SEED}-kills-{strategy}")
+    args = [*KILL_ARGS, "--strategy", strategy, "--epochs", KILL_EPOCHS, "--resume", "auto"]
+    reference = tmp_path / "reference"
+    done, _ = main_on_ranks([*args, "--checkpoint-dir", reference], 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = tmp_path / "killed"
+    kills, lost, mid_save = [], [], 0
+    for _ in range(10):
+        ranks = start_ranks([*args, "--checkpoint-dir", folder], 2)
+        try:
+            for line in ranks[0].stdout:  # once rank 0 has resumed: training is starting
+                if line.startswith("[CONFIG]"):
+                    break
+            victim, delay = rng.randrange(2), rng.uniform(0, 4)
+            time.sleep(delay)
+            ranks[victim].kill()
+            for rank in ranks:
+                rank.communicate(timeout=60)
+        finally:
+            for rank in ranks:
+                rank.kill()
+        statuses = [rank.returncode for rank in ranks]
+        assert statuses[victim] == -signal.SIGKILL, statuses  # it had not finished already
+        mid_save += bool(list(folder.glob("*.tmp")))
+        newest = checkpoint.candidates(folder)[-1]
+        if why := unreadable(newest):
+            lost.append(f"{newest.name}: {why}")
+        kills.append(f"rank{victim}@{delay:.1f}s->{newest.name}")
+    done, statuses = main_on_ranks([*args, "--checkpoint-dir", folder], 2)
+    assert statuses == [0, 0], done.stderr[-3000:]
+    state, expected = final_model(folder), final_model(reference)
+    differing = [k for k in expected if not torch.equal(state[k], expected[k])]
+    print(f"\n[FAULTS] seed={SEED} strategy={strategy} kills survived: {len(kills)} "
+          f"({' '.join(kills)}); kills that left a half-written folder: {mid_save}; "
+          f"unreadable newest checkpoints: {len(lost)} {lost}; parameters differing from the "
+          f"uninterrupted run: {len(differing)} of {len(expected)}")
+    assert not lost and not differing
