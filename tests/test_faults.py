@@ -16,8 +16,15 @@ import torch
 
 import checkpoint
 from config import Config
-from conftest import (REPO, TINY, assert_one_line_error, clean_environment, metrics_in, run_main,
-                      start_ranks)
+from conftest import (
+    REPO,
+    TINY,
+    assert_one_line_error,
+    clean_environment,
+    metrics_in,
+    run_main,
+    start_ranks,
+)
 from dist_harness import spawn
 
 STATUS_CHECKPOINT = 5  # main.EXIT_STATUS["checkpoint"]
@@ -81,8 +88,9 @@ def test_resume_auto_with_only_unreadable_checkpoints_fails_and_writes_nothing(t
     second.mkdir()
     (second / checkpoint.DDP_FILE).write_bytes(b"half")
     before = snapshot(tmp_path)
+    world_size = 1 if strategy == "ddp" else 2
     done, statuses = main_on_ranks([*ARGS, "--strategy", strategy, "--checkpoint-dir", tmp_path,
-                                    "--epochs", 3, "--resume", "auto"], 1 if strategy == "ddp" else 2)
+                                    "--epochs", 3, "--resume", "auto"], world_size)
     assert set(statuses) == {STATUS_CHECKPOINT}, statuses
     line = assert_one_line_error(done, f"no checkpoint in {tmp_path} can be read", str(first),
                                  str(second), "nothing was written", "--checkpoint-dir",
@@ -129,6 +137,18 @@ def test_a_save_over_a_checkpoint_without_its_meta_file_sets_it_aside(tmp_path):
     assert (tmp_path / "ckpt_e0002_s000000.damaged" / checkpoint.DDP_FILE).read_bytes() == \
         b"evidence"
     assert checkpoint.candidates(tmp_path) == [final]
+
+
+def test_what_killed_runs_left_unfinished_goes_the_damaged_stays(tmp_path):
+    """A .tmp folder (a save cut short) or .deleting one (a prune cut short) is removed after
+    the next save; a .damaged one is kept."""
+    for name in ("ckpt_e0003_s000000.tmp", "ckpt_e0001_s000000.deleting",
+                 "ckpt_e0002_s000000.damaged", "ckpt_e0004_s000000"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / checkpoint.META_FILE).write_bytes(b"")
+    checkpoint._remove_leftovers(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_e0002_s000000.damaged",
+                                                         "ckpt_e0004_s000000"]
 
 
 # ----------------------------------------------------------------------------- failed saves, loads
@@ -462,7 +482,7 @@ def test_ten_stops_at_random_steps_then_resumes_end_as_the_uninterrupted_run(tmp
 KILL_ARGS = ["--dataset", "synthetic", "--train-samples", "64", "--val-samples", "32",
              "--batch-size", "16", "--print-every", "1000", "--device", "cpu", "--pg-timeout",
              "10", "--keep-last", "2", "--seed", "3"]
-KILL_EPOCHS = 30
+KILL_EPOCHS = 40
 
 
 def unreadable(path: Path) -> str | None:
@@ -496,8 +516,9 @@ def final_model(folder: Path) -> dict:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tmp_path,
                                                                             strategy):
-    """Two ranks started as srun starts them; a random one is SIGKILLed at a random moment
-    after start-up, 10 times, each run resuming the last (--resume auto). After every kill the
+    """Two ranks started as srun starts them; a random one is SIGKILLed, 10 times, each run
+    resuming the last (--resume auto): at a random moment after start-up, or, half of the
+    times, the moment a save has begun (its .tmp folder appears). After every kill the
     checkpoint --resume auto would pick is readable, and the run, finished at last, ends with
     the parameters of an uninterrupted one, to the bit."""
     rng = random.Random(f"{SEED}-kills-{strategy}")
@@ -506,15 +527,22 @@ def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tm
     done, _ = main_on_ranks([*args, "--checkpoint-dir", reference], 2)
     assert done.returncode == 0, done.stderr[-3000:]
     folder = tmp_path / "killed"
-    kills, lost, mid_save = [], [], 0
+    kills, lost, left = [], [], 0
     for _ in range(10):
         ranks = start_ranks([*args, "--checkpoint-dir", folder], 2)
         try:
             for line in ranks[0].stdout:  # once rank 0 has resumed: training is starting
                 if line.startswith("[CONFIG]"):
                     break
-            victim, delay = rng.randrange(2), rng.uniform(0, 4)
-            time.sleep(delay)
+            victim, delay = rng.randrange(2), rng.uniform(0, 2.5)
+            mid_save = rng.random() < 0.5
+            start = time.monotonic()
+            if mid_save:
+                while not list(folder.glob("*.tmp")) and time.monotonic() - start < 30:
+                    time.sleep(0.001)
+            else:
+                time.sleep(delay)
+            delay = time.monotonic() - start
             ranks[victim].kill()
             for rank in ranks:
                 rank.communicate(timeout=60)
@@ -523,17 +551,18 @@ def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tm
                 rank.kill()
         statuses = [rank.returncode for rank in ranks]
         assert statuses[victim] == -signal.SIGKILL, statuses  # it had not finished already
-        mid_save += bool(list(folder.glob("*.tmp")))
+        left += bool(list(folder.glob("*.tmp")))
         newest = checkpoint.candidates(folder)[-1]
         if why := unreadable(newest):
             lost.append(f"{newest.name}: {why}")
-        kills.append(f"rank{victim}@{delay:.1f}s->{newest.name}")
+        how = "(save)" if mid_save else ""
+        kills.append(f"rank{victim}@{delay:.2f}s{how}->{newest.name}")
     done, statuses = main_on_ranks([*args, "--checkpoint-dir", folder], 2)
     assert statuses == [0, 0], done.stderr[-3000:]
     state, expected = final_model(folder), final_model(reference)
     differing = [k for k in expected if not torch.equal(state[k], expected[k])]
     print(f"\n[FAULTS] seed={SEED} strategy={strategy} kills survived: {len(kills)} "
-          f"({' '.join(kills)}); kills that left a half-written folder: {mid_save}; "
+          f"({' '.join(kills)}); kills that left a half-written folder: {left}; "
           f"unreadable newest checkpoints: {len(lost)} {lost}; parameters differing from the "
           f"uninterrupted run: {len(differing)} of {len(expected)}")
     assert not lost and not differing
