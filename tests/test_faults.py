@@ -502,6 +502,18 @@ def unreadable(path: Path) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
+def saving(folder: Path) -> set:
+    """The .tmp folders of saves under way (or cut short), each as (name, inode, creation)."""
+    found = set()
+    for path in folder.glob("*.tmp"):
+        try:
+            stat = path.stat()
+            found.add((path.name, stat.st_ino, stat.st_ctime_ns))
+        except FileNotFoundError:  # renamed into place meanwhile
+            pass
+    return found
+
+
 def final_model(folder: Path) -> dict:
     newest = checkpoint.latest(folder)
     if (newest / checkpoint.DDP_FILE).is_file():
@@ -529,6 +541,7 @@ def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tm
     folder = tmp_path / "killed"
     kills, lost, left = [], [], 0
     for _ in range(10):
+        before = saving(folder)
         ranks = start_ranks([*args, "--checkpoint-dir", folder], 2)
         try:
             for line in ranks[0].stdout:  # once rank 0 has resumed: training is starting
@@ -537,8 +550,8 @@ def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tm
             victim, delay = rng.randrange(2), rng.uniform(0, 2.5)
             mid_save = rng.random() < 0.5
             start = time.monotonic()
-            if mid_save:
-                while not list(folder.glob("*.tmp")) and time.monotonic() - start < 30:
+            if mid_save:  # a new .tmp folder: not one an earlier kill left
+                while not saving(folder) - before and time.monotonic() - start < 30:
                     time.sleep(0.001)
             else:
                 time.sleep(delay)
@@ -552,11 +565,11 @@ def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tm
         statuses = [rank.returncode for rank in ranks]
         assert statuses[victim] == -signal.SIGKILL, statuses  # it had not finished already
         left += bool(list(folder.glob("*.tmp")))
-        newest = checkpoint.candidates(folder)[-1]
-        if why := unreadable(newest):
+        newest = (checkpoint.candidates(folder) or [None])[-1]  # none before epoch 1 ends
+        if newest and (why := unreadable(newest)):
             lost.append(f"{newest.name}: {why}")
         how = "(save)" if mid_save else ""
-        kills.append(f"rank{victim}@{delay:.2f}s{how}->{newest.name}")
+        kills.append(f"rank{victim}@{delay:.2f}s{how}->{newest.name if newest else '-'}")
     done, statuses = main_on_ranks([*args, "--checkpoint-dir", folder], 2)
     assert statuses == [0, 0], done.stderr[-3000:]
     state, expected = final_model(folder), final_model(reference)
