@@ -197,19 +197,23 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     for f in tmp.iterdir():
         _fsync(f)
     _fsync(tmp)
-    old = None
+    old, damaged = None, False
     if final.exists():
         damaged = not (final / META_FILE).is_file()
         old = _aside(final) if damaged else final.with_name(final.name + ".old")
         if not damaged:
             shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-        if damaged:
-            log0(f"[CHECKPOINT] {final} cannot be read: set aside as {old}, never deleted")
-            old = None
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old is not None:  # the one set aside goes back: as it was
+            os.replace(old, final)
+        raise
     _fsync(final.parent)
-    if old is not None:
+    if damaged:
+        log0(f"[CHECKPOINT] {final} had no {META_FILE}: set aside as {old}, never deleted")
+    elif old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
