@@ -411,6 +411,10 @@ def test_sigterm_reaches_the_tasks_as_sigterm_and_ends_the_batch_job(repo_copy, 
 # FAULTS_SEED to repeat a run or try another).
 SEED = int(os.environ.get("FAULTS_SEED", "20261123"))
 SIGNALS = [signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM]
+try:  # the stop-signal handling has a module of its own on branch house; here, checkpoint's
+    import stopping
+except ImportError:
+    stopping = checkpoint
 # 12 steps of 16 images an epoch, augmentation on (resuming must restore every random stream).
 STOP_CFG = dict(dataset="synthetic", augment=True, train_samples=192, val_samples=32,
                 batch_size=16, print_every=10**6, seed=11, epochs=4, pg_timeout=60)
@@ -430,9 +434,9 @@ def train_until_signalled(env, cfg, at_poll, rank, signum):
     never). The ranks agree on a stop at every step (the next step after the signal), as main()
     catches the signals. Returns the whole model and where a stop left training."""
     import main
-    checkpoint.STOP_POLL_EVERY = 1
+    stopping.STOP_POLL_EVERY = 1
     if env.rank == rank and at_poll:
-        poll, calls = checkpoint.StopRequest.poll, []
+        poll, calls = stopping.StopRequest.poll, []
 
         def poll_and_signal(self):
             calls.append(1)
@@ -440,8 +444,8 @@ def train_until_signalled(env, cfg, at_poll, rank, signum):
                 os.kill(os.getpid(), signum)
             return poll(self)
 
-        checkpoint.StopRequest.poll = poll_and_signal
-    with checkpoint.catch_stop_signals():
+        stopping.StopRequest.poll = poll_and_signal
+    with stopping.catch_stop_signals():
         outcome = main.run(cfg, env)
     return whole_model(env, outcome.trainer.model), outcome.stopped_at
 
