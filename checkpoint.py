@@ -11,6 +11,11 @@ mid-write leaves the previous checkpoint as the latest. Only `prune` deletes che
 oldest of a run beyond --keep-last, never the one resumed from.
 A run's checkpoints share a folder (`folder_for`); a fresh run never writes into a folder that
 holds another run's checkpoints. When to save on a signal is stopping.py's to say.
+
+Faults (docs/reliability.md): a failure while saving or loading, on any rank, becomes the same
+`CheckpointError` on every rank (they agree on each step's outcome), after which no half-written
+folder is left; a checkpoint that cannot be read is never overwritten, pruned or deleted: once
+a run goes on from an older one, it is renamed aside to `<name>.damaged`.
 """
 
 import contextlib
@@ -24,14 +29,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
 from config import SHARDED
-from distributed_utils import barrier, run_name
-from utils import UsageError, is_rank_zero, log0, read_ranks
+from distributed_utils import is_peer_failure, run_name
+from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
 
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
+DAMAGED_SUFFIX = ".damaged"  # an unreadable checkpoint set aside, never deleted by us
 META_FILE = "meta.pt"
 DDP_FILE = "state.pt"
 
@@ -113,18 +120,42 @@ def _whole(identity: "Identity") -> bool:
 
 def save(directory: Path, position: Position, identity: Identity, model, optimizer,
          generator: torch.Generator | None, scheduler=None) -> Path:
-    """Every rank calls this. Returns the checkpoint's folder (replacing one of that name)."""
+    """Every rank calls this. Returns the checkpoint's folder (replacing one of that name).
+
+    A failure on any rank (the file system, torch's serialization) raises the same
+    CheckpointError on every rank, once the others have finished their part: it names the
+    checkpoint, the cause and the newest checkpoint left intact; the half-written folder is
+    removed."""
     directory = Path(directory)
     final = directory / position.name
     tmp = directory / (position.name + ".tmp")
+    error = _attempt(_make_empty, directory, tmp) if is_rank_zero() else None
+    if not (error := _agree(error)):
+        error = _agree(_attempt(_write, tmp, position, identity, model, optimizer, generator,
+                                scheduler))
+    if not error:
+        error = _agree(_attempt(_move_into_place, tmp, final) if is_rank_zero() else None)
+    if error:
+        if is_rank_zero():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot save checkpoint {final}: {error}; nothing of it was kept "
+                              f"(no {tmp.name} left behind), and {_intact(directory)}")
     if is_rank_zero():
-        directory.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # our own leftover from a crash mid-write: never a finished checkpoint
-            for f in tmp.iterdir():
-                f.unlink()
-        tmp.mkdir(exist_ok=True)
-    barrier()
+        _remove_leftovers(directory)
+    return final
 
+
+def _make_empty(directory: Path, tmp: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # our own leftover from a crash mid-write: never a finished checkpoint
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def _write(tmp: Path, position: Position, identity: Identity, model, optimizer,
+           generator: torch.Generator | None, scheduler) -> None:
+    """This rank's part of a checkpoint, into `tmp` (DCP's sharded save is collective, and
+    raises on every rank if one fails)."""
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         model_state, optim_state = get_state_dict(
@@ -139,23 +170,104 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
         torch.save({"position": asdict(position), "identity": asdict(identity),
                     "world_size": _world(),
                     "scheduler": scheduler.state_dict() if scheduler else None}, tmp / META_FILE)
-    barrier()
-    if is_rank_zero():
-        _move_into_place(tmp, final)
-    barrier()
-    return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:
     """Rename a finished checkpoint folder to its name: atomic, so it appears complete or not at
-    all. One already there (an unreadable one passed over on resuming) is set aside first and
-    deleted only once the new one is in place."""
-    old = final.with_name(final.name + ".old")
+    all, and only once its files are on disk (fsync: a power cut must not leave a named
+    checkpoint of empty files). One already there is set aside first: one without its meta
+    file (damaged) for good, as `<name>.damaged`; a finished one (a run resumed from an older
+    checkpoint on purpose) is deleted once the new one is in place. (Those that --resume auto
+    found unreadable were set aside when it did.)"""
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
+    old, damaged = None, False
     if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
+        damaged = not (final / META_FILE).is_file()
+        old = _aside(final) if damaged else final.with_name(final.name + ".old")
+        if not damaged:
+            shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old is not None:  # the one set aside goes back: as it was
+            os.replace(old, final)
+        raise
+    _fsync(final.parent)
+    if damaged:
+        log0(f"[CHECKPOINT] {final} had no {META_FILE}: set aside as {old}, never deleted")
+    elif old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _aside(path: Path) -> Path:
+    """A free name for setting `path` aside as damaged: <name>.damaged, .damaged2, ..."""
+    aside, n = path.with_name(path.name + DAMAGED_SUFFIX), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{n}")
+    return aside
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Folders that runs killed mid-write (or mid-delete) left half-written (rank 0, after a
+    save): never a checkpoint, never resumed from. Whatever cannot be removed stays,
+    harmlessly."""
+    for path in directory.glob("ckpt_e*_s*.*"):
+        stem, _, suffix = path.name.rpartition(".")
+        if suffix in ("tmp", "deleting") and NAME_RE.match(stem) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            log0(f"[CHECKPOINT] removed {path}, which a killed run left unfinished")
+
+
+def _cause(error: BaseException) -> str:
+    """What went wrong, in one line: the exception's type and first line; for DCP's
+    CheckpointException (which holds every failed rank's), each rank's."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {_cause(wrapped[0])}"
+                         for rank, wrapped in sorted(error.failures.items()))
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _attempt(fn, *args) -> str | None:
+    """Run fn: None if it worked, else why not (a peer's death is no checkpoint fault: it goes
+    on up, to end the run as one)."""
+    try:
+        fn(*args)
+        return None
+    except (Exception, CheckpointException) as e:
+        if isinstance(e, Exception) and is_peer_failure(e):
+            raise
+        return _cause(e)
+
+
+def _agree(error: str | None) -> str | None:
+    """Every rank's outcome of a step, gathered: the first failure (naming its rank where there
+    are several), the same on every rank; None if every rank succeeded. Also a barrier."""
+    if not dist.is_initialized() or _world() == 1:
+        return error
+    errors = [None] * _world()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {rank}: {e}" if not e.startswith("rank ") else e
+                 for rank, e in enumerate(errors) if e), None)
+
+
+def _intact(directory: Path) -> str:
+    newest = latest(directory)
+    if newest is None:
+        return f"{directory} holds no earlier checkpoint"
+    return f"the newest checkpoint, {newest}, is intact (--resume auto continues from it)"
 
 
 def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
@@ -214,8 +326,14 @@ def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]
     a sweep of large models' checkpoints would otherwise fill a quota."""
     old = finished(directory)[:-keep] if keep else []
     gone = [p for p in old if protect is None or p.resolve() != Path(protect).resolve()]
-    for path in gone:
-        shutil.rmtree(path)
+    for path in list(gone):
+        try:  # renamed first: a kill mid-delete leaves no half-deleted checkpoint by its name
+            trash = path.with_name(path.name + ".deleting")
+            os.replace(path, trash)
+            shutil.rmtree(trash)
+        except OSError as e:  # nothing is lost by keeping it: say so, and train on
+            gone.remove(path)
+            log0(f"[CHECKPOINT] could not delete {path} ({_cause(e)}): it stays")
     return gone
 
 
@@ -231,7 +349,7 @@ def resolve(resume: str, directory: Path) -> Path | None:
     return path
 
 
-class Unreadable(UsageError):
+class Unreadable(CheckpointError):
     """A checkpoint whose files cannot be read (a disk fault, a file cut short)."""
 
 
@@ -239,9 +357,10 @@ class Unreadable(UsageError):
 def _reading(path: Path):
     try:
         yield
-    except Exception as e:
-        raise Unreadable(f"cannot read checkpoint {path} ({type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        if isinstance(e, Exception) and is_peer_failure(e):
+            raise
+        raise Unreadable(f"cannot read checkpoint {path} ({_cause(e)})") from None
 
 
 def load(path: Path, identity: Identity, model, optimizer,
@@ -289,20 +408,69 @@ def load(path: Path, identity: Identity, model, optimizer,
     return position
 
 
+def load_everywhere(path: Path, identity: Identity, model, optimizer,
+                    generator: torch.Generator | None, scheduler=None) -> Position:
+    """`load` on every rank, which then agree: a checkpoint that any rank cannot read raises
+    the same Unreadable on all of them (rather than one rank failing while the others train
+    on and wait for it)."""
+    try:
+        position, error = load(path, identity, model, optimizer, generator, scheduler), None
+    except Unreadable as e:
+        position, error = None, str(e).removeprefix(f"cannot read checkpoint {path} (")[:-1]
+    if error := _agree(error):
+        raise Unreadable(f"cannot read checkpoint {path} ({error})")
+    return position
+
+
+def candidates(directory: Path) -> list[Path]:
+    """Every checkpoint in `directory`, oldest first: the finished ones and those named as one
+    but without their meta file (damaged: a finished checkpoint always has it)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(tuple(map(int, m.groups())), p) for p in directory.iterdir()
+             if (m := NAME_RE.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
 def load_newest_readable(directory: Path, identity: Identity, model, optimizer,
                          generator: torch.Generator | None, scheduler=None
                          ) -> tuple[Path | None, Position]:
     """`--resume auto`: the newest checkpoint that every rank can read. One that any rank
     cannot read (a disk fault) is passed over, saying so, for the next newest; the ranks
-    decide together, so that all of them resume from the same one."""
-    for path in reversed(finished(directory)):
+    decide together, so that all of them resume from the same one. Those passed over are then
+    renamed aside (`<name>.damaged`): never overwritten, pruned or deleted. Where there are
+    checkpoints but none can be read, raises Unreadable naming each, having written nothing:
+    starting from scratch would throw the run's training away."""
+    found, damaged = candidates(directory), []
+    for path in reversed(found):
         try:
-            position, error = load(path, identity, model, optimizer, generator, scheduler), None
+            position = load_everywhere(path, identity, model, optimizer, generator, scheduler)
         except Unreadable as e:
-            position, error = None, str(e)
-        errors = [None] * _world()
-        dist.all_gather_object(errors, error)
-        if not any(errors):
-            return path, position
-        log0(f"[CHECKPOINT] {next(filter(None, errors))}: trying an older one")
+            damaged.append((path, str(e)))
+            if path != found[0]:
+                log0(f"[CHECKPOINT] {e}: trying an older one")
+            continue
+        error = _attempt(_set_aside, damaged) if is_rank_zero() else None
+        if error := _agree(error):
+            raise CheckpointError(f"cannot set aside the unreadable checkpoint(s) "
+                                  f"{', '.join(str(p) for p, _ in damaged)}: {error}; nothing "
+                                  f"was written, {path} is intact")
+        return path, position
+    if damaged:
+        reasons = "; ".join(why.removeprefix("cannot read checkpoint ") for _, why in damaged)
+        raise Unreadable(
+            f"--resume auto: no checkpoint in {directory} can be read, so none is resumed and "
+            f"nothing was written: {reasons}. Repair them, or move them out of {directory} "
+            f"(then --resume auto starts afresh there); or start afresh on purpose with "
+            f"another --checkpoint-dir")
     return None, Position()
+
+
+def _set_aside(damaged: list[tuple[Path, str]]) -> None:
+    """Rename unreadable checkpoints to <name>.damaged (rank 0), saying so."""
+    for path, why in damaged:
+        aside = _aside(path)
+        os.replace(path, aside)
+        log0(f"[CHECKPOINT] set {path} aside as {aside}: it cannot be read, and is kept as it "
+             f"is ({why.removeprefix(f'cannot read checkpoint {path} ')})")

@@ -122,12 +122,13 @@ class Config:
     pg_timeout: float = option(300.0, "seconds a collective waits for a missing rank before "
                                "failing", minimum=0, metavar="SECONDS")
     checkpoint_dir: str | None = option(
-        None, "where checkpoints go, one per epoch and one on SIGUSR1/SIGTERM (default: beside "
-        "the checkpoint resumed from, else checkpoints/<SLURM job id>, else "
+        None, "where checkpoints go, one per epoch and one on SIGUSR1/SIGUSR2/SIGTERM (default: "
+        "beside the checkpoint resumed from, else checkpoints/<SLURM job id>, else "
         "checkpoints/local-<time>)", metavar="DIR")
     resume: str | None = option(
         None, "continue from the latest checkpoint in --checkpoint-dir (auto: start fresh, "
-        "saying so, if there is none), or from a checkpoint or folder PATH",
+        "saying so, if there is none; pass over unreadable ones to an older one, an error if "
+        "none can be read), or from a checkpoint or folder PATH",
         metavar="auto|PATH")
     checkpoint: bool = option(True, "write no checkpoints (default: one per epoch)",
                               flag="--no-checkpoint")

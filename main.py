@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import stopping
 from config import Config, add_options, check_world, validate
-from utils import UsageError, log0, read_ranks
+from utils import CheckpointError, UsageError, log0, read_ranks
 
 if TYPE_CHECKING:  # only named here: session.py loads torch
     from session import Outcome
@@ -32,8 +32,10 @@ EXIT_STATUS = {
     "finished": 0,
     "peer_failed": 1,  # another rank died or hung; its own log says why
     "usage": 2,  # bad input: one `error:` line
-    "stopped": 3,  # SIGUSR1/SIGTERM: a checkpoint was saved; resume to finish
+    "stopped": 3,  # SIGUSR1/SIGUSR2/SIGTERM: a checkpoint was saved; resume to finish
     "diverged": 4,  # the training loss became NaN or infinite; the last good checkpoint stays
+    "checkpoint": 5,  # a checkpoint could not be saved or read: one `error:` line says which,
+    # why, and what is intact (docs/reliability.md)
 }
 
 # ----------------------------------------------------------------------------- parse
@@ -62,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OptionParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="exit status: 0 finished, 1 another rank died or hung, 2 bad input, 3 stopped by "
-               "SIGUSR1/SIGTERM after saving a checkpoint (resume to finish), 4 diverged (the "
-               "training loss became NaN or infinite)")
+               "SIGUSR1/SIGUSR2/SIGTERM after saving a checkpoint (resume to finish), 4 diverged "
+               "(the training loss became NaN or infinite), 5 a checkpoint could not be saved "
+               "or read")
     add_options(parser)
     parser.add_argument("--check", nargs="*", type=int, metavar="N",
                         help="validate the configuration for world sizes N (default: the "
@@ -200,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, OptionError):
                 log0(USAGE, file=sys.stderr)
             log0(f"error: {e}", file=sys.stderr)
+            if isinstance(e, CheckpointError):
+                return EXIT_STATUS["checkpoint"]
             return EXIT_STATUS["usage"]
 
 

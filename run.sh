@@ -31,7 +31,11 @@
 # it to srun, which forwards it to every task; the ranks agree on a step, save a checkpoint
 # and exit; the script then requeues the job (--requeue), which starts again with the same job
 # id, resumes from checkpoints/<job id> (--resume auto) and appends to its logs
-# (--open-mode=append). SIGTERM (scancel, preemption) also saves before the ranks exit.
+# (--open-mode=append). Sites and tools differ on the warning signal: SIGUSR2 does the same
+# (sbatch --signal=B:USR2@120). SIGTERM (scancel, the time limit) reaches the tasks as a
+# SIGTERM, never through srun (which would SIGKILL them): they save a checkpoint and exit, and
+# the job ends, not requeued. Without SLURM, SIGUSR1, SIGUSR2 and SIGTERM to this script reach
+# every rank: each stops with a checkpoint (exit status 3). See docs/reliability.md.
 #
 # Variables (sbatch passes the submitting shell's environment on to the job):
 #   EDF       run every task in this container, with CSCS's Container Engine
@@ -132,12 +136,30 @@ stop_sampler() {
     wait "$pid" 2>/dev/null || true
 }
 
+# A stop signal to the batch shell: USR1 or USR2 is SLURM's warning of the time limit (the
+# job requeues once its tasks have saved); TERM is scancel's or the time limit's own (the job
+# ends). srun passes USR1 and USR2 on to every task; a SIGTERM it would turn into a SIGKILL of
+# its tasks ("forcing job termination"), so TERM goes to the tasks through scancel, which
+# signals every step but this batch shell's.
+on_stop_signal() {
+    local sig=$1
+    stopping=$sig
+    [ "$sig" = TERM ] || requeue=yes
+    [ -n "$srun_pid" ] || return 0
+    if [ "$sig" = TERM ]; then
+        scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true
+    else
+        kill -s "$sig" "$srun_pid" 2>/dev/null || true
+    fi
+}
+
 run_slurm() {
     # SLURM's warning may come at any time from here on, even before the tasks start (it is
     # sent at the controller's first 30-second check past the warning time): remember it, and
     # pass it to srun once srun runs.
-    local srun_pid="" sampler_pid="" status=0 requeue=no
-    trap 'requeue=yes; [ -z "$srun_pid" ] || kill -USR1 "$srun_pid" 2>/dev/null' USR1
+    local srun_pid="" sampler_pid="" status=0 requeue=no stopping=""
+    trap 'on_stop_signal USR1' USR1
+    trap 'on_stop_signal USR2' USR2
     local in_container=no
     [ -n "${EDF:-}" ] && in_container=yes
     PYTHON=$(pick_python "$REPO" "$in_container")
@@ -169,7 +191,9 @@ run_slurm() {
         # shellcheck disable=SC2086  # no task count: main.py's default
         "$PYTHON" main.py --resume auto "$@" --check ${SLURM_NTASKS:-} || return
     fi
-    if [ "$requeue" = no ]; then
+    # A SIGTERM before now ended this script (nothing had started); from now on it is caught.
+    trap 'on_stop_signal TERM' TERM
+    if [ -z "$stopping" ]; then
         # One sampler per node, beside the tasks (--overlap: it takes none of their resources).
         export SAMPLE_TAG=$SLURM_JOB_ID
         local sampler_code
@@ -178,7 +202,6 @@ run_slurm() {
             --ntasks-per-node=1 bash -c "$sampler_code" sampler \
             "$SAMPLES_DIR" "$SAMPLE_TAG" "$SAMPLE_EVERY" &
         sampler_pid=$!
-        trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
         # In the background, so that this shell can take SLURM's warning while the tasks train.
         srun "${srun_args[@]}" bash -c "$TASK_SETUP" task "$REPO" "$PYTHON" -u main.py \
             --resume auto "$@" &
@@ -186,12 +209,15 @@ run_slurm() {
         wait_through_signals "$srun_pid" || status=$?
         stop_sampler "$sampler_pid"
     fi
-    trap - USR1 TERM
+    trap - USR1 USR2 TERM
     # A line that outlives the job: SLURM forgets finished jobs after a while.
     if [ -n "$srun_pid" ]; then
         echo "run.sh: job $SLURM_JOB_ID exit status $status"
-    else
+    elif [ "$requeue" = yes ]; then
         echo "run.sh: job $SLURM_JOB_ID was warned of its time limit before its tasks started"
+    else
+        echo "run.sh: job $SLURM_JOB_ID was sent SIGTERM before its tasks started"
+        status=143
     fi
     [ "$requeue" = no ] || requeue_after_warning "$status" "${srun_pid:+started}"
     return "$status"
@@ -227,6 +253,15 @@ wait_through_signals() {
     return "$status"
 }
 
+# Send signal $1 to the ranks, torchrun's (pid $2) child processes.
+signal_ranks() {
+    local pid
+    [ -n "$2" ] || return 0
+    for pid in $(pgrep -P "$2"); do
+        kill -s "$1" "$pid" 2>/dev/null || true
+    done
+}
+
 visible_gpus() {
     "$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null \
         || fail "$PYTHON cannot count the GPUs: import torch; torch.cuda.device_count() fails"
@@ -257,9 +292,18 @@ run_local() {
          "stderr in $folder"
     export SAMPLE_TAG=local-${folder##*/}
     sample_node "$SAMPLES_DIR" "$SAMPLE_TAG" "$SAMPLE_EVERY" &
-    local sampler_pid=$!
+    local sampler_pid=$! torchrun_pid=""
+    # A stop signal to this script goes to every rank, as srun passes one on to its tasks: not
+    # to torchrun, which SIGUSR1 and SIGUSR2 would end, leaving the ranks without it.
+    trap 'signal_ranks USR1 "$torchrun_pid"' USR1
+    trap 'signal_ranks USR2 "$torchrun_pid"' USR2
+    trap 'signal_ranks TERM "$torchrun_pid"' TERM
+    # In the background, so that this shell can take a signal while the ranks train.
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" \
-        --log-dir "$folder" --redirects 2 main.py "$@" 2>"$folder/torchrun.log" || status=$?
+        --log-dir "$folder" --redirects 2 main.py "$@" 2>"$folder/torchrun.log" &
+    torchrun_pid=$!
+    wait_through_signals "$torchrun_pid" || status=$?
+    trap - USR1 USR2 TERM
     stop_sampler "$sampler_pid"
     [ "$status" -eq 0 ] || report_failure "$folder" "$status"
 }

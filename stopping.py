@@ -1,6 +1,6 @@
-"""Stopping on a signal: SIGUSR1 (SLURM's warning before the time limit; run.sh asks for it with
-`--signal=B:USR1@T` and srun forwards it to every task) and SIGTERM (preemption, `scancel`) no
-longer end the process once `catch_stop_signals` is entered: they become a stop that every rank
+"""Stopping on a signal: SIGUSR1 or SIGUSR2 (SLURM's warning before the time limit; run.sh asks
+for USR1 with `--signal=B:USR1@T`, other sites and tools use USR2, and srun forwards it to every
+task) and SIGTERM (preemption, `scancel`) no longer end the process once `catch_stop_signals` is entered: they become a stop that every rank
 takes at the same step boundary, within a few steps (`StopRequest`), after which the run saves a
 checkpoint (checkpoint.py) and exits with status 3.
 
@@ -15,6 +15,7 @@ import signal
 
 from utils import read_ranks
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 _stop_signal: str | None = None  # set by the handler: the name of the signal received
 
 
@@ -25,10 +26,11 @@ def _on_stop_signal(signum, frame) -> None:
 
 @contextlib.contextmanager
 def catch_stop_signals():
-    """From here on SIGUSR1 (SLURM's time-limit warning) and SIGTERM (preemption, scancel) no
-    longer end the process: they only ask for a checkpoint and a stop."""
+    """From here on SIGUSR1 or SIGUSR2 (SLURM's time-limit warning: sites and tools differ on
+    which) and SIGTERM (preemption, scancel) no longer end the process: they only ask for a
+    checkpoint and a stop."""
     previous = {sig: signal.signal(sig, _on_stop_signal)
-                for sig in (signal.SIGUSR1, signal.SIGTERM)}
+                for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -55,6 +55,11 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line on stderr, exit code 2, no traceback."""
 
 
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be written or read (checkpoint.py): one line, and main.py's exit
+    status `checkpoint`. The same on every rank."""
+
+
 def env_int(env, name: str) -> int:
     """An integer environment variable; a UsageError, naming it, where it is not one."""
     try:

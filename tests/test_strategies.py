@@ -158,11 +158,11 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_an_older_one(tmp_path):
     newest = tmp_path / "ckpt_e0003_s000000"
     (newest / checkpoint.DDP_FILE).write_bytes(b"a disk fault")
     given = run_main([*args, "--epochs", "3", "--resume", str(newest)])
-    assert_one_line_error(given, f"cannot read checkpoint {newest}")  # a PATH: no guessing
+    assert_one_line_error(given, f"cannot read checkpoint {newest}", status=5)  # no guessing
     done = run_main([*args, "--epochs", "3", "--resume", "auto"], nproc=2)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"cannot read checkpoint {newest}" in done.stdout
     assert f"resumed from {tmp_path / 'ckpt_e0002_s000000'}" in done.stdout
     assert [m["epoch"] for m in metrics_in(done.stdout)] == [2, 3]
-    # Epoch 2 trained again wrote its checkpoint anew over the unreadable one.
+    # Epoch 2 trained again wrote its checkpoint anew, the unreadable one set aside.
     assert run_main([*args, "--epochs", "3", "--resume", str(newest)]).returncode == 0

@@ -1,0 +1,582 @@
+"""Nothing lost under faults: damaged checkpoints, failed saves and loads on any rank, every
+stop signal (SIGUSR1, SIGUSR2, SIGTERM) through main.py and run.sh, and the fault-injection
+runs whose figures docs/reliability.md quotes (marked slow)."""
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import stopping
+from config import Config
+from conftest import (
+    REPO,
+    TINY,
+    assert_one_line_error,
+    clean_environment,
+    metrics_in,
+    run_main,
+    start_ranks,
+)
+from dist_harness import spawn
+
+STATUS_CHECKPOINT = 5  # main.EXIT_STATUS["checkpoint"]
+STATUS_STOPPED = 3
+
+# Tiny runs: 4 steps of 64 images an epoch, one checkpoint each.
+ARGS = [*TINY, "--batch-size", "64", "--device", "cpu", "--pg-timeout", "30"]
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under folder and a hash of its bytes: what `nothing written` compares."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def train_epochs(folder: Path, epochs: int, strategy: str = "ddp", *extra,
+                 nproc: int | None = None) -> None:
+    nproc = nproc or (2 if strategy != "ddp" else None)
+    done = run_main([*ARGS, "--strategy", strategy, "--checkpoint-dir", folder, "--epochs",
+                     epochs, *extra], nproc=nproc)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def main_on_ranks(args: list, world_size: int, timeout: float = 200, **env):
+    """main.py on world_size ranks started directly (as srun starts them: each rank's own exit
+    status is seen): rank 0's run as a CompletedProcess, and every rank's exit status."""
+    if world_size == 1:
+        done = run_main(args, timeout=timeout, **env)
+        return done, [done.returncode]
+    ranks = start_ranks(args, world_size, **env)
+    try:
+        outputs = [rank.communicate(timeout=timeout) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    statuses = [rank.returncode for rank in ranks]
+    return subprocess.CompletedProcess([], statuses[0], *outputs[0]), statuses
+
+
+def damage(path: Path, strategy: str) -> Path:
+    """Cut a checkpoint's model file short, as a full disk or a crash of the file system does:
+    DDP's one file, or one of FSDP's shards. Returns the file."""
+    victim = (path / checkpoint.DDP_FILE if strategy == "ddp"
+              else sorted(path.glob("*.distcp"))[-1])
+    victim.write_bytes(victim.read_bytes()[:100])
+    return victim
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_auto_with_only_unreadable_checkpoints_fails_and_writes_nothing(tmp_path,
+                                                                             strategy):
+    """Today's run would say `no checkpoint`, train from scratch and save over the evidence:
+    instead one error naming each damaged checkpoint and the ways on, status 5, nothing
+    written."""
+    train_epochs(tmp_path, 1, strategy)
+    first = tmp_path / "ckpt_e0002_s000000"
+    damage(first, strategy)
+    second = tmp_path / "ckpt_e0003_s000000"  # named as a checkpoint, its meta file lost
+    second.mkdir()
+    (second / checkpoint.DDP_FILE).write_bytes(b"half")
+    before = snapshot(tmp_path)
+    world_size = 1 if strategy == "ddp" else 2
+    done, statuses = main_on_ranks([*ARGS, "--strategy", strategy, "--checkpoint-dir", tmp_path,
+                                    "--epochs", 3, "--resume", "auto"], world_size)
+    assert set(statuses) == {STATUS_CHECKPOINT}, statuses
+    line = assert_one_line_error(done, f"no checkpoint in {tmp_path} can be read", str(first),
+                                 str(second), "nothing was written", "--checkpoint-dir",
+                                 "move them out of", status=STATUS_CHECKPOINT)
+    assert "meta.pt" in line.split(str(second), 1)[1]  # why, for each
+    assert "starting fresh" not in done.stdout and not metrics_in(done.stdout)
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_auto_without_any_checkpoint_still_starts_fresh(tmp_path):
+    (tmp_path / "ckpt_e0002_s000000.damaged").mkdir()  # set aside: not a checkpoint any more
+    done = run_main([*ARGS, "--checkpoint-dir", tmp_path, "--epochs", 1, "--resume", "auto"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"no checkpoint in {tmp_path}; starting fresh" in done.stdout
+
+
+def test_an_unreadable_checkpoint_is_set_aside_never_overwritten_or_pruned(tmp_path):
+    train_epochs(tmp_path, 2, "ddp", "--keep-last", 2)
+    older, newest = tmp_path / "ckpt_e0002_s000000", tmp_path / "ckpt_e0003_s000000"
+    damage(newest, "ddp")
+    evidence = snapshot(newest)
+    done = run_main([*ARGS, "--checkpoint-dir", tmp_path, "--epochs", 4, "--resume", "auto",
+                     "--keep-last", 1], nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    aside = tmp_path / "ckpt_e0003_s000000.damaged"
+    assert f"set {newest} aside as {aside}" in done.stdout
+    assert f"resumed from {older}" in done.stdout
+    # Epoch 2 trained again saved a new ckpt_e0003 beside it; --keep-last 1 pruned that one,
+    # never the damaged one, nor the one resumed from.
+    assert snapshot(aside) == evidence
+    assert [p.name for p in checkpoint.finished(tmp_path)] == ["ckpt_e0002_s000000",
+                                                                "ckpt_e0005_s000000"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_save_over_a_checkpoint_without_its_meta_file_sets_it_aside(tmp_path):
+    final, tmp = tmp_path / "ckpt_e0002_s000000", tmp_path / "ckpt_e0002_s000000.tmp"
+    final.mkdir()
+    (final / checkpoint.DDP_FILE).write_bytes(b"evidence")
+    tmp.mkdir()
+    (tmp / checkpoint.META_FILE).write_bytes(b"new")
+    checkpoint._move_into_place(tmp, final)
+    assert (final / checkpoint.META_FILE).read_bytes() == b"new"
+    assert (tmp_path / "ckpt_e0002_s000000.damaged" / checkpoint.DDP_FILE).read_bytes() == \
+        b"evidence"
+    assert checkpoint.candidates(tmp_path) == [final]
+
+
+def test_what_killed_runs_left_unfinished_goes_the_damaged_stays(tmp_path):
+    """A .tmp folder (a save cut short) or .deleting one (a prune cut short) is removed after
+    the next save; a .damaged one is kept."""
+    for name in ("ckpt_e0003_s000000.tmp", "ckpt_e0001_s000000.deleting",
+                 "ckpt_e0002_s000000.damaged", "ckpt_e0004_s000000"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / checkpoint.META_FILE).write_bytes(b"")
+    checkpoint._remove_leftovers(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_e0002_s000000.damaged",
+                                                         "ckpt_e0004_s000000"]
+
+
+# ----------------------------------------------------------------------------- failed saves, loads
+
+# main.py with a fault injected on one rank: FAULT="<rank>:<kind>:<path fragment>". The fault
+# strikes where that rank's file operation of that kind touches a path containing the fragment.
+FAULTY_MAIN = """
+import errno, os, sys
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_fs
+import checkpoint, main
+
+rank, kind, fragment = os.environ["FAULT"].split(":")
+if os.environ.get("RANK", "0") == rank:
+    def strikes(path):
+        return fragment in str(path)
+    if kind == "save":  # torch's serialization: a full disk
+        real_save = torch.save
+        def save(obj, f, *args, **kwargs):
+            if strikes(f):
+                raise OSError(errno.ENOSPC, "No space left on device", str(f))
+            return real_save(obj, f, *args, **kwargs)
+        torch.save = save
+    elif kind == "load":  # a file the disk cannot read back
+        real_load = torch.load
+        def load(f, *args, **kwargs):
+            if strikes(f):
+                raise OSError(errno.EIO, "Input/output error", str(f))
+            return real_load(f, *args, **kwargs)
+        torch.load = load
+    elif kind == "dcp":  # one of FSDP's shards
+        real_write = dcp_fs.FileSystemWriter.write_data
+        def write_data(self, plan, planner):
+            if strikes(self.path):
+                raise OSError(errno.EDQUOT, "Disk quota exceeded", str(self.path))
+            return real_write(self, plan, planner)
+        dcp_fs.FileSystemWriter.write_data = write_data
+    elif kind == "rename":  # the last step: the finished folder renamed to its name
+        real_replace = os.replace
+        def replace(src, dst, *args, **kwargs):
+            if strikes(src) and str(src).endswith(".tmp"):
+                raise OSError(errno.EROFS, "Read-only file system", str(src))
+            return real_replace(src, dst, *args, **kwargs)
+        checkpoint.os.replace = replace
+sys.exit(main.main(sys.argv[1:]))
+"""
+
+
+def run_ranks(args: list, fault: str, tmp_path: Path, timeout: float = 150):
+    """Two ranks of FAULTY_MAIN; their exit statuses and outputs, and how long after the first
+    rank the last one ended."""
+    program = tmp_path / "faulty_main.py"
+    program.write_text(FAULTY_MAIN)
+    ranks = start_ranks(args, 2, program=program, FAULT=fault, PYTHONPATH=str(REPO))
+    try:
+        ended = {}
+        deadline = time.monotonic() + timeout
+        while len(ended) < 2 and time.monotonic() < deadline:
+            for r, rank in enumerate(ranks):
+                if r not in ended and rank.poll() is not None:
+                    ended[r] = time.monotonic()
+            time.sleep(0.05)
+        outputs = [rank.communicate(timeout=5) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    spread = max(ended.values()) - min(ended.values()) if len(ended) == 2 else None
+    return [rank.returncode for rank in ranks], outputs, spread
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,fault,cause", [
+    ("ddp", "1:save:ckpt_e0003_s000000.tmp/rng_rank1.pt",
+     "rank 1: OSError: [Errno 28] No space left on device"),
+    ("ddp", "0:save:ckpt_e0003_s000000.tmp/state.pt",
+     "rank 0: OSError: [Errno 28] No space left on device"),
+    ("ddp", "0:rename:ckpt_e0003", "rank 0: OSError: [Errno 30] Read-only file system"),
+    ("fsdp", "1:dcp:ckpt_e0003", "rank 1: OSError: [Errno 122] Disk quota exceeded"),
+])
+def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strategy, fault,
+                                                               cause):
+    """Epoch 1's checkpoint (ckpt_e0002) is saved; epoch 2's fails on one rank. Both ranks
+    end at once with status 5 and one line naming the checkpoint, the cause and the intact
+    one; no half-written folder stays; resuming goes on from the intact one."""
+    args = [*ARGS, "--strategy", strategy, "--checkpoint-dir", tmp_path / "ck", "--epochs", 3]
+    statuses, outputs, spread = run_ranks(args, fault, tmp_path)
+    failed = tmp_path / "ck" / "ckpt_e0003_s000000"
+    intact = tmp_path / "ck" / "ckpt_e0002_s000000"
+    assert statuses == [STATUS_CHECKPOINT] * 2, outputs
+    out, err = outputs[0]
+    done = subprocess.CompletedProcess([], statuses[0], out, err)
+    assert_one_line_error(done, f"cannot save checkpoint {failed}: {cause}",
+                          f"the newest checkpoint, {intact}, is intact", status=5)
+    assert "Traceback" not in outputs[1][0] + outputs[1][1]
+    assert spread < 10, spread  # the other rank did not wait for a timeout
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == [intact.name]
+    resumed = run_main([*args, "--resume", "auto"], nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [2, 3]
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_path):
+    """--resume PATH whose file rank 1 alone cannot read: not rank 1 failing while rank 0
+    trains on and waits for it, but both ending at once, status 5, one line."""
+    folder = tmp_path / "ck"
+    train_epochs(folder, 1, nproc=2)  # at the world size that resumes: rank 1 reads its file
+    path = folder / "ckpt_e0002_s000000"
+    args = [*ARGS, "--checkpoint-dir", folder, "--epochs", 2, "--resume", path]
+    statuses, outputs, spread = run_ranks(args, "1:load:rng_rank1.pt", tmp_path)
+    assert statuses == [STATUS_CHECKPOINT] * 2, outputs
+    done = subprocess.CompletedProcess([], statuses[0], *outputs[0])
+    assert_one_line_error(done, f"cannot read checkpoint {path} (rank 1: OSError: [Errno 5] "
+                          "Input/output error", status=5)
+    assert spread < 10, spread
+    assert [p.name for p in folder.iterdir()] == [path.name]
+
+
+# ----------------------------------------------------------------------------- every stop signal
+
+STOP_SIGNALS = ["SIGUSR1", "SIGUSR2", "SIGTERM"]
+# Long enough to be signalled during epoch 1.
+LONG = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
+        "--batch-size", "32", "--epochs", "2", "--print-every", "20", "--device", "cpu"]
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def wait_for_training(process: subprocess.Popen) -> None:
+    for line in process.stdout:  # rank 0's progress lines: training is under way
+        if line.startswith("epoch 1 step"):
+            return
+    raise AssertionError("training never started: " + process.stderr.read()[-3000:])
+
+
+def assert_stopped_mid_epoch_1(folder: Path) -> None:
+    saved = [p.name for p in folder.iterdir()]
+    assert len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and \
+        saved[0] != "ckpt_e0001_s000000", saved
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("signal_name", STOP_SIGNALS)
+def test_every_stop_signal_stops_two_torchrun_ranks_with_a_checkpoint(tmp_path, signal_name):
+    """The signal reaches rank 0 of two under torchrun: both stop at one step boundary, save
+    one checkpoint, and exit 3 (torchrun's report says so)."""
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "main.py", *LONG, "--checkpoint-dir", str(tmp_path)], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_environment())
+    try:
+        wait_for_training(torchrun)
+        ranks = children(torchrun.pid)
+        assert len(ranks) == 2, ranks
+        rank0 = next(p for p in ranks
+                     if "RANK=0" in Path(f"/proc/{p}/environ").read_text().split("\0"))
+        os.kill(rank0, getattr(signal, signal_name))
+        out, err = torchrun.communicate(timeout=150)
+    finally:
+        torchrun.kill()
+    assert f"[CHECKPOINT] stopped on {signal_name} at epoch 1 step" in out, err[-3000:]
+    # torchrun itself ends in a traceback (ChildFailedError) on a rank's non-zero exit: run.sh
+    # turns that into its status 3. The ranks wrote none, and no error.
+    assert (out + err).count("Traceback") == err.count("ChildFailedError:"), err[-3000:]
+    assert "error:" not in out + err
+    assert "exitcode  : 3" in err  # the first rank to end (both do)
+    assert_stopped_mid_epoch_1(tmp_path)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("signal_name", STOP_SIGNALS)
+def test_every_stop_signal_to_run_sh_reaches_every_rank(repo_copy, signal_name):
+    """run.sh without SLURM passes the signal to every rank (not to torchrun, which SIGUSR1 and
+    SIGUSR2 would end, orphaning the ranks): a checkpoint, and run.sh's status 3."""
+    script = subprocess.Popen(["bash", "run.sh", *LONG, "--checkpoint-dir", "ckpt"],
+                              cwd=repo_copy, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=clean_environment(NPROC="2"))
+    try:
+        wait_for_training(script)
+        script.send_signal(getattr(signal, signal_name))
+        out, err = script.communicate(timeout=150)
+    finally:
+        script.kill()
+    assert script.returncode == STATUS_STOPPED, out[-2000:] + err[-3000:]
+    assert f"[CHECKPOINT] stopped on {signal_name} at epoch 1 step" in out
+    assert "continue with: main.py" in out
+    assert "error:" not in out + err and "Traceback" not in out + err
+    assert_stopped_mid_epoch_1(repo_copy / "ckpt")
+
+
+# What SLURM's binaries would do, for run.sh's batch path: the sampler's srun waits to be
+# ended; the tasks' srun "trains" until a stop signal reaches it (from run.sh, or as scancel
+# would send it), writes down which, then exits with $TASKS_STATUS; scontrol and scancel write
+# down what they were asked.
+SLURM_STAND_INS = {
+    "srun": """if [[ " $* " == *" --overlap "* ]]; then exec sleep 600; fi
+stop() { echo "srun got $1" >>"$CALLS"; exit "$TASKS_STATUS"; }
+trap 'stop USR1' USR1
+trap 'stop USR2' USR2
+trap 'stop TERM' TERM
+echo $$ >"$CALLS.started"
+while true; do sleep 0.1; done""",
+    "scontrol": 'echo "scontrol $*" >>"$CALLS"',
+    "scancel": 'echo "scancel $*" >>"$CALLS"; kill -TERM "$(cat "$CALLS.started")"',
+    "python": "true",
+}
+
+
+def batch_job_signalled(repo_copy: Path, tmp_path: Path, signal_name: str,
+                        tasks_status: int = STATUS_STOPPED):
+    """run.sh as SLURM's batch script, sent signal_name while its tasks train: (the finished
+    script, the calls the stand-ins wrote down)."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name, body in SLURM_STAND_INS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = clean_environment(
+        PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(calls), TASKS_STATUS=str(tasks_status),
+        PYTHON=str(bin_dir / "python"), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1",
+        SLURM_NTASKS="2", SLURM_JOB_NODELIST="node1", SLURM_RESTART_COUNT="0")
+    script = subprocess.Popen(["bash", "run.sh", *TINY], cwd=repo_copy, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(f"{calls}.started").exists():
+            assert time.monotonic() < deadline and script.poll() is None, script.communicate()
+            time.sleep(0.1)
+        time.sleep(0.3)  # the stand-in's traps are set once it wrote its pid
+        script.send_signal(getattr(signal, signal_name))
+        out, err = script.communicate(timeout=30)
+    finally:
+        script.kill()
+    done = subprocess.CompletedProcess(script.args, script.returncode, out, err)
+    return done, calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.mark.parametrize("signal_name", ["USR1", "USR2"])
+def test_either_warning_signal_reaches_the_tasks_and_requeues_the_batch_job(
+        repo_copy, tmp_path, signal_name):
+    done, calls = batch_job_signalled(repo_copy, tmp_path, f"SIG{signal_name}")
+    assert calls == [f"srun got {signal_name}", "scontrol requeue 4242"], done.stdout + done.stderr
+    assert done.returncode == STATUS_STOPPED
+
+
+def test_sigterm_reaches_the_tasks_as_sigterm_and_ends_the_batch_job(repo_copy, tmp_path):
+    """scancel or the time limit: the tasks get a SIGTERM of their own (through scancel, not
+    through srun, which would SIGKILL them), save, and the job ends without a requeue."""
+    done, calls = batch_job_signalled(repo_copy, tmp_path, "SIGTERM")
+    assert calls == ["scancel --signal=TERM 4242", "srun got TERM"], done.stdout + done.stderr
+    assert done.returncode == STATUS_STOPPED
+    assert "run.sh: job 4242 exit status 3" in done.stdout
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+# The random steps, signals, ranks and kill times come from this seed (printed, and set with
+# FAULTS_SEED to repeat a run or try another).
+SEED = int(os.environ.get("FAULTS_SEED", "20261123"))
+SIGNALS = [signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM]
+# 12 steps of 16 images an epoch, augmentation on (resuming must restore every random stream).
+STOP_CFG = dict(dataset="synthetic", augment=True, train_samples=192, val_samples=32,
+                batch_size=16, print_every=10**6, seed=11, epochs=4, pg_timeout=60)
+STEPS_PER_EPOCH = 12
+
+
+def whole_model(env, model) -> dict | None:
+    """The whole model's parameters, gathered from every rank's shard, on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+    return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
+
+
+def train_until_signalled(env, cfg, at_poll, rank, signum):
+    """main.py's run on every rank, with `signum` sent to `rank` at its at_poll-th step (0:
+    never). The ranks agree on a stop at every step (the next step after the signal), as main()
+    catches the signals. Returns the whole model and where a stop left training."""
+    import session
+    stopping.STOP_POLL_EVERY = 1
+    if env.rank == rank and at_poll:
+        poll, calls = stopping.StopRequest.poll, []
+
+        def poll_and_signal(self):
+            calls.append(1)
+            if len(calls) == at_poll:
+                os.kill(os.getpid(), signum)
+            return poll(self)
+
+        stopping.StopRequest.poll = poll_and_signal
+    with stopping.catch_stop_signals():
+        outcome = session.run(cfg, env)
+    return whole_model(env, outcome.trainer.model), outcome.stopped_at
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ten_stops_at_random_steps_then_resumes_end_as_the_uninterrupted_run(tmp_path,
+                                                                           strategy):
+    """Two ranks, stopped by a random stop signal to a random rank at 10 random steps of 4
+    epochs, each stop resumed in new processes: the same parameters as without the stops, to
+    the bit."""
+    rng = random.Random(f"{SEED}-stops-{strategy}")
+    cfg = dict(STOP_CFG, strategy=strategy)
+    reference, _ = spawn(train_until_signalled, 2, Config(**cfg, checkpoint=False), 0, 0, 0)[0]
+    total = cfg["epochs"] * STEPS_PER_EPOCH
+    targets = sorted(rng.sample(range(1, total), 10))
+    done, stops = 0, []
+    for target in targets:
+        signum, rank = rng.choice(SIGNALS), rng.randrange(2)
+        state, at = spawn(train_until_signalled, 2,
+                          Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"),
+                          target - done, rank, signum)[0]
+        assert at is not None, f"no stop at step {target}"
+        done = (at.epoch - 1) * STEPS_PER_EPOCH + at.step
+        assert done == target, (done, target)
+        stops.append(f"{signal.Signals(signum).name}@rank{rank}:e{at.epoch}s{at.step}")
+    state, at = spawn(train_until_signalled, 2,
+                      Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"), 0, 0, 0)[0]
+    assert at is None and state.keys() == reference.keys()
+    differing = [k for k in state if not torch.equal(state[k], reference[k])]
+    print(f"\n[FAULTS] seed={SEED} strategy={strategy} stops survived: {len(stops)} "
+          f"({' '.join(stops)}); parameters differing from the uninterrupted run: "
+          f"{len(differing)} of {len(state)}")
+    assert not differing
+
+
+KILL_ARGS = ["--dataset", "synthetic", "--train-samples", "64", "--val-samples", "32",
+             "--batch-size", "16", "--print-every", "1000", "--device", "cpu", "--pg-timeout",
+             "10", "--keep-last", "2", "--seed", "3"]
+KILL_EPOCHS = 40
+
+
+def unreadable(path: Path) -> str | None:
+    """Why the checkpoint at path cannot be read whole, or None: every file of it loaded, as
+    resuming would (FSDP's shards through DCP, without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    try:
+        for f in path.glob("*.pt"):
+            torch.load(f, weights_only=False)
+        if (path / ".metadata").exists():
+            dcp_to_torch_save(path, path.parent / "probe.pt")
+            (path.parent / "probe.pt").unlink()
+        elif not (path / checkpoint.DDP_FILE).is_file():
+            return "no model file"
+        return None if (path / checkpoint.META_FILE).is_file() else "no meta file"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def saving(folder: Path) -> set:
+    """The .tmp folders of saves under way (or cut short), each as (name, inode, creation)."""
+    found = set()
+    for path in folder.glob("*.tmp"):
+        try:
+            stat = path.stat()
+            found.add((path.name, stat.st_ino, stat.st_ctime_ns))
+        except FileNotFoundError:  # renamed into place meanwhile
+            pass
+    return found
+
+
+def final_model(folder: Path) -> dict:
+    newest = checkpoint.latest(folder)
+    if (newest / checkpoint.DDP_FILE).is_file():
+        return torch.load(newest / checkpoint.DDP_FILE, weights_only=False)["model"]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(newest, folder / "final.pt")
+    return torch.load(folder / "final.pt", weights_only=False)["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tmp_path,
+                                                                            strategy):
+    """Two ranks started as srun starts them; a random one is SIGKILLed, 10 times, each run
+    resuming the last (--resume auto): at a random moment after start-up, or, half of the
+    times, the moment a save has begun (its .tmp folder appears). After every kill the
+    checkpoint --resume auto would pick is readable, and the run, finished at last, ends with
+    the parameters of an uninterrupted one, to the bit."""
+    rng = random.Random(f"{SEED}-kills-{strategy}")
+    args = [*KILL_ARGS, "--strategy", strategy, "--epochs", KILL_EPOCHS, "--resume", "auto"]
+    reference = tmp_path / "reference"
+    done, _ = main_on_ranks([*args, "--checkpoint-dir", reference], 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = tmp_path / "killed"
+    kills, lost, left = [], [], 0
+    for _ in range(10):
+        before = saving(folder)
+        ranks = start_ranks([*args, "--checkpoint-dir", folder], 2)
+        try:
+            for line in ranks[0].stdout:  # once rank 0 has resumed: training is starting
+                if line.startswith("[CONFIG]"):
+                    break
+            victim, delay = rng.randrange(2), rng.uniform(0, 2.5)
+            mid_save = rng.random() < 0.5
+            start = time.monotonic()
+            if mid_save:  # a new .tmp folder: not one an earlier kill left
+                while not saving(folder) - before and time.monotonic() - start < 30:
+                    time.sleep(0.001)
+            else:
+                time.sleep(delay)
+            delay = time.monotonic() - start
+            ranks[victim].kill()
+            for rank in ranks:
+                rank.communicate(timeout=60)
+        finally:
+            for rank in ranks:
+                rank.kill()
+        statuses = [rank.returncode for rank in ranks]
+        assert statuses[victim] == -signal.SIGKILL, statuses  # it had not finished already
+        left += bool(list(folder.glob("*.tmp")))
+        newest = (checkpoint.candidates(folder) or [None])[-1]  # none before epoch 1 ends
+        if newest and (why := unreadable(newest)):
+            lost.append(f"{newest.name}: {why}")
+        how = "(save)" if mid_save else ""
+        kills.append(f"rank{victim}@{delay:.2f}s{how}->{newest.name if newest else '-'}")
+    done, statuses = main_on_ranks([*args, "--checkpoint-dir", folder], 2)
+    assert statuses == [0, 0], done.stderr[-3000:]
+    state, expected = final_model(folder), final_model(reference)
+    differing = [k for k in expected if not torch.equal(state[k], expected[k])]
+    print(f"\n[FAULTS] seed={SEED} strategy={strategy} kills survived: {len(kills)} "
+          f"({' '.join(kills)}); kills that left a half-written folder: {left}; "
+          f"unreadable newest checkpoints: {len(lost)} {lost}; parameters differing from the "
+          f"uninterrupted run: {len(differing)} of {len(expected)}")
+    assert not lost and not differing
