@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m "not slurm and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m fast $(PYTEST_ARGS)
 
 # On a machine with a GPU: the CUDA/NCCL tests (skipped elsewhere), then the benchmark.
 test-gpu: $(STAMP)

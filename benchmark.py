@@ -17,6 +17,7 @@ regression in them shows here. Warm-up (first batches, first epoch) is never tim
 """
 
 import argparse
+import collections
 import datetime
 import os
 import platform
@@ -25,8 +26,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import collections
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +36,8 @@ import distributed_utils
 from checkpoint import Position
 from comm_bench import run_comm_benchmark
 from config import Config
-from session import build_trainer
 from model import build_model
+from session import build_trainer
 from train import make_optimizer, synchronize
 from utils import parse_metric
 
@@ -50,12 +49,14 @@ def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
-            f"GPU {gpu}; torch {torch.__version__}; {datetime.date.today()}")
+    return (
+        f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
+        f"GPU {gpu}; torch {torch.__version__}; {datetime.date.today()}"
+    )
 
 
 def timed(fn, device: torch.device) -> float:
@@ -66,17 +67,28 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def input_pipeline(kind: str, batch: int, steps: int, workers: int, device: torch.device,
-                   rounds: int = 5) -> float:
+def input_pipeline(
+    kind: str, batch: int, steps: int, workers: int, device: torch.device, rounds: int = 5
+) -> float:
     """Images/s of one rank's training batches, augmented and on the device, nothing else.
 
     The median over `rounds` epochs: one epoch lasts well under a second, and a shared
     machine's speed drifts over that much time.
     """
     train, val = data.make_synthetic(batch * steps, batch, seed=0)
-    loaders = data.build_loaders(train, val, SPEC, kind=kind, rank=0, world_size=1,
-                                 global_batch=batch, seed=0, augment=True, device=device,
-                                 num_workers=workers)
+    loaders = data.build_loaders(
+        train,
+        val,
+        SPEC,
+        kind=kind,
+        rank=0,
+        world_size=1,
+        global_batch=batch,
+        seed=0,
+        augment=True,
+        device=device,
+        num_workers=workers,
+    )
     for _ in loaders.train:  # warm-up epoch: worker start-up, first allocations
         pass
 
@@ -131,9 +143,16 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     The two alternate, round after round, and the ratio is the median of the rounds' ratios:
     a shared or virtual machine's speed drifts by tens of percent over a minute.
     """
-    cfg = Config(dataset="synthetic", train_samples=batch * steps, val_samples=batch,
-                 batch_size=batch, epochs=1, checkpoint=False, augment=True,
-                 print_every=10**9)  # no progress lines
+    cfg = Config(
+        dataset="synthetic",
+        train_samples=batch * steps,
+        val_samples=batch,
+        batch_size=batch,
+        epochs=1,
+        checkpoint=False,
+        augment=True,
+        print_every=10**9,
+    )  # no progress lines
     env = distributed_utils.setup()
     try:
         trainer, _ = build_trainer(cfg, env)
@@ -153,18 +172,41 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     finally:
         distributed_utils.cleanup()
     images = batch * steps
-    return {"loop": images / statistics.median(ours), "bare": images / statistics.median(theirs),
-            "ratio": statistics.median(b / o for o, b in zip(ours, theirs)),
-            "data_wait_share": statistics.median(wait), "operations": operations}
+    return {
+        "loop": images / statistics.median(ours),
+        "bare": images / statistics.median(theirs),
+        "ratio": statistics.median(b / o for o, b in zip(ours, theirs)),
+        "data_wait_share": statistics.median(wait),
+        "operations": operations,
+    }
 
 
 def scaling_run(strategy: str, world_size: int, batch: int, samples: int, epochs: int) -> dict:
     """main.py under torchrun; the last epoch's [METRIC] line (earlier ones carry warm-up)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world_size}", str(ROOT / "main.py"), "--strategy", strategy,
-           "--dataset", "synthetic", "--train-samples", str(samples), "--val-samples", "1024",
-           "--batch-size", str(batch), "--epochs", str(epochs), "--print-every", str(10**9),
-           "--no-checkpoint", "--augment"]  # crop and flip, as CIFAR-10 runs do
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        str(ROOT / "main.py"),
+        "--strategy",
+        strategy,
+        "--dataset",
+        "synthetic",
+        "--train-samples",
+        str(samples),
+        "--val-samples",
+        "1024",
+        "--batch-size",
+        str(batch),
+        "--epochs",
+        str(epochs),
+        "--print-every",
+        str(10**9),
+        "--no-checkpoint",
+        "--augment",
+    ]  # crop and flip, as CIFAR-10 runs do
     # One thread per rank at every world size, so efficiency compares like with like.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -198,9 +240,12 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="fewer steps and samples")
     p.add_argument("--batch-size", type=int, default=256, help="global batch size")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers, classic path")
-    p.add_argument("--comm", action="store_true",
-                   help="only the collective micro-benchmark of the CIFAR-10 CNN's messages, "
-                        "at the launcher's world size (torchrun --nproc_per_node=N)")
+    p.add_argument(
+        "--comm",
+        action="store_true",
+        help="only the collective micro-benchmark of the CIFAR-10 CNN's messages, "
+        "at the launcher's world size (torchrun --nproc_per_node=N)",
+    )
     args = p.parse_args(argv)
     if args.comm:
         return comm_only()
@@ -209,24 +254,24 @@ def main(argv=None) -> None:
     b = args.batch_size
     steps = 10 if args.quick else 40
     # One GPU per rank (two ranks on one GPU are refused); on the CPU, two ranks share it.
-    world_sizes = ([n for n in (1, 2, 4) if n <= torch.cuda.device_count()] if gpu else [1, 2])
+    world_sizes = [n for n in (1, 2, 4) if n <= torch.cuda.device_count()] if gpu else [1, 2]
     samples = 4 * b * max(world_sizes) if args.quick else (50_000 if gpu else 16 * b * 4)
 
     print(f"# benchmark.py: {machine()}\n", flush=True)
     tensor = input_pipeline("tensor", b, steps * 4, args.workers, device)
     classic = input_pipeline("classic", b, steps, args.workers, device)
     loop = loop_vs_bare(b, steps, device)
-    rows = [("measure", "value", "target"),
-            ("input pipeline, tensor path (images/s)", f"{tensor:,.0f}", ""),
-            (f"input pipeline, classic path, {args.workers} workers (images/s)",
-             f"{classic:,.0f}", ""),
-            ("tensor / classic", f"{tensor / classic:.1f}x", ">= 10x"),
-            ("training loop, world size 1 (images/s)", f"{loop['loop']:,.0f}", ""),
-            ("bare loop (images/s)", f"{loop['bare']:,.0f}", ""),
-            ("training loop / bare loop (median of rounds)", f"{loop['ratio']:.2f}", ">= 0.95"),
-            ("data wait, share of step time", f"{100 * loop['data_wait_share']:.1f}%", "<= 5%"),
-            ("operations per training step (DDP, world size 1)", f"{loop['operations']:.0f}",
-             "<= 100")]
+    rows = [
+        ("measure", "value", "target"),
+        ("input pipeline, tensor path (images/s)", f"{tensor:,.0f}", ""),
+        (f"input pipeline, classic path, {args.workers} workers (images/s)", f"{classic:,.0f}", ""),
+        ("tensor / classic", f"{tensor / classic:.1f}x", ">= 10x"),
+        ("training loop, world size 1 (images/s)", f"{loop['loop']:,.0f}", ""),
+        ("bare loop (images/s)", f"{loop['bare']:,.0f}", ""),
+        ("training loop / bare loop (median of rounds)", f"{loop['ratio']:.2f}", ">= 0.95"),
+        ("data wait, share of step time", f"{100 * loop['data_wait_share']:.1f}%", "<= 5%"),
+        ("operations per training step (DDP, world size 1)", f"{loop['operations']:.0f}", "<= 100"),
+    ]
     print(table(rows) + "\n", flush=True)
 
     rows = [("strategy", "ranks", "images/s", "epoch time (s)", "efficiency", "peak mem (MB)")]
@@ -235,14 +280,26 @@ def main(argv=None) -> None:
         for n in world_sizes:
             m = scaling_run(strategy, n, b, samples, epochs=2)
             base = base or m["throughput"]
-            rows.append((strategy, n, f"{m['throughput']:,.0f}", f"{m['time']:.2f}",
-                         f"{100 * m['throughput'] / (n * base):.0f}%", m["peak_mem"]))
-    print(f"Scaling: global batch {b}, {samples:,} synthetic images with crop and flip, one "
-          f"{'GPU' if gpu else 'CPU thread'} per rank, second epoch:\n")
+            rows.append(
+                (
+                    strategy,
+                    n,
+                    f"{m['throughput']:,.0f}",
+                    f"{m['time']:.2f}",
+                    f"{100 * m['throughput'] / (n * base):.0f}%",
+                    m["peak_mem"],
+                )
+            )
+    print(
+        f"Scaling: global batch {b}, {samples:,} synthetic images with crop and flip, one "
+        f"{'GPU' if gpu else 'CPU thread'} per rank, second epoch:\n"
+    )
     print(table(rows))
     if gpu:
-        print(f"\nOne epoch of {samples:,} images at global batch {b} on one GPU: "
-              f"{rows[1][3]} s (target < 0.3 s; the course measured about 7 s).")
+        print(
+            f"\nOne epoch of {samples:,} images at global batch {b} on one GPU: "
+            f"{rows[1][3]} s (target < 0.3 s; the course measured about 7 s)."
+        )
     else:
         print("\nNo GPU here: the one-GPU epoch-time target (< 0.3 s) was not measured.")
 

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from config import SHARDED
 from distributed_utils import is_peer_failure, run_name
@@ -47,6 +46,7 @@ DDP_FILE = "state.pt"
 class Position:
     """Where training continues: epoch `epoch` after `step` batches, with what those batches
     already added to the epoch's (global) sums."""
+
     epoch: int = 1
     step: int = 0
     loss_sum: float = 0.0
@@ -62,6 +62,7 @@ class Position:
 @dataclass
 class Identity:
     """What a checkpoint fits: refused, with a clear message, by a run of another kind."""
+
     strategy: str
     model: str
     parameters: int
@@ -118,8 +119,15 @@ def _whole(identity: "Identity") -> bool:
     return identity.strategy not in SHARDED
 
 
-def save(directory: Path, position: Position, identity: Identity, model, optimizer,
-         generator: torch.Generator | None, scheduler=None) -> Path:
+def save(
+    directory: Path,
+    position: Position,
+    identity: Identity,
+    model,
+    optimizer,
+    generator: torch.Generator | None,
+    scheduler=None,
+) -> Path:
     """Every rank calls this. Returns the checkpoint's folder (replacing one of that name).
 
     A failure on any rank (the file system, torch's serialization) raises the same
@@ -131,15 +139,18 @@ def save(directory: Path, position: Position, identity: Identity, model, optimiz
     tmp = directory / (position.name + ".tmp")
     error = _attempt(_make_empty, directory, tmp) if is_rank_zero() else None
     if not (error := _agree(error)):
-        error = _agree(_attempt(_write, tmp, position, identity, model, optimizer, generator,
-                                scheduler))
+        error = _agree(
+            _attempt(_write, tmp, position, identity, model, optimizer, generator, scheduler)
+        )
     if not error:
         error = _agree(_attempt(_move_into_place, tmp, final) if is_rank_zero() else None)
     if error:
         if is_rank_zero():
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot save checkpoint {final}: {error}; nothing of it was kept "
-                              f"(no {tmp.name} left behind), and {_intact(directory)}")
+        raise CheckpointError(
+            f"cannot save checkpoint {final}: {error}; nothing of it was kept "
+            f"(no {tmp.name} left behind), and {_intact(directory)}"
+        )
     if is_rank_zero():
         _remove_leftovers(directory)
     return final
@@ -152,14 +163,22 @@ def _make_empty(directory: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write(tmp: Path, position: Position, identity: Identity, model, optimizer,
-           generator: torch.Generator | None, scheduler) -> None:
+def _write(
+    tmp: Path,
+    position: Position,
+    identity: Identity,
+    model,
+    optimizer,
+    generator: torch.Generator | None,
+    scheduler,
+) -> None:
     """This rank's part of a checkpoint, into `tmp` (DCP's sharded save is collective, and
     raises on every rank if one fails)."""
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         model_state, optim_state = get_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+            model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+        )
         if full:
             if is_rank_zero():
                 torch.save({"model": model_state, "optim": optim_state}, tmp / DDP_FILE)
@@ -167,9 +186,15 @@ def _write(tmp: Path, position: Position, identity: Identity, model, optimizer,
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     torch.save(_rng_state(generator), tmp / f"rng_rank{_rank()}.pt")
     if is_rank_zero():
-        torch.save({"position": asdict(position), "identity": asdict(identity),
-                    "world_size": _world(),
-                    "scheduler": scheduler.state_dict() if scheduler else None}, tmp / META_FILE)
+        torch.save(
+            {
+                "position": asdict(position),
+                "identity": asdict(identity),
+                "world_size": _world(),
+                "scheduler": scheduler.state_dict() if scheduler else None,
+            },
+            tmp / META_FILE,
+        )
 
 
 def _fsync(path: Path) -> None:
@@ -234,8 +259,9 @@ def _cause(error: BaseException) -> str:
     """What went wrong, in one line: the exception's type and first line; for DCP's
     CheckpointException (which holds every failed rank's), each rank's."""
     if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {_cause(wrapped[0])}"
-                         for rank, wrapped in sorted(error.failures.items()))
+        return "; ".join(
+            f"rank {rank}: {_cause(wrapped[0])}" for rank, wrapped in sorted(error.failures.items())
+        )
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
@@ -259,8 +285,14 @@ def _agree(error: str | None) -> str | None:
         return error
     errors = [None] * _world()
     dist.all_gather_object(errors, error)
-    return next((f"rank {rank}: {e}" if not e.startswith("rank ") else e
-                 for rank, e in enumerate(errors) if e), None)
+    return next(
+        (
+            f"rank {rank}: {e}" if not e.startswith("rank ") else e
+            for rank, e in enumerate(errors)
+            if e
+        ),
+        None,
+    )
 
 
 def _intact(directory: Path) -> str:
@@ -285,8 +317,10 @@ def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
 def refuse_overwrite(folder: Path, resume: str | None) -> None:
     """A fresh run must not mix its checkpoints with an earlier run's."""
     if resume is None and latest(folder):
-        raise UsageError(f"{folder} already holds checkpoints of an earlier run: continue it "
-                         "with --resume auto, or choose another --checkpoint-dir")
+        raise UsageError(
+            f"{folder} already holds checkpoints of an earlier run: continue it "
+            "with --resume auto, or choose another --checkpoint-dir"
+        )
 
 
 def prepare_folder(checkpoint_dir: str | None, resume: str | None) -> Path:
@@ -298,8 +332,10 @@ def prepare_folder(checkpoint_dir: str | None, resume: str | None) -> Path:
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"checkpoint folder {folder} is not writable ({e.strerror}); "
-                         "choose another with --checkpoint-dir") from None
+        raise UsageError(
+            f"checkpoint folder {folder} is not writable ({e.strerror}); "
+            "choose another with --checkpoint-dir"
+        ) from None
     refuse_overwrite(folder, resume)
     return folder
 
@@ -309,8 +345,11 @@ def finished(directory: Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(tuple(map(int, m.groups())), p) for p in directory.iterdir()
-             if (m := NAME_RE.match(p.name)) and (p / META_FILE).is_file()]
+    found = [
+        (tuple(map(int, m.groups())), p)
+        for p in directory.iterdir()
+        if (m := NAME_RE.match(p.name)) and (p / META_FILE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -363,24 +402,37 @@ def _reading(path: Path):
         raise Unreadable(f"cannot read checkpoint {path} ({_cause(e)})") from None
 
 
-def load(path: Path, identity: Identity, model, optimizer,
-         generator: torch.Generator | None, scheduler=None) -> Position:
+def load(
+    path: Path,
+    identity: Identity,
+    model,
+    optimizer,
+    generator: torch.Generator | None,
+    scheduler=None,
+) -> Position:
     """Restore model, optimizer, scheduler and (at the same world size) every rank's random
     streams."""
     with _reading(path):
         meta = torch.load(path / META_FILE, weights_only=False)
     theirs = Identity(**meta["identity"])
     if (theirs.strategy, theirs.model, theirs.parameters) != (
-            identity.strategy, identity.model, identity.parameters):
-        raise UsageError(f"checkpoint {path} was written by strategy={theirs.strategy} "
-                         f"model={theirs.model} ({theirs.parameters} parameters); this run is "
-                         f"strategy={identity.strategy} model={identity.model} "
-                         f"({identity.parameters} parameters)")
+        identity.strategy,
+        identity.model,
+        identity.parameters,
+    ):
+        raise UsageError(
+            f"checkpoint {path} was written by strategy={theirs.strategy} "
+            f"model={theirs.model} ({theirs.parameters} parameters); this run is "
+            f"strategy={identity.strategy} model={identity.model} "
+            f"({identity.parameters} parameters)"
+        )
     position = Position(**meta["position"])
     if position.step and theirs.global_batch != identity.global_batch:
-        raise UsageError(f"checkpoint {path} stopped mid-epoch at global batch "
-                         f"{theirs.global_batch}; resume it with --batch-size "
-                         f"{theirs.global_batch}, or from an end-of-epoch checkpoint")
+        raise UsageError(
+            f"checkpoint {path} stopped mid-epoch at global batch "
+            f"{theirs.global_batch}; resume it with --batch-size "
+            f"{theirs.global_batch}, or from an end-of-epoch checkpoint"
+        )
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         with _reading(path):
@@ -390,16 +442,22 @@ def load(path: Path, identity: Identity, model, optimizer,
                 model_state, optim_state = get_state_dict(model, optimizer)  # shapes to fill
                 state = {"model": model_state, "optim": optim_state}
                 dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"],
-                       options=StateDictOptions(full_state_dict=full))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(full_state_dict=full),
+        )
     if scheduler is not None and meta.get("scheduler"):
         scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng_rank{_rank()}.pt"
     # At another world size the ranks' streams do not map onto the new ranks: keep fresh ones.
     if meta["world_size"] != _world():
-        log0(f"[CHECKPOINT] written at world size {meta['world_size']}, resumed at {_world()}: "
-             "the random streams start afresh")
+        log0(
+            f"[CHECKPOINT] written at world size {meta['world_size']}, resumed at {_world()}: "
+            "the random streams start afresh"
+        )
     elif rng.is_file():
         with _reading(path):
             streams = torch.load(rng, weights_only=False)
@@ -408,8 +466,14 @@ def load(path: Path, identity: Identity, model, optimizer,
     return position
 
 
-def load_everywhere(path: Path, identity: Identity, model, optimizer,
-                    generator: torch.Generator | None, scheduler=None) -> Position:
+def load_everywhere(
+    path: Path,
+    identity: Identity,
+    model,
+    optimizer,
+    generator: torch.Generator | None,
+    scheduler=None,
+) -> Position:
     """`load` on every rank, which then agree: a checkpoint that any rank cannot read raises
     the same Unreadable on all of them (rather than one rank failing while the others train
     on and wait for it)."""
@@ -428,14 +492,22 @@ def candidates(directory: Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(tuple(map(int, m.groups())), p) for p in directory.iterdir()
-             if (m := NAME_RE.match(p.name)) and p.is_dir()]
+    found = [
+        (tuple(map(int, m.groups())), p)
+        for p in directory.iterdir()
+        if (m := NAME_RE.match(p.name)) and p.is_dir()
+    ]
     return [p for _, p in sorted(found)]
 
 
-def load_newest_readable(directory: Path, identity: Identity, model, optimizer,
-                         generator: torch.Generator | None, scheduler=None
-                         ) -> tuple[Path | None, Position]:
+def load_newest_readable(
+    directory: Path,
+    identity: Identity,
+    model,
+    optimizer,
+    generator: torch.Generator | None,
+    scheduler=None,
+) -> tuple[Path | None, Position]:
     """`--resume auto`: the newest checkpoint that every rank can read. One that any rank
     cannot read (a disk fault) is passed over, saying so, for the next newest; the ranks
     decide together, so that all of them resume from the same one. Those passed over are then
@@ -453,9 +525,11 @@ def load_newest_readable(directory: Path, identity: Identity, model, optimizer,
             continue
         error = _attempt(_set_aside, damaged) if is_rank_zero() else None
         if error := _agree(error):
-            raise CheckpointError(f"cannot set aside the unreadable checkpoint(s) "
-                                  f"{', '.join(str(p) for p, _ in damaged)}: {error}; nothing "
-                                  f"was written, {path} is intact")
+            raise CheckpointError(
+                f"cannot set aside the unreadable checkpoint(s) "
+                f"{', '.join(str(p) for p, _ in damaged)}: {error}; nothing "
+                f"was written, {path} is intact"
+            )
         return path, position
     if damaged:
         reasons = "; ".join(why.removeprefix("cannot read checkpoint ") for _, why in damaged)
@@ -463,7 +537,8 @@ def load_newest_readable(directory: Path, identity: Identity, model, optimizer,
             f"--resume auto: no checkpoint in {directory} can be read, so none is resumed and "
             f"nothing was written: {reasons}. Repair them, or move them out of {directory} "
             f"(then --resume auto starts afresh there); or start afresh on purpose with "
-            f"another --checkpoint-dir")
+            f"another --checkpoint-dir"
+        )
     return None, Position()
 
 
@@ -472,5 +547,7 @@ def _set_aside(damaged: list[tuple[Path, str]]) -> None:
     for path, why in damaged:
         aside = _aside(path)
         os.replace(path, aside)
-        log0(f"[CHECKPOINT] set {path} aside as {aside}: it cannot be read, and is kept as it "
-             f"is ({why.removeprefix(f'cannot read checkpoint {path} ')})")
+        log0(
+            f"[CHECKPOINT] set {path} aside as {aside}: it cannot be read, and is kept as it "
+            f"is ({why.removeprefix(f'cannot read checkpoint {path} ')})"
+        )

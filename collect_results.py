@@ -25,15 +25,25 @@ import os
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 
 import samples
-from utils import (COMM_FIELDS, COURSE_FIELDS, METRIC_TAG, SWEEP_PREFIX, UsageError, fail,
-                   parse_comm, parse_config, parse_metric, sweep_folders)
+from utils import (
+    COMM_FIELDS,
+    COURSE_FIELDS,
+    METRIC_TAG,
+    SWEEP_PREFIX,
+    UsageError,
+    fail,
+    parse_comm,
+    parse_config,
+    parse_metric,
+    sweep_folders,
+)
 
 # The columns that name a run, first in the CSV; a run's rows are those of one log file.
 IDENTITY = ("strategy", "gpus", "nodes", "job_id")
@@ -45,14 +55,21 @@ LINE_FIELD = {"strategy": "strategy", "gpus": "world_size", "nodes": "nodes", "j
 
 # The sweep's names, `{strategy}_{gpus}gpu[_{nodes}node][_{jobid}].log`, and the course's,
 # `ddp_4gpu_15epochs.train.log` (where `_15epochs` is no job id).
-LOG_NAME_RE = re.compile(r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpus?"
-                         r"(?:_(?P<nodes>\d+)nodes?)?(?:_(?P<job_id>\d+))?(?=[._]|$)")
+LOG_NAME_RE = re.compile(
+    r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpus?"
+    r"(?:_(?P<nodes>\d+)nodes?)?(?:_(?P<job_id>\d+))?(?=[._]|$)"
+)
 
 
 # Lines that mean the program or its job died; after one, a Python exception line
 # (`RuntimeError: NCCL timeout`) says best why.
-CRASH_MARKERS = ("Traceback (most recent call last)", "srun: error:", "slurmstepd: error:",
-                 "CANCELLED AT", "DUE TO TIME LIMIT")
+CRASH_MARKERS = (
+    "Traceback (most recent call last)",
+    "srun: error:",
+    "slurmstepd: error:",
+    "CANCELLED AT",
+    "DUE TO TIME LIMIT",
+)
 # srun's report of tasks that stopped on a signal after saving (main.py's exit status 3): the
 # job requeues itself and goes on in the same log, so it is no crash.
 STOPPED_RE = re.compile(r"srun: error: .*Exited with exit code 3$")
@@ -63,8 +80,10 @@ DEFAULT_OUT = Path("results.csv")  # whose side CSVs keep their plain names (sid
 
 
 # What to do when there is nothing to read: `make run` prints its lines to the terminal only.
-HOW_TO_GET_LOGS = (": logs come from a sweep (python run_benchmarks.py, or with --local on this "
-                   "machine) or from sbatch run.sh")
+HOW_TO_GET_LOGS = (
+    ": logs come from a sweep (python run_benchmarks.py, or with --local on this "
+    "machine) or from sbatch run.sh"
+)
 
 
 class Skip(Exception):
@@ -74,6 +93,7 @@ class Skip(Exception):
 @dataclass
 class Scan:
     """What one log says, line by line."""
+
     metrics: list[dict] = field(default_factory=list)  # parsed [METRIC] lines, in order
     config: dict = field(default_factory=dict)  # the last [CONFIG] line's fields
     bad_metric_line: int | None = None  # number of a [METRIC] line that is cut off or malformed
@@ -107,6 +127,7 @@ class Scan:
 @dataclass
 class LoggedRun:
     """What one log file holds: a run of a sweep, one metric line per epoch."""
+
     sweep: str
     log: str
     identity: dict
@@ -133,7 +154,8 @@ def scan_log(text: str) -> Scan:
         elif STOPPED_RE.search(line.strip()):
             continue
         elif any(marker in line for marker in CRASH_MARKERS) or (
-                scan.crash_lines and EXCEPTION_RE.search(line)):
+            scan.crash_lines and EXCEPTION_RE.search(line)
+        ):
             scan.crash_lines.append(line.strip()[:160])
     # A last line without its newline was cut off mid-write: even if its course fields parse,
     # the fields after them (strategy, world size...) may be cut short.
@@ -196,18 +218,24 @@ def run_identity(metrics: list[dict], log_name: str) -> tuple[dict, list[str]]:
     for key, line_field in LINE_FIELD.items():
         values = {m[line_field] for m in metrics if line_field in m}
         if len(values) > 1:
-            raise Skip(f"metric lines of more than one run ({line_field}: "
-                       f"{', '.join(sorted(map(str, values)))})")
+            raise Skip(
+                f"metric lines of more than one run ({line_field}: "
+                f"{', '.join(sorted(map(str, values)))})"
+            )
         if values:
             identity[key] = values.pop()
             if key in named and str(named[key]) != str(identity[key]):
-                notes.append(f"file name says {key} {named[key]}, metric lines say "
-                             f"{identity[key]}: using the metric lines")
+                notes.append(
+                    f"file name says {key} {named[key]}, metric lines say "
+                    f"{identity[key]}: using the metric lines"
+                )
         else:
             identity[key] = named.get(key)
     if identity["strategy"] is None or identity["gpus"] is None:
-        raise Skip("unknown run: no strategy or world_size in its metric lines, and its name "
-                   "is not like {strategy}_{N}gpu_{jobid}.log")
+        raise Skip(
+            "unknown run: no strategy or world_size in its metric lines, and its name "
+            "is not like {strategy}_{N}gpu_{jobid}.log"
+        )
     if identity["job_id"] is not None:
         identity["job_id"] = str(identity["job_id"])  # "1234" and "local" in one column
     return identity, notes
@@ -227,11 +255,20 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
     epochs, repeated = last_per_epoch(scan.metrics)
     notes = check_complete(scan, [m["epoch"] for m in epochs])
     if repeated:
-        notes.append(f"epoch(s) {', '.join(map(str, repeated))} logged more than once "
-                     "(requeued?): kept the last")
+        notes.append(
+            f"epoch(s) {', '.join(map(str, repeated))} logged more than once "
+            "(requeued?): kept the last"
+        )
     identity, identity_notes = run_identity(epochs, path.name)
-    return LoggedRun(sweep_name(path.parent), path.name, identity, epochs,
-                     notes + identity_notes, scan.comm, scan.threads_per_core)
+    return LoggedRun(
+        sweep_name(path.parent),
+        path.name,
+        identity,
+        epochs,
+        notes + identity_notes,
+        scan.comm,
+        scan.threads_per_core,
+    )
 
 
 def sweep_name(folder: Path) -> str:
@@ -245,8 +282,11 @@ def log_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
     sampled = {path for *_, path in samples.sample_files(folder)}
-    files = sorted(p for p in folder.iterdir()
-                   if p.is_file() and not p.name.startswith(".") and p not in sampled)
+    files = sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p not in sampled
+    )
     if not files:
         raise UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
     return files
@@ -264,8 +304,9 @@ def pair_stderr(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
     return logs, stderr_of
 
 
-def choose_folders(given: list[Path], all_sweeps: bool,
-                   report: Callable[[str], None]) -> list[Path]:
+def choose_folders(
+    given: list[Path], all_sweeps: bool, report: Callable[[str], None]
+) -> list[Path]:
     """The folders to read: each given folder as it is, or, where it holds sweeps, its newest
     sweep (all of them with all_sweeps). Says which, when there was a choice."""
     chosen = []
@@ -277,8 +318,11 @@ def choose_folders(given: list[Path], all_sweeps: bool,
             chosen += sweeps
         else:
             chosen.append(sweeps[-1])
-            others = f", the newest of {len(sweeps)} (--all-sweeps merges them)" \
-                if len(sweeps) > 1 else ""
+            others = (
+                f", the newest of {len(sweeps)} (--all-sweeps merges them)"
+                if len(sweeps) > 1
+                else ""
+            )
             report(f"reading {sweeps[-1]}{others}")
     if len(chosen) > 1:
         report(f"merging {len(chosen)} folders: {', '.join(map(str, chosen))}")
@@ -301,8 +345,9 @@ def collect(folders: list[Path], report: Callable[[str], None]) -> list[LoggedRu
                 report(f"note {path}: {note}")
             runs.append(run)
     if not runs:
-        raise UsageError(f"no usable [METRIC] lines in any of the {read} files in "
-                         f"{', '.join(map(str, folders))}")
+        raise UsageError(
+            f"no usable [METRIC] lines in any of the {read} files in {', '.join(map(str, folders))}"
+        )
     return runs
 
 
@@ -314,10 +359,14 @@ def cores_outnumbered(results: pd.DataFrame) -> str | None:
     shared = results[pd.to_numeric(results["threads_per_core"], errors="coerce") > 1]
     if shared.empty:
         return None
-    names = [f"{strategy} on {gpus:.0f}" for strategy, gpus in
-             sorted(set(zip(shared["strategy"], shared["gpus"])))]
-    return (f"warning: the ranks outnumbered the CPU cores of their node in {', '.join(names)} "
-            "GPU(s): their times measure how the ranks shared the cores, not the strategy")
+    names = [
+        f"{strategy} on {gpus:.0f}"
+        for strategy, gpus in sorted(set(zip(shared["strategy"], shared["gpus"])))
+    ]
+    return (
+        f"warning: the ranks outnumbered the CPU cores of their node in {', '.join(names)} "
+        "GPU(s): their times measure how the ranks shared the cores, not the strategy"
+    )
 
 
 def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
@@ -326,9 +375,12 @@ def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
     for run in runs:
         key = (run.identity["strategy"], run.identity["gpus"])
         sweeps_of.setdefault(key, set()).add(run.sweep)
-    return [f"warning: {strategy} on {gpus} GPU(s) has runs from {len(sweeps)} sweeps "
-            f"({', '.join(sorted(sweeps))}): the summary takes the median over them all"
-            for (strategy, gpus), sweeps in sweeps_of.items() if len(sweeps) > 1]
+    return [
+        f"warning: {strategy} on {gpus} GPU(s) has runs from {len(sweeps)} sweeps "
+        f"({', '.join(sorted(sweeps))}): the summary takes the median over them all"
+        for (strategy, gpus), sweeps in sweeps_of.items()
+        if len(sweeps) > 1
+    ]
 
 
 def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
@@ -338,8 +390,15 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
         for fields in run.epochs:
             # strategy, nodes, job_id are identity columns already; world_size stays as logged
             other = {k: v for k, v in fields.items() if k not in IDENTITY}
-            rows.append({"sweep": run.sweep, "log": run.log, **run.identity, **other,
-                         "threads_per_core": run.threads_per_core})
+            rows.append(
+                {
+                    "sweep": run.sweep,
+                    "log": run.log,
+                    **run.identity,
+                    **other,
+                    "threads_per_core": run.threads_per_core,
+                }
+            )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
     leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
     return frame[leading + [c for c in frame.columns if c not in leading]]
@@ -347,9 +406,16 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
 
 def comm_frame(runs: list[LoggedRun]) -> pd.DataFrame:
     """One row per [COMM] line: its run's columns, then the line's fields (comm.csv)."""
-    rows = [{"sweep": run.sweep, "log": run.log, **run.identity,
-             **{k: v for k, v in fields.items() if k not in IDENTITY}}
-            for run in runs for fields in run.comm]
+    rows = [
+        {
+            "sweep": run.sweep,
+            "log": run.log,
+            **run.identity,
+            **{k: v for k, v in fields.items() if k not in IDENTITY},
+        }
+        for run in runs
+        for fields in run.comm
+    ]
     return pd.DataFrame(rows, columns=None if rows else [*RUN_COLUMNS, *COMM_FIELDS])
 
 
@@ -365,6 +431,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
 
 
 # ---- summary: one row per strategy and GPU count ----
+
 
 def with_run_columns(results: pd.DataFrame) -> pd.DataFrame:
     """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown."""
@@ -387,18 +454,23 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
     for key, run in results.groupby(list(RUN_COLUMNS), dropna=False, sort=False):
         run = run.sort_values("epoch")
         final = run.iloc[-1]
-        rows.append({**dict(zip(RUN_COLUMNS, key)), "epochs": final["epoch"],
-                     "val_loss": final["val_loss"], "acc": final["acc"],
-                     "time": median_after_first(run, "time"),
-                     "throughput": median_after_first(run, "throughput"),
-                     "peak_mem": run["peak_mem"].max(),
-                     "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
-                     **{t: median_after_first(run, t) for t in TIME_PARTS},
-                     "steps": final.get("train_images", math.nan) / final.get("global_batch",
-                                                                               math.nan),
-                     "sharding": final.get("sharding", pd.NA),
-                     "threads_per_core": final.get("threads_per_core", math.nan),
-                     "device": final.get("device", pd.NA)})
+        rows.append(
+            {
+                **dict(zip(RUN_COLUMNS, key)),
+                "epochs": final["epoch"],
+                "val_loss": final["val_loss"],
+                "acc": final["acc"],
+                "time": median_after_first(run, "time"),
+                "throughput": median_after_first(run, "throughput"),
+                "peak_mem": run["peak_mem"].max(),
+                "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
+                **{t: median_after_first(run, t) for t in TIME_PARTS},
+                "steps": final.get("train_images", math.nan) / final.get("global_batch", math.nan),
+                "sharding": final.get("sharding", pd.NA),
+                "threads_per_core": final.get("threads_per_core", math.nan),
+                "device": final.get("device", pd.NA),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -427,8 +499,10 @@ def comm_model_time(strategy: str, steps: float, sharding, comm: pd.DataFrame) -
         # grad_op keeps each unit gathered from forward to backward; full and hybrid (full
         # within a node) gather again; FSDP's default is full, for logs that do not say.
         gathers = 1 if str(sharding) == "grad_op" else 2
-        return steps * (gathers * message_seconds(comm, "all_gather", "unit_")
-                        + message_seconds(comm, "reduce_scatter", "unit_"))
+        return steps * (
+            gathers * message_seconds(comm, "all_gather", "unit_")
+            + message_seconds(comm, "reduce_scatter", "unit_")
+        )
     return math.nan  # dp and single send nothing through the process group
 
 
@@ -438,9 +512,14 @@ def with_comm_model(runs: pd.DataFrame, comm: pd.DataFrame | None) -> pd.DataFra
         return runs.assign(comm_model=math.nan)
     by_log = dict(list(comm.groupby(["sweep", "log"], dropna=False)))
     empty = comm.iloc[:0]
-    return runs.assign(comm_model=[
-        comm_model_time(r["strategy"], r["steps"], r["sharding"],
-                        by_log.get((r["sweep"], r["log"]), empty)) for _, r in runs.iterrows()])
+    return runs.assign(
+        comm_model=[
+            comm_model_time(
+                r["strategy"], r["steps"], r["sharding"], by_log.get((r["sweep"], r["log"]), empty)
+            )
+            for _, r in runs.iterrows()
+        ]
+    )
 
 
 def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -451,15 +530,23 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
     runs = with_comm_model(run_summaries(results), comm)
     table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
         nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
-        runs=("epochs", "size"), epochs=("epochs", "max"), val_loss=("val_loss", "median"),
-        acc=("acc", "median"), time=("time", "median"), throughput=("throughput", "median"),
+        runs=("epochs", "size"),
+        epochs=("epochs", "max"),
+        val_loss=("val_loss", "median"),
+        acc=("acc", "median"),
+        time=("time", "median"),
+        throughput=("throughput", "median"),
         # The spread over repeated runs (--repeats): a single run is one point, not a measurement.
-        time_min=("time", "min"), time_max=("time", "max"),
-        throughput_min=("throughput", "min"), throughput_max=("throughput", "max"),
-        peak_mem=("peak_mem", "max"), state_mem=("state_mem", "max"),
+        time_min=("time", "min"),
+        time_max=("time", "max"),
+        throughput_min=("throughput", "min"),
+        throughput_max=("throughput", "max"),
+        peak_mem=("peak_mem", "max"),
+        state_mem=("state_mem", "max"),
         **{t: (t, "median") for t in (*TIME_PARTS, "comm_model")},
         threads_per_core=("threads_per_core", "max"),
-        device=("device", lambda d: "/".join(sorted(set(d.dropna())))))
+        device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
+    )
     one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
     table["speedup"] = table["strategy"].map(one_gpu) / table["time"]
     table["efficiency"] = 100 * table["speedup"] / table["gpus"]
@@ -481,16 +568,23 @@ def scaling(results: pd.DataFrame) -> str | None:
 
 # (column, header, format) of the printed table.
 TABLE_COLUMNS = (
-    ("strategy", "strategy", "{}"), ("gpus", "GPUs", "{:d}"), ("nodes", "nodes", "{}"),
-    ("runs", "runs", "{:d}"), ("epochs", "epochs", "{:d}"),
-    ("val_loss", "final val loss", "{:.4f}"), ("acc", "final acc %", "{:.2f}"),
-    ("time", "epoch time s", "{:.2f}"), ("time_range", "min-max s", "{}"),
+    ("strategy", "strategy", "{}"),
+    ("gpus", "GPUs", "{:d}"),
+    ("nodes", "nodes", "{}"),
+    ("runs", "runs", "{:d}"),
+    ("epochs", "epochs", "{:d}"),
+    ("val_loss", "final val loss", "{:.4f}"),
+    ("acc", "final acc %", "{:.2f}"),
+    ("time", "epoch time s", "{:.2f}"),
+    ("time_range", "min-max s", "{}"),
     ("throughput", "images/s", "{:.0f}"),
-    ("peak_mem", "peak mem MB", "{:.0f}"), ("speedup", "speedup", "{:.2f}"),
+    ("peak_mem", "peak mem MB", "{:.0f}"),
+    ("speedup", "speedup", "{:.2f}"),
     ("efficiency", "efficiency", "{:.0f}%"),
     # Communication per epoch: not hidden behind compute (measured), and what the model's
     # messages would take at the bandwidth the job measured (--comm-benchmark).
-    ("t_comm", "t_comm s", "{:.3f}"), ("comm_model", "comm at measured bw s", "{:.3f}"),
+    ("t_comm", "t_comm s", "{:.3f}"),
+    ("comm_model", "comm at measured bw s", "{:.3f}"),
 )
 
 
@@ -507,8 +601,10 @@ def time_range(row) -> str:
 
 def markdown_table(summary: pd.DataFrame) -> str:
     summary = summary.assign(time_range=summary.apply(time_range, axis=1))
-    lines = ["| " + " | ".join(header for _, header, _ in TABLE_COLUMNS) + " |",
-             "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in TABLE_COLUMNS) + "|"]
+    lines = [
+        "| " + " | ".join(header for _, header, _ in TABLE_COLUMNS) + " |",
+        "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in TABLE_COLUMNS) + "|",
+    ]
     for _, row in summary.iterrows():
         lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in TABLE_COLUMNS) + " |")
     return "\n".join(lines)
@@ -527,20 +623,45 @@ def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.Da
 
     def with_run(table: pd.DataFrame) -> pd.DataFrame:
         return runs.merge(table.astype({"job_id": str}), on="job_id", how="right")
-    return {"gpu_samples.csv": with_run(gpus), "cpu_samples.csv": with_run(processes),
-            GPU_TIMELINE_CSV: with_run(samples.gpu_timeline(folders))}
+
+    return {
+        "gpu_samples.csv": with_run(gpus),
+        "cpu_samples.csv": with_run(processes),
+        GPU_TIMELINE_CSV: with_run(samples.gpu_timeline(folders)),
+    }
 
 
 def sample_report(gpus: pd.DataFrame) -> str:
     """A markdown table of the GPU samples, one row per GPU of each job."""
-    columns = ("strategy", "gpus", "job_id", "host", "gpu", "peak_mem", "peak_mem_mib",
-               "mean_mem_mib", "mode_mem_mib", "mean_util_pct")
-    headers = ("strategy", "GPUs", "job", "node", "GPU", "peak_mem MB (PyTorch)",
-               "nvidia-smi peak MiB", "mean MiB", "most frequent MiB", "mean util %")
+    columns = (
+        "strategy",
+        "gpus",
+        "job_id",
+        "host",
+        "gpu",
+        "peak_mem",
+        "peak_mem_mib",
+        "mean_mem_mib",
+        "mode_mem_mib",
+        "mean_util_pct",
+    )
+    headers = (
+        "strategy",
+        "GPUs",
+        "job",
+        "node",
+        "GPU",
+        "peak_mem MB (PyTorch)",
+        "nvidia-smi peak MiB",
+        "mean MiB",
+        "most frequent MiB",
+        "mean util %",
+    )
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for _, row in gpus.iterrows():
-        lines.append("| " + " | ".join("n/a" if pd.isna(row[c]) else str(row[c])
-                                       for c in columns) + " |")
+        lines.append(
+            "| " + " | ".join("n/a" if pd.isna(row[c]) else str(row[c]) for c in columns) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -571,21 +692,35 @@ def write_sample_tables(out: Path, folders: list[Path], results: pd.DataFrame) -
     for name, table in tables.items():
         write_beside(out, name, table, "rows")
     if not tables["gpu_samples.csv"].empty:
-        print("\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n"
-              + sample_report(tables["gpu_samples.csv"]))
+        print(
+            "\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n"
+            + sample_report(tables["gpu_samples.csv"])
+        )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--logs", type=Path, action="append",
-                   help="a folder of training logs, or of sweeps (its newest is read); give it "
-                        "again to merge folders (default: logs)")
-    p.add_argument("--all-sweeps", action="store_true",
-                   help="read every sweep of a folder of sweeps, not only the newest")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help="CSV to write; its side CSVs (comm.csv, ...) go beside it, named "
-                        "after it unless it is results.csv (old.csv: old_comm.csv, ...)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        action="append",
+        help="a folder of training logs, or of sweeps (its newest is read); give it "
+        "again to merge folders (default: logs)",
+    )
+    p.add_argument(
+        "--all-sweeps",
+        action="store_true",
+        help="read every sweep of a folder of sweeps, not only the newest",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="CSV to write; its side CSVs (comm.csv, ...) go beside it, named "
+        "after it unless it is results.csv (old.csv: old_comm.csv, ...)",
+    )
     args = p.parse_args(argv)
     args.logs = args.logs or [Path("logs")]
     return args

@@ -106,8 +106,10 @@ def messages(model: nn.Module, element_bytes: int, sizes: list[int]) -> list[tup
     found = [("all_reduce", "grad", grad)]
     found += [("all_reduce", f"bucket{i}", b) for i, b in enumerate(ddp_buckets(model))]
     for name, nbytes in fsdp_units(model, element_bytes).items():
-        found += [("all_gather", f"unit_{name}", nbytes), ("reduce_scatter", f"unit_{name}",
-                                                           nbytes)]
+        found += [
+            ("all_gather", f"unit_{name}", nbytes),
+            ("reduce_scatter", f"unit_{name}", nbytes),
+        ]
     found += [(op, "sweep", size) for size in sizes for op in OPS]
     return found
 
@@ -120,9 +122,11 @@ def collective(op: str, nbytes: int, world_size: int, device: torch.device):
         elements = -(-elements // world_size) * world_size
     full = torch.ones(elements, dtype=torch.float32, device=device)
     shard = torch.ones(elements // world_size, dtype=torch.float32, device=device)
-    run = {"all_reduce": lambda: dist.all_reduce(full),
-           "all_gather": lambda: ALL_GATHER(full, shard),
-           "reduce_scatter": lambda: REDUCE_SCATTER(shard, full)}[op]
+    run = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: ALL_GATHER(full, shard),
+        "reduce_scatter": lambda: REDUCE_SCATTER(shard, full),
+    }[op]
     return run, elements * 4
 
 
@@ -153,16 +157,23 @@ def measure(op: str, nbytes: int, device: torch.device, repeats: tuple[int, int,
     warmup, rounds, runs = repeats
     for _ in range(warmup):
         run()
-    median = torch.tensor([statistics.median(time_round(run, device, runs)
-                                             for _ in range(rounds))],
-                          dtype=torch.float64, device=device)
+    median = torch.tensor(
+        [statistics.median(time_round(run, device, runs) for _ in range(rounds))],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return moved, median.item()
 
 
-def run_comm_benchmark(model: nn.Module, device: torch.device, element_bytes: int = 4,
-                       largest: int | None = None, repeats: tuple[int, int] | None = None,
-                       extra: dict | None = None) -> list[dict]:
+def run_comm_benchmark(
+    model: nn.Module,
+    device: torch.device,
+    element_bytes: int = 4,
+    largest: int | None = None,
+    repeats: tuple[int, int] | None = None,
+    extra: dict | None = None,
+) -> list[dict]:
     """Every measurement's [COMM] fields (rank 0 also prints them). Call it on every rank of an
     initialized process group. model: unwrapped (meta tensors do), for its message sizes;
     element_bytes: of the parameters FSDP gathers (2 in bf16/fp16, else 4)."""
@@ -172,9 +183,18 @@ def run_comm_benchmark(model: nn.Module, device: torch.device, element_bytes: in
     for op, label, nbytes in messages(model, element_bytes, sweep_sizes(device, largest)):
         moved, seconds = measure(op, nbytes, device, repeats)
         algbw, busbw = bandwidths(op, moved, world_size, seconds)
-        row = {"op": op, "label": label, "bytes": moved, "world_size": world_size,
-               "time_us": seconds * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
-               "device": device.type, "backend": BACKENDS[device.type], **(extra or {})}
+        row = {
+            "op": op,
+            "label": label,
+            "bytes": moved,
+            "world_size": world_size,
+            "time_us": seconds * 1e6,
+            "algbw_gbps": algbw,
+            "busbw_gbps": busbw,
+            "device": device.type,
+            "backend": BACKENDS[device.type],
+            **(extra or {}),
+        }
         log0(format_comm(row))
         rows.append(row)
     return rows

@@ -28,113 +28,195 @@ LR_SCHEDULES = ("none", "step", "cosine")
 DEVICES = ("auto", "cuda", "cpu")
 
 
-def option(default, help: str, *, choices=None, aliases=(), metavar=None, minimum=None,
-           flag=None):
+def option(default, help: str, *, choices=None, aliases=(), metavar=None, minimum=None, flag=None):
     """A Config field and how the command line offers it.
 
     minimum: the smallest value accepted (0: not negative, 1: at least one); floats must also be
     finite and, with minimum 0, positive. flag: for a bool, the switch that sets it
     (`--no-download` sets download=False); with a None default, both `--x` and `--no-x`.
     """
-    return field(default=default, metadata=dict(help=help, choices=choices, aliases=aliases,
-                                                metavar=metavar, minimum=minimum, flag=flag))
+    return field(
+        default=default,
+        metadata=dict(
+            help=help, choices=choices, aliases=aliases, metavar=metavar, minimum=minimum, flag=flag
+        ),
+    )
 
 
 @dataclass
 class Config:
-    strategy: str = option("ddp", "ddp replicates the model on every rank; fsdp (FSDP1, the "
-                           "course's) and fsdp2 (fully_shard) shard it; dp (DataParallel: one "
-                           "process drives every visible GPU) and single (one device, no "
-                           "wrapper) are one-process baselines", choices=STRATEGIES,
-                           aliases=("--method",))
+    strategy: str = option(
+        "ddp",
+        "ddp replicates the model on every rank; fsdp (FSDP1, the "
+        "course's) and fsdp2 (fully_shard) shard it; dp (DataParallel: one "
+        "process drives every visible GPU) and single (one device, no "
+        "wrapper) are one-process baselines",
+        choices=STRATEGIES,
+        aliases=("--method",),
+    )
     epochs: int = option(10, "training epochs", minimum=1)
-    batch_size: int = option(256, "global batch size, split evenly over all ranks", minimum=1,
-                             aliases=("--batch_size",))
+    batch_size: int = option(
+        256, "global batch size, split evenly over all ranks", minimum=1, aliases=("--batch_size",)
+    )
     lr: float = option(1e-3, "learning rate", minimum=0)
     optimizer: str = option("adam", "Adam, or SGD with momentum 0.9", choices=OPTIMIZERS)
-    lr_schedule: str = option("none", "learning rate over the run: constant, divided by 10 at "
-                              "half and three quarters of the epochs (step), or a cosine to "
-                              "zero; after --warmup-epochs of linear warm-up",
-                              choices=LR_SCHEDULES)
-    warmup_epochs: int = option(0, "epochs of linear learning-rate warm-up from lr/steps",
-                                minimum=0, metavar="N")
-    grad_accum: int = option(1, "micro-batches per optimizer step: each rank splits its share "
-                             "of the global batch into K and all-reduces gradients only after "
-                             "the last (--batch-size stays the global batch of one step)",
-                             minimum=1, metavar="K")
-    clip_grad: float | None = option(None, "clip the global gradient norm (over all ranks and "
-                                     "shards) to NORM (default: no clipping)", minimum=0,
-                                     metavar="NORM")
-    sync_bn: bool = option(False, "DDP: synchronize BatchNorm statistics over all ranks (models "
-                           "with BatchNorm: the ResNets; needs GPUs)", flag="--sync-bn")
-    precision: str = option("fp32", "compute precision, the same numerics for DDP (autocast) "
-                            "and FSDP (MixedPrecision; gradients reduced in fp32 by both): fp32 "
-                            "is IEEE fp32 also on GPUs, tf32 lets them use TensorFloat-32 for "
-                            "matrix products and convolutions, fp16 adds a gradient scaler",
-                            choices=PRECISIONS)
-    device: str = option("auto", "auto: a GPU where torch sees one, else the CPU, but an error "
-                         "where the job was given GPUs that torch cannot see; cuda: a GPU or "
-                         "an error; cpu: the CPU even where there are GPUs", choices=DEVICES)
-    sharding: str = option("full", "FSDP sharding strategy: full (ZeRO-3), grad_op (ZeRO-2), "
-                           "hybrid (full within a node, replicated across nodes)",
-                           choices=SHARDINGS)
-    cpu_offload: bool = option(False, "FSDP: keep parameter shards in host memory (GPU only)",
-                               flag="--cpu-offload")
-    model: str = option("cnn", "the course CNN (its classifier sized for the data set's images), "
-                        "the same with 4x its channels, or a ResNet adapted to small images "
-                        "(3x3 stem, no max-pool)",
-                        choices=MODELS)
-    dataset: str = option("cifar10", "CIFAR-10; Fashion-MNIST (28x28 grey, padded to 32x32 "
-                          "and made 3-channel); Tiny ImageNet (200 classes, 64x64, no download: "
-                          "unzip it into --data-dir); or a learnable synthetic stand-in generated "
-                          "from the seed (no download: smoke tests, benchmarks, offline "
-                          "machines)", choices=DATASETS)
-    data_dir: str = option("./data", "where the data set's files are, or are downloaded to",
-                           metavar="DIR")
-    download: bool = option(True, "fail instead of downloading when CIFAR-10 or Fashion-MNIST "
-                            "is missing (default: rank 0 downloads it)", flag="--no-download")
-    train_samples: int | None = option(None, "use the first N training images (default: all)",
-                                       minimum=1, metavar="N")
-    val_samples: int | None = option(None, "use the first N validation images (default: all)",
-                                     minimum=1, metavar="N")
-    augment: bool | None = option(None, "random crop (padding 4) and flip (default: on for the "
-                                  "real data sets, off for synthetic)", flag="--augment")
-    loader: str = option("tensor", "tensor: data set on the device, batched augmentation; "
-                         "classic: torchvision transforms in DataLoader workers",
-                         choices=LOADERS)
-    num_workers: int = option(2, "DataLoader worker processes per rank (classic loader)",
-                              minimum=0, metavar="N")
+    lr_schedule: str = option(
+        "none",
+        "learning rate over the run: constant, divided by 10 at "
+        "half and three quarters of the epochs (step), or a cosine to "
+        "zero; after --warmup-epochs of linear warm-up",
+        choices=LR_SCHEDULES,
+    )
+    warmup_epochs: int = option(
+        0, "epochs of linear learning-rate warm-up from lr/steps", minimum=0, metavar="N"
+    )
+    grad_accum: int = option(
+        1,
+        "micro-batches per optimizer step: each rank splits its share "
+        "of the global batch into K and all-reduces gradients only after "
+        "the last (--batch-size stays the global batch of one step)",
+        minimum=1,
+        metavar="K",
+    )
+    clip_grad: float | None = option(
+        None,
+        "clip the global gradient norm (over all ranks and shards) to NORM (default: no clipping)",
+        minimum=0,
+        metavar="NORM",
+    )
+    sync_bn: bool = option(
+        False,
+        "DDP: synchronize BatchNorm statistics over all ranks (models "
+        "with BatchNorm: the ResNets; needs GPUs)",
+        flag="--sync-bn",
+    )
+    precision: str = option(
+        "fp32",
+        "compute precision, the same numerics for DDP (autocast) "
+        "and FSDP (MixedPrecision; gradients reduced in fp32 by both): fp32 "
+        "is IEEE fp32 also on GPUs, tf32 lets them use TensorFloat-32 for "
+        "matrix products and convolutions, fp16 adds a gradient scaler",
+        choices=PRECISIONS,
+    )
+    device: str = option(
+        "auto",
+        "auto: a GPU where torch sees one, else the CPU, but an error "
+        "where the job was given GPUs that torch cannot see; cuda: a GPU or "
+        "an error; cpu: the CPU even where there are GPUs",
+        choices=DEVICES,
+    )
+    sharding: str = option(
+        "full",
+        "FSDP sharding strategy: full (ZeRO-3), grad_op (ZeRO-2), "
+        "hybrid (full within a node, replicated across nodes)",
+        choices=SHARDINGS,
+    )
+    cpu_offload: bool = option(
+        False, "FSDP: keep parameter shards in host memory (GPU only)", flag="--cpu-offload"
+    )
+    model: str = option(
+        "cnn",
+        "the course CNN (its classifier sized for the data set's images), "
+        "the same with 4x its channels, or a ResNet adapted to small images "
+        "(3x3 stem, no max-pool)",
+        choices=MODELS,
+    )
+    dataset: str = option(
+        "cifar10",
+        "CIFAR-10; Fashion-MNIST (28x28 grey, padded to 32x32 "
+        "and made 3-channel); Tiny ImageNet (200 classes, 64x64, no download: "
+        "unzip it into --data-dir); or a learnable synthetic stand-in generated "
+        "from the seed (no download: smoke tests, benchmarks, offline "
+        "machines)",
+        choices=DATASETS,
+    )
+    data_dir: str = option(
+        "./data", "where the data set's files are, or are downloaded to", metavar="DIR"
+    )
+    download: bool = option(
+        True,
+        "fail instead of downloading when CIFAR-10 or Fashion-MNIST "
+        "is missing (default: rank 0 downloads it)",
+        flag="--no-download",
+    )
+    train_samples: int | None = option(
+        None, "use the first N training images (default: all)", minimum=1, metavar="N"
+    )
+    val_samples: int | None = option(
+        None, "use the first N validation images (default: all)", minimum=1, metavar="N"
+    )
+    augment: bool | None = option(
+        None,
+        "random crop (padding 4) and flip (default: on for the real data sets, off for synthetic)",
+        flag="--augment",
+    )
+    loader: str = option(
+        "tensor",
+        "tensor: data set on the device, batched augmentation; "
+        "classic: torchvision transforms in DataLoader workers",
+        choices=LOADERS,
+    )
+    num_workers: int = option(
+        2, "DataLoader worker processes per rank (classic loader)", minimum=0, metavar="N"
+    )
     channels_last: bool = option(False, "NHWC memory format", flag="--channels-last")
-    compile: bool = option(False, "torch.compile the model (the first epoch then includes "
-                           "compiling: about 20 s on a CPU)", flag="--compile")
+    compile: bool = option(
+        False,
+        "torch.compile the model (the first epoch then includes compiling: about 20 s on a CPU)",
+        flag="--compile",
+    )
     seed: int = option(42, "seed for weights, data order and synthetic data", minimum=0)
-    deterministic: bool = option(False, "deterministic kernels only: on a GPU, runs repeat to the "
-                                 "bit (slower; an op without one is an error)",
-                                 flag="--deterministic")
-    profile: bool = option(False, "trace a few training steps of each rank with "
-                           "torch.profiler: logs/profiles/<job id>_rank<R>.json, for "
-                           "ui.perfetto.dev", flag="--profile")
-    comm_benchmark: bool = option(False, "before training, time the collectives this model's "
-                                  "DDP and FSDP send, and a sweep of message sizes: one [COMM] "
-                                  "line each (comm_bench.py)", flag="--comm-benchmark")
-    print_every: int = option(50, "progress line every N steps (rank 0)", minimum=1,
-                              metavar="N")
-    pg_timeout: float = option(300.0, "seconds a collective waits for a missing rank before "
-                               "failing", minimum=0, metavar="SECONDS")
+    deterministic: bool = option(
+        False,
+        "deterministic kernels only: on a GPU, runs repeat to the "
+        "bit (slower; an op without one is an error)",
+        flag="--deterministic",
+    )
+    profile: bool = option(
+        False,
+        "trace a few training steps of each rank with "
+        "torch.profiler: logs/profiles/<job id>_rank<R>.json, for "
+        "ui.perfetto.dev",
+        flag="--profile",
+    )
+    comm_benchmark: bool = option(
+        False,
+        "before training, time the collectives this model's "
+        "DDP and FSDP send, and a sweep of message sizes: one [COMM] "
+        "line each (comm_bench.py)",
+        flag="--comm-benchmark",
+    )
+    print_every: int = option(50, "progress line every N steps (rank 0)", minimum=1, metavar="N")
+    pg_timeout: float = option(
+        300.0,
+        "seconds a collective waits for a missing rank before failing",
+        minimum=0,
+        metavar="SECONDS",
+    )
     checkpoint_dir: str | None = option(
-        None, "where checkpoints go, one per epoch and one on SIGUSR1/SIGUSR2/SIGTERM (default: "
+        None,
+        "where checkpoints go, one per epoch and one on SIGUSR1/SIGUSR2/SIGTERM (default: "
         "beside the checkpoint resumed from, else checkpoints/<SLURM job id>, else "
-        "checkpoints/local-<time>)", metavar="DIR")
+        "checkpoints/local-<time>)",
+        metavar="DIR",
+    )
     resume: str | None = option(
-        None, "continue from the latest checkpoint in --checkpoint-dir (auto: start fresh, "
+        None,
+        "continue from the latest checkpoint in --checkpoint-dir (auto: start fresh, "
         "saying so, if there is none; pass over unreadable ones to an older one, an error if "
         "none can be read), or from a checkpoint or folder PATH",
-        metavar="auto|PATH")
-    checkpoint: bool = option(True, "write no checkpoints (default: one per epoch)",
-                              flag="--no-checkpoint")
-    keep_last: int = option(3, "keep the newest N checkpoints of the run, delete older ones "
-                            "(never the one resumed from; 0: keep all)", minimum=0,
-                            metavar="N")
+        metavar="auto|PATH",
+    )
+    checkpoint: bool = option(
+        True, "write no checkpoints (default: one per epoch)", flag="--no-checkpoint"
+    )
+    keep_last: int = option(
+        3,
+        "keep the newest N checkpoints of the run, delete older ones "
+        "(never the one resumed from; 0: keep all)",
+        minimum=0,
+        metavar="N",
+    )
 
 
 def option_flag(name: str) -> str:
@@ -157,18 +239,34 @@ def _add_option(parser: argparse.ArgumentParser, f) -> None:
     help_text = meta["help"] + _default_text(f)
     if meta["flag"]:
         if f.default is None:  # --x and --no-x, unset meaning "the default for the situation"
-            parser.add_argument(meta["flag"], dest=f.name, action="store_true", default=None,
-                                help=help_text)
-            parser.add_argument("--no-" + meta["flag"][2:], dest=f.name, action="store_false",
-                                help=f"the opposite of {meta['flag']}")
+            parser.add_argument(
+                meta["flag"], dest=f.name, action="store_true", default=None, help=help_text
+            )
+            parser.add_argument(
+                "--no-" + meta["flag"][2:],
+                dest=f.name,
+                action="store_false",
+                help=f"the opposite of {meta['flag']}",
+            )
         else:
-            parser.add_argument(meta["flag"], dest=f.name, default=f.default,
-                                action="store_false" if f.default else "store_true",
-                                help=help_text)
+            parser.add_argument(
+                meta["flag"],
+                dest=f.name,
+                default=f.default,
+                action="store_false" if f.default else "store_true",
+                help=help_text,
+            )
         return
-    parser.add_argument(option_flag(f.name), *meta["aliases"], dest=f.name, type=_value_type(f),
-                        default=f.default, choices=meta["choices"], metavar=meta["metavar"],
-                        help=help_text)
+    parser.add_argument(
+        option_flag(f.name),
+        *meta["aliases"],
+        dest=f.name,
+        type=_value_type(f),
+        default=f.default,
+        choices=meta["choices"],
+        metavar=meta["metavar"],
+        help=help_text,
+    )
 
 
 def add_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -197,14 +295,21 @@ def check_world(cfg: Config, world_size: int, train_size: int) -> None:
     """Whether this configuration can run on world_size ranks with train_size training images:
     the checks that need the launcher's world size and the data, not torch."""
     if cfg.strategy in ONE_PROCESS and world_size > 1:
-        raise UsageError(f"--strategy {cfg.strategy} drives every device from one process; "
-                         f"start one process (python main.py), not {world_size}")
+        raise UsageError(
+            f"--strategy {cfg.strategy} drives every device from one process; "
+            f"start one process (python main.py), not {world_size}"
+        )
     if cfg.batch_size < world_size or cfg.batch_size % world_size:
-        raise UsageError(f"global batch size {cfg.batch_size} must be a multiple of the world "
-                         f"size {world_size} (each rank gets an equal share)")
+        raise UsageError(
+            f"global batch size {cfg.batch_size} must be a multiple of the world "
+            f"size {world_size} (each rank gets an equal share)"
+        )
     if (cfg.batch_size // world_size) % cfg.grad_accum:
-        raise UsageError(f"each rank's {cfg.batch_size // world_size} images per step do not "
-                         f"split into --grad-accum {cfg.grad_accum} equal micro-batches")
+        raise UsageError(
+            f"each rank's {cfg.batch_size // world_size} images per step do not "
+            f"split into --grad-accum {cfg.grad_accum} equal micro-batches"
+        )
     if train_size < cfg.batch_size:
-        raise UsageError(f"{train_size} training images make no full global batch of "
-                         f"{cfg.batch_size}")
+        raise UsageError(
+            f"{train_size} training images make no full global batch of {cfg.batch_size}"
+        )

@@ -15,9 +15,9 @@ The distributed ideas, in order:
 Two input paths give the same batches. `tensor` (the default) keeps the whole data set as one
 uint8 tensor on the training device; at the start of an epoch it gathers the rank's shard in
 the epoch's order and crops and flips all of it there, in a few whole-tensor operations, so that
-a step only slices its batch and normalizes it: no worker processes, no per-image Python, and
-no per-step launches beyond those two (airbench's design). `classic` is the course's torchvision transforms and
-`DataLoader`, kept for the exercise and for comparison.
+a step only takes its batch and normalizes it: no worker processes, no per-image Python, and
+one operation per step (airbench's design). `classic` is the course's torchvision transforms
+and `DataLoader`, kept for the exercise and for comparison.
 
 Images are uint8 (3, H, W): CIFAR-10 32x32; Fashion-MNIST's 28x28 grey images padded to 32x32
 and the channel repeated, at decoding; Tiny ImageNet 64x64 (grey JPEGs made RGB), no download.
@@ -35,9 +35,9 @@ import struct
 import sys
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -89,8 +89,9 @@ class DatasetSpec:
 
 DATASETS = {
     # CIFAR-10's training-set channel statistics.
-    "cifar10": DatasetSpec((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True, 50_000,
-                           10_000),
+    "cifar10": DatasetSpec(
+        (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True, 50_000, 10_000
+    ),
     # No augmentation by default: runs at any world size then see identical global batches.
     "synthetic": DatasetSpec((0.5, 0.5, 0.5), (0.25, 0.25, 0.25), False, 50_000, 10_000),
     # Fashion-MNIST's training-set statistics (0.2860, 0.3530) over its 28x28 pixels, taken
@@ -98,8 +99,15 @@ DATASETS = {
     # mean square (0.3530^2 + 0.2860^2) x 784/1024.
     "fashionmnist": DatasetSpec((0.2190,) * 3, (0.3318,) * 3, True, 60_000, 10_000),
     # Tiny ImageNet's training-set channel statistics.
-    "tinyimagenet": DatasetSpec((0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821), True,
-                                100_000, 10_000, TINY_CLASSES, TINY_SHAPE),
+    "tinyimagenet": DatasetSpec(
+        (0.4802, 0.4481, 0.3975),
+        (0.2770, 0.2691, 0.2821),
+        True,
+        100_000,
+        10_000,
+        TINY_CLASSES,
+        TINY_SHAPE,
+    ),
 }
 
 
@@ -117,6 +125,7 @@ class Split:
 
 # ----------------------------------------------------------------------------- data sets in files
 
+
 @dataclass(frozen=True)
 class FileSet:
     """A data set kept as files under --data-dir, decoded once into a tensor cache beside them.
@@ -124,6 +133,7 @@ class FileSet:
     Every function takes the data set's folder (download: --data-dir). CIFAR-10's are lambdas
     that look their function up when called, so that tests can replace it in this module.
     """
+
     title: str  # as messages name it
     folder: str  # under --data-dir
     present: Callable[[Path], bool]  # are the source files there?
@@ -136,11 +146,14 @@ class FileSet:
 
 # ----------------------------------------------------------------------------- CIFAR-10 files
 
+
 def download_cifar10(data_dir: Path) -> None:
     """Fetch and unpack the official archive; torchvision verifies its md5 after download."""
     from torchvision.datasets.utils import download_and_extract_archive
-    download_and_extract_archive(CIFAR10_URL, str(data_dir), filename=CIFAR10_ARCHIVE,
-                                 md5=CIFAR10_MD5, remove_finished=True)
+
+    download_and_extract_archive(
+        CIFAR10_URL, str(data_dir), filename=CIFAR10_ARCHIVE, md5=CIFAR10_MD5, remove_finished=True
+    )
 
 
 def cifar10_sources(folder: Path) -> list[Path]:
@@ -161,11 +174,14 @@ def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     except FileNotFoundError:
         raise UsageError(f"{path} is missing") from None
     except Exception as e:  # truncated or foreign files fail in many ways inside pickle
-        raise UsageError(f"{path} is not a CIFAR-10 python batch ({type(e).__name__}: {e}); "
-                         "delete it and download again") from None
+        raise UsageError(
+            f"{path} is not a CIFAR-10 python batch ({type(e).__name__}: {e}); "
+            "delete it and download again"
+        ) from None
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
-        raise UsageError(f"{path}: expected n x 3072 pixels and n labels, "
-                         f"got {data.shape} and {labels.shape}")
+        raise UsageError(
+            f"{path}: expected n x 3072 pixels and n labels, got {data.shape} and {labels.shape}"
+        )
     if len(labels) and not (0 <= labels.min() and labels.max() < 10):
         raise UsageError(f"{path}: labels outside 0..9")
     return data.reshape(-1, 3, 32, 32), labels
@@ -184,14 +200,21 @@ def decode_cifar10(folder: Path) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- Fashion-MNIST files
 
+
 def download_fashionmnist(data_dir: Path) -> None:
     """Fetch the missing IDX files as torchvision's FashionMNIST does (same URLs and md5s)."""
     from torchvision.datasets.utils import download_and_extract_archive
+
     folder = data_dir / FASHION_FOLDER
     for name, md5 in FASHION_FILES.values():
         if idx_path(folder, name) is None:
-            download_and_extract_archive(FASHION_URL + name + ".gz", str(folder),
-                                         filename=name + ".gz", md5=md5, remove_finished=True)
+            download_and_extract_archive(
+                FASHION_URL + name + ".gz",
+                str(folder),
+                filename=name + ".gz",
+                md5=md5,
+                remove_finished=True,
+            )
 
 
 def idx_path(folder: Path, name: str) -> Path | None:
@@ -213,16 +236,21 @@ def read_idx(path: Path, dims: int) -> np.ndarray:
     except FileNotFoundError:
         raise UsageError(f"{path} is missing") from None
     except (OSError, EOFError, zlib.error) as e:  # a damaged gzip fails in any of these
-        raise UsageError(f"{path} is not readable ({type(e).__name__}: {e}); delete it and "
-                         "download again") from None
+        raise UsageError(
+            f"{path} is not readable ({type(e).__name__}: {e}); delete it and download again"
+        ) from None
     header = 4 * (dims + 1)
     if len(blob) < header or struct.unpack(">I", blob[:4])[0] != 0x0800 + dims:
-        raise UsageError(f"{path} is not an IDX file of {dims}-d unsigned bytes (wrong magic "
-                         "number); delete it and download again")
+        raise UsageError(
+            f"{path} is not an IDX file of {dims}-d unsigned bytes (wrong magic "
+            "number); delete it and download again"
+        )
     shape = struct.unpack(f">{dims}I", blob[4:header])
     if len(blob) - header != math.prod(shape):
-        raise UsageError(f"{path}: its header announces {'x'.join(map(str, shape))} bytes, "
-                         f"{len(blob) - header} follow; delete it and download again")
+        raise UsageError(
+            f"{path}: its header announces {'x'.join(map(str, shape))} bytes, "
+            f"{len(blob) - header} follow; delete it and download again"
+        )
     # A copy: torch wants writable memory, and the bytes object is read-only.
     return np.frombuffer(blob, dtype=np.uint8, offset=header).reshape(shape).copy()
 
@@ -236,17 +264,22 @@ def fashion_to_rgb32(images: np.ndarray) -> torch.Tensor:
 
 def decode_fashionmnist(folder: Path) -> dict[str, torch.Tensor]:
     paths = dict(zip(FASHION_FILES, fashionmnist_sources(folder)))
-    arrays = {key: read_idx(path, 3 if key.endswith("images") else 1)
-              for key, path in paths.items()}
+    arrays = {
+        key: read_idx(path, 3 if key.endswith("images") else 1) for key, path in paths.items()
+    }
     for split in ("train", "val"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         where = folder / FASHION_FILES[f"{split}_images"][0]
         if images.shape[1:] != (28, 28) or len(images) != len(labels):
-            raise UsageError(f"{where}: expected n 28x28 images and n labels, got "
-                             f"{images.shape} and {labels.shape}")
+            raise UsageError(
+                f"{where}: expected n 28x28 images and n labels, got "
+                f"{images.shape} and {labels.shape}"
+            )
         check_labels(labels, 10, where)
-    return {key: fashion_to_rgb32(a) if key.endswith("images") else torch.from_numpy(a).long()
-            for key, a in arrays.items()}
+    return {
+        key: fashion_to_rgb32(a) if key.endswith("images") else torch.from_numpy(a).long()
+        for key, a in arrays.items()
+    }
 
 
 def check_labels(labels: np.ndarray, classes: int, where: Path) -> None:
@@ -255,6 +288,7 @@ def check_labels(labels: np.ndarray, classes: int, where: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- Tiny ImageNet files
+
 
 def read_list(path: Path) -> str:
     """A text file of Tiny ImageNet's, or a one-line error."""
@@ -271,8 +305,10 @@ def tiny_wnids(folder: Path) -> list[str]:
     path = folder / "wnids.txt"
     wnids = read_list(path).split()
     if not wnids or len(set(wnids)) != len(wnids) or len(wnids) > TINY_CLASSES:
-        raise UsageError(f"{path}: expected up to {TINY_CLASSES} distinct class ids, one a "
-                         f"line, got {len(wnids)} ({len(set(wnids))} distinct)")
+        raise UsageError(
+            f"{path}: expected up to {TINY_CLASSES} distinct class ids, one a "
+            f"line, got {len(wnids)} ({len(set(wnids))} distinct)"
+        )
     return wnids
 
 
@@ -285,8 +321,10 @@ def tiny_val_annotations(folder: Path, wnids: list[str]) -> list[tuple[Path, int
     for number, line in enumerate(lines, 1):
         fields = line.split("\t")
         if len(fields) < 2 or fields[1] not in label_of:
-            raise UsageError(f"{path} line {number}: expected `image<TAB>wnid ...` with a wnid "
-                             f"of wnids.txt, got {line[:60]!r}")
+            raise UsageError(
+                f"{path} line {number}: expected `image<TAB>wnid ...` with a wnid "
+                f"of wnids.txt, got {line[:60]!r}"
+            )
         pairs.append((folder / "val" / "images" / fields[0], label_of[fields[1]]))
     return pairs
 
@@ -298,8 +336,9 @@ def tiny_train_images(folder: Path, wnids: list[str]) -> list[tuple[Path, int]]:
         images = folder / "train" / wnid / "images"
         files = sorted(images.glob("*.JPEG"))
         if not files:
-            raise UsageError(f"{images} is missing or holds no .JPEG image; unzip "
-                             f"{TINY_FOLDER}.zip again")
+            raise UsageError(
+                f"{images} is missing or holds no .JPEG image; unzip {TINY_FOLDER}.zip again"
+            )
         pairs += [(f, label) for f in files]
     return pairs
 
@@ -307,17 +346,22 @@ def tiny_train_images(folder: Path, wnids: list[str]) -> list[tuple[Path, int]]:
 def read_jpeg(path: Path, out: np.ndarray) -> None:
     """Decode one image into out (3, 64, 64); grey (and CMYK) JPEGs become RGB."""
     from PIL import Image
+
     try:
         with Image.open(path) as image:
             pixels = np.asarray(image.convert("RGB"))
     except FileNotFoundError:
         raise UsageError(f"{path} is missing") from None
     except Exception as e:  # PIL fails in many ways on a damaged file
-        raise UsageError(f"{path} is not a readable image ({type(e).__name__}: {e}); unzip "
-                         f"{TINY_FOLDER}.zip again") from None
+        raise UsageError(
+            f"{path} is not a readable image ({type(e).__name__}: {e}); unzip "
+            f"{TINY_FOLDER}.zip again"
+        ) from None
     if pixels.shape != out.shape[1:] + out.shape[:1]:
-        raise UsageError(f"{path}: expected a {out.shape[2]}x{out.shape[1]} image, got "
-                         f"{pixels.shape[1]}x{pixels.shape[0]}")
+        raise UsageError(
+            f"{path}: expected a {out.shape[2]}x{out.shape[1]} image, got "
+            f"{pixels.shape[1]}x{pixels.shape[0]}"
+        )
     out[:] = pixels.transpose(2, 0, 1)
 
 
@@ -333,8 +377,12 @@ def decode_tinyimagenet(folder: Path) -> dict[str, torch.Tensor]:
     wnids = tiny_wnids(folder)
     train_images, train_labels = decode_images(tiny_train_images(folder, wnids))
     val_images, val_labels = decode_images(tiny_val_annotations(folder, wnids))
-    return {"train_images": train_images, "train_labels": train_labels,
-            "val_images": val_images, "val_labels": val_labels}
+    return {
+        "train_images": train_images,
+        "train_labels": train_labels,
+        "val_images": val_images,
+        "val_labels": val_labels,
+    }
 
 
 def tinyimagenet_sources(folder: Path) -> list[Path]:
@@ -345,28 +393,44 @@ def tinyimagenet_sources(folder: Path) -> list[Path]:
         wnids = tiny_wnids(folder)
     except UsageError:
         wnids = []  # decoding will say what is wrong
-    return [folder / "wnids.txt", folder / "val" / "val_annotations.txt", folder / "val" / "images",
-            *(folder / "train" / w / "images" for w in wnids)]
+    return [
+        folder / "wnids.txt",
+        folder / "val" / "val_annotations.txt",
+        folder / "val" / "images",
+        *(folder / "train" / w / "images" for w in wnids),
+    ]
 
 
 # ----------------------------------------------------------------------------- the decoded cache
 
 FILE_SETS = {  # the data sets kept in files, by config.DATASETS name
     "cifar10": FileSet(
-        "CIFAR-10", CIFAR10_FOLDER,
+        "CIFAR-10",
+        CIFAR10_FOLDER,
         present=lambda folder: all(p.is_file() for p in cifar10_sources(folder)),
         sources=lambda folder: cifar10_sources(folder),
         decode=lambda folder: decode_cifar10(folder),
-        download=lambda data_dir: download_cifar10(data_dir), size="170 MB"),
+        download=lambda data_dir: download_cifar10(data_dir),
+        size="170 MB",
+    ),
     "fashionmnist": FileSet(
-        "Fashion-MNIST", FASHION_FOLDER,
+        "Fashion-MNIST",
+        FASHION_FOLDER,
         present=lambda folder: all(idx_path(folder, n) for n, _ in FASHION_FILES.values()),
-        sources=fashionmnist_sources, decode=decode_fashionmnist,
-        download=download_fashionmnist, size="30 MB"),
+        sources=fashionmnist_sources,
+        decode=decode_fashionmnist,
+        download=download_fashionmnist,
+        size="30 MB",
+    ),
     "tinyimagenet": FileSet(
-        "Tiny ImageNet", TINY_FOLDER, present=lambda folder: (folder / "wnids.txt").is_file(),
-        sources=tinyimagenet_sources, decode=decode_tinyimagenet, download=None,
-        manual=f"download {TINY_URL} (240 MB) and unzip it in {{data_dir}}"),
+        "Tiny ImageNet",
+        TINY_FOLDER,
+        present=lambda folder: (folder / "wnids.txt").is_file(),
+        sources=tinyimagenet_sources,
+        decode=decode_tinyimagenet,
+        download=None,
+        manual=f"download {TINY_URL} (240 MB) and unzip it in {{data_dir}}",
+    ),
 }
 
 
@@ -404,8 +468,7 @@ def build_cache(dataset: str, data_dir: Path) -> Path:
     signature = _source_signature(files, folder)
     if _read_cache(dataset, data_dir) is not None:
         return cache
-    print(f"[rank 0] decoding {files.title} into {cache} (once: later runs read that)",
-          flush=True)
+    print(f"[rank 0] decoding {files.title} into {cache} (once: later runs read that)", flush=True)
     tensors = files.decode(folder)
     # Write to a temporary name, then rename: a crash never leaves a half-written cache.
     fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=cache.name, suffix=".tmp")
@@ -420,8 +483,9 @@ def build_cache(dataset: str, data_dir: Path) -> Path:
 
 
 def fetch_command(dataset: str, data_dir: Path) -> str:
-    return (f"python data.py --download --data-dir {data_dir}"
-            + ("" if dataset == "cifar10" else f" --dataset {dataset}"))
+    return f"python data.py --download --data-dir {data_dir}" + (
+        "" if dataset == "cifar10" else f" --dataset {dataset}"
+    )
 
 
 def _not_found(dataset: str, data_dir: Path) -> str:
@@ -435,14 +499,21 @@ def _not_found(dataset: str, data_dir: Path) -> str:
 
 
 def _download_failed(dataset: str, data_dir: Path, error: Exception, fetch_hint: bool) -> str:
-    where = ("fetch it on a machine with internet (e.g. a login node) with: "
-             f"{fetch_command(dataset, data_dir)}, or " if fetch_hint else "")
-    return (f"downloading {FILE_SETS[dataset].title} into {data_dir} failed ({error}); this "
-            f"machine may have no internet: {where}train without it: --dataset synthetic")
+    where = (
+        "fetch it on a machine with internet (e.g. a login node) with: "
+        f"{fetch_command(dataset, data_dir)}, or "
+        if fetch_hint
+        else ""
+    )
+    return (
+        f"downloading {FILE_SETS[dataset].title} into {data_dir} failed ({error}); this "
+        f"machine may have no internet: {where}train without it: --dataset synthetic"
+    )
 
 
-def _prepare_on_rank0(dataset: str, data_dir: Path, download: bool,
-                      fetch_hint: bool = True) -> str | None:
+def _prepare_on_rank0(
+    dataset: str, data_dir: Path, download: bool, fetch_hint: bool = True
+) -> str | None:
     """Download if needed and build the cache; returns the cache's path (None: no cache)."""
     files = FILE_SETS[dataset]
     folder = data_dir / files.folder
@@ -460,28 +531,37 @@ def _prepare_on_rank0(dataset: str, data_dir: Path, download: bool,
     try:
         return str(build_cache(dataset, data_dir))
     except OSError as e:  # read-only data folder: every rank decodes the files itself
-        print(f"[rank 0] warning: cannot write {cache_path(dataset, data_dir)} ({e}); "
-              "decoding without a cache", flush=True)
+        print(
+            f"[rank 0] warning: cannot write {cache_path(dataset, data_dir)} ({e}); "
+            "decoding without a cache",
+            flush=True,
+        )
         files.decode(folder)  # validate once, here, with a clear error
         return None
 
 
-def load_files(dataset: str, data_dir: Path, download: bool = True,
-               fetch_hint: bool = True) -> tuple[Split, Split]:
+def load_files(
+    dataset: str, data_dir: Path, download: bool = True, fetch_hint: bool = True
+) -> tuple[Split, Split]:
     """Every rank calls this; rank 0 alone touches the network and writes files."""
     data_dir = Path(data_dir)
     cache = on_rank0(_prepare_on_rank0, dataset, data_dir, download, fetch_hint)
-    t = (torch.load(cache, mmap=True) if cache
-         else FILE_SETS[dataset].decode(data_dir / FILE_SETS[dataset].folder))
+    t = (
+        torch.load(cache, mmap=True)
+        if cache
+        else FILE_SETS[dataset].decode(data_dir / FILE_SETS[dataset].folder)
+    )
     return Split(t["train_images"], t["train_labels"]), Split(t["val_images"], t["val_labels"])
 
 
-def load_cifar10(data_dir: Path, download: bool = True,
-                 fetch_hint: bool = True) -> tuple[Split, Split]:
+def load_cifar10(
+    data_dir: Path, download: bool = True, fetch_hint: bool = True
+) -> tuple[Split, Split]:
     return load_files("cifar10", data_dir, download, fetch_hint)
 
 
 # ----------------------------------------------------------------------------- synthetic data
+
 
 def make_synthetic(n_train: int, n_val: int, seed: int) -> tuple[Split, Split]:
     """A learnable stand-in for CIFAR-10: a smooth per-class pattern plus pixel noise.
@@ -489,38 +569,47 @@ def make_synthetic(n_train: int, n_val: int, seed: int) -> tuple[Split, Split]:
     Generated on the CPU from `seed` alone, so every rank builds the identical data set.
     """
     g = torch.Generator().manual_seed(seed)
-    prototypes = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=(32, 32),
-                               mode="bilinear", align_corners=False)
+    prototypes = F.interpolate(
+        torch.randn(10, 3, 4, 4, generator=g), size=(32, 32), mode="bilinear", align_corners=False
+    )
 
     def split(n: int) -> Split:
         labels = torch.randint(0, 10, (n,), generator=g)
         images = torch.empty(n, 3, 32, 32, dtype=torch.uint8)
         for start in range(0, n, 8192):  # chunks bound the float temporaries
-            y = labels[start:start + 8192]
+            y = labels[start : start + 8192]
             noise = torch.randn(len(y), 3, 32, 32, generator=g)
             pixels = 128 + SYNTHETIC_SIGNAL * prototypes[y] + SYNTHETIC_NOISE * noise
-            images[start:start + 8192] = pixels.round().clamp(0, 255).to(torch.uint8)
+            images[start : start + 8192] = pixels.round().clamp(0, 255).to(torch.uint8)
         return Split(images, labels)
 
     return split(n_train), split(n_val)
 
 
-def load_splits(dataset: str, data_dir: Path, seed: int, train_samples: int | None,
-                val_samples: int | None, download: bool = True) -> tuple[Split, Split]:
+def load_splits(
+    dataset: str,
+    data_dir: Path,
+    seed: int,
+    train_samples: int | None,
+    val_samples: int | None,
+    download: bool = True,
+) -> tuple[Split, Split]:
     if dataset in FILE_SETS:
         train, val = load_files(dataset, data_dir, download)
     else:
         spec = DATASETS[dataset]
-        train, val = make_synthetic(train_samples or spec.train_size, val_samples or spec.val_size,
-                                    seed)
+        train, val = make_synthetic(
+            train_samples or spec.train_size, val_samples or spec.val_size, seed
+        )
     train, val = train.head(train_samples), val.head(val_samples)
     if len(train) == 0 or len(val) == 0:
         raise UsageError(f"{dataset}: empty training or validation set")
     return train, val
 
 
-def find_data(dataset: str, data_dir: Path, train_samples: int | None,
-              download: bool = True) -> tuple[int, str]:
+def find_data(
+    dataset: str, data_dir: Path, train_samples: int | None, download: bool = True
+) -> tuple[int, str]:
     """What a run would train on, without downloading, writing or synchronizing anything (for
     `main.py --check`): the number of training images, and where they come from. Raises the
     run's own error when it would fail for want of data."""
@@ -532,8 +621,10 @@ def find_data(dataset: str, data_dir: Path, train_samples: int | None,
     if not files.present(folder):
         if not download or files.download is None:
             raise UsageError(_not_found(dataset, data_dir))
-        return (min(train_samples or spec.train_size, spec.train_size),
-                f"{files.title} not in {data_dir}: rank 0 will download it ({files.size})")
+        return (
+            min(train_samples or spec.train_size, spec.train_size),
+            f"{files.title} not in {data_dir}: rank 0 will download it ({files.size})",
+        )
     # Without a cache yet, the files are decoded here as the run would (Tiny ImageNet: its
     # 110,000 JPEGs, some 15 s), so that a damaged file fails the check.
     cached = _read_cache(dataset, data_dir)
@@ -543,6 +634,7 @@ def find_data(dataset: str, data_dir: Path, train_samples: int | None,
 
 
 # ----------------------------------------------------------------------------- augmentation
+
 
 class RandomCropFlip:
     """Per-image random crop from a zero-padded copy and random horizontal flip, batched.
@@ -592,8 +684,9 @@ def augmentation_seed(seed: int, rank: int, epoch: int) -> int:
 class Normalize:
     """uint8 images -> float, scaled to [0, 1] and standardized per channel, on the device."""
 
-    def __init__(self, spec: DatasetSpec, device: torch.device,
-                 memory_format=torch.contiguous_format):
+    def __init__(
+        self, spec: DatasetSpec, device: torch.device, memory_format=torch.contiguous_format
+    ):
         # (x / 255 - mean) / std as one multiply-add of the uint8 pixels: x * scale + shift.
         mean = torch.tensor(spec.mean, dtype=torch.float64).view(1, 3, 1, 1)
         std = torch.tensor(spec.std, dtype=torch.float64).view(1, 3, 1, 1)
@@ -608,11 +701,11 @@ class Normalize:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(self.device, non_blocking=True)
         # One operation per batch: addcmul reads the uint8 pixels and writes float32.
-        return torch.addcmul(self.shift, x, self.scale).contiguous(
-            memory_format=self.memory_format)
+        return torch.addcmul(self.shift, x, self.scale).contiguous(memory_format=self.memory_format)
 
 
 # ----------------------------------------------------------------------------- loaders
+
 
 class ShardSampler(DistributedSampler):
     """DistributedSampler that can start an epoch part-way, for a run resumed mid-epoch."""
@@ -646,9 +739,18 @@ class TensorLoader:
     (RandomCropFlip.PIXELS_PER_GATHER).
     """
 
-    def __init__(self, split: Split, sampler: ShardSampler, batch_size: int, steps: int,
-                 normalize: Normalize, augment: bool, generator: torch.Generator, seed: int,
-                 rank: int):
+    def __init__(
+        self,
+        split: Split,
+        sampler: ShardSampler,
+        batch_size: int,
+        steps: int,
+        normalize: Normalize,
+        augment: bool,
+        generator: torch.Generator,
+        seed: int,
+        rank: int,
+    ):
         device = normalize.device
         # Rows of one flat image each: index_select on them is a plain row copy, many times
         # faster than advanced indexing of the 4-d tensor on the CPU. A copy on the CPU too:
@@ -668,12 +770,11 @@ class TensorLoader:
     def epoch_images(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The epoch's images, augmented where asked, and their labels, in the order of its
         batches: all of the rank's shard, also when a resumed run skips its first steps."""
-        order = self.sampler.epoch_indices()[:self.steps * self.batch_size]
+        order = self.sampler.epoch_indices()[: self.steps * self.batch_size]
         indices = torch.tensor(order, device=self.images.device)
         images = self.images.index_select(0, indices).view(-1, *self.image_shape)
         if self.crop_flip:
-            self.generator.manual_seed(augmentation_seed(self.seed, self.rank,
-                                                         self.sampler.epoch))
+            self.generator.manual_seed(augmentation_seed(self.seed, self.rank, self.sampler.epoch))
             self.crop_flip.in_place(images, self.generator)
         labels = self.labels[indices]
         self.epoch_bytes = images.nbytes + labels.nbytes
@@ -702,11 +803,13 @@ class ImageDataset(Dataset):
 
     def __getitem__(self, i: int):
         from PIL import Image
+
         return self.transform(Image.fromarray(self.hwc[i])), int(self.labels[i])
 
 
 def classic_transform(spec: DatasetSpec, augment: bool):
     from torchvision import transforms as T
+
     crop = T.RandomCrop(spec.image_shape[1:], padding=CROP_PADDING)
     steps = [crop, T.RandomHorizontalFlip()] if augment else []
     return T.Compose([*steps, T.ToTensor(), T.Normalize(spec.mean, spec.std)])
@@ -715,13 +818,27 @@ def classic_transform(spec: DatasetSpec, augment: bool):
 class ClassicLoader:
     """The course's pipeline: DataLoader workers transform images one by one on the CPU."""
 
-    def __init__(self, split: Split, sampler: ShardSampler, batch_size: int, steps: int,
-                 spec: DatasetSpec, augment: bool, device: torch.device, num_workers: int,
-                 memory_format=torch.contiguous_format):
-        self.loader = DataLoader(ImageDataset(split, classic_transform(spec, augment)),
-                                 batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                                 pin_memory=device.type == "cuda", drop_last=False,
-                                 persistent_workers=num_workers > 0)
+    def __init__(
+        self,
+        split: Split,
+        sampler: ShardSampler,
+        batch_size: int,
+        steps: int,
+        spec: DatasetSpec,
+        augment: bool,
+        device: torch.device,
+        num_workers: int,
+        memory_format=torch.contiguous_format,
+    ):
+        self.loader = DataLoader(
+            ImageDataset(split, classic_transform(spec, augment)),
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            pin_memory=device.type == "cuda",
+            drop_last=False,
+            persistent_workers=num_workers > 0,
+        )
         self.sampler, self.steps, self.device = sampler, steps, device
         self.batch_size, self.memory_format = batch_size, memory_format
 
@@ -732,12 +849,15 @@ class ClassicLoader:
         remaining = self.sampler.steps_left(self.steps, self.batch_size)
         for _, (images, labels) in zip(range(remaining), self.loader):
             images = images.to(self.device, non_blocking=True)
-            yield (images.contiguous(memory_format=self.memory_format),
-                   labels.to(self.device, non_blocking=True))
+            yield (
+                images.contiguous(memory_format=self.memory_format),
+                labels.to(self.device, non_blocking=True),
+            )
 
 
-def validation_weights(offset: int, batch_len: int, rank: int, world_size: int, total: int,
-                       device: torch.device) -> torch.Tensor:
+def validation_weights(
+    offset: int, batch_len: int, rank: int, world_size: int, total: int, device: torch.device
+) -> torch.Tensor:
     """1 for real images, 0 for the sampler's padding (repeats beyond the data set's end).
 
     DistributedSampler (no shuffle) gives rank r the padded positions r, r + W, r + 2W, ...;
@@ -757,8 +877,11 @@ class Loaders:
 
     def device_bytes(self) -> int:
         """Bytes of data set this rank keeps on its training device (the tensor path's)."""
-        return sum(loader.images.nbytes + loader.labels.nbytes + loader.epoch_bytes
-                   for loader in (self.train, self.val) if isinstance(loader, TensorLoader))
+        return sum(
+            loader.images.nbytes + loader.labels.nbytes + loader.epoch_bytes
+            for loader in (self.train, self.val)
+            if isinstance(loader, TensorLoader)
+        )
 
     def set_position(self, epoch: int, step: int = 0) -> None:
         """Shuffle for `epoch` (the same order on every rank) and start after `step` batches."""
@@ -766,10 +889,21 @@ class Loaders:
         self.train_sampler.skip = step * self.train.batch_size
 
 
-def build_loaders(train: Split, val: Split, spec: DatasetSpec, *, kind: str, rank: int,
-                  world_size: int, global_batch: int, seed: int, augment: bool,
-                  device: torch.device, num_workers: int = 0,
-                  memory_format=torch.contiguous_format) -> Loaders:
+def build_loaders(
+    train: Split,
+    val: Split,
+    spec: DatasetSpec,
+    *,
+    kind: str,
+    rank: int,
+    world_size: int,
+    global_batch: int,
+    seed: int,
+    augment: bool,
+    device: torch.device,
+    num_workers: int = 0,
+    memory_format=torch.contiguous_format,
+) -> Loaders:
     """Shard both splits over the ranks; training uses only full global batches."""
     local_batch = global_batch // world_size
     train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed)
@@ -785,28 +919,45 @@ def build_loaders(train: Split, val: Split, spec: DatasetSpec, *, kind: str, ran
         def make(split, sampler, steps, aug):
             return TensorLoader(split, sampler, local_batch, steps, norm, aug, gen, seed, rank)
     else:
+
         def make(split, sampler, steps, aug):
-            return ClassicLoader(split, sampler, local_batch, steps, spec, aug, device,
-                                 num_workers, memory_format)
-    return Loaders(make(train, train_sampler, train_steps, augment),
-                   make(val, val_sampler, val_steps, False), train_sampler, len(val), gen)
+            return ClassicLoader(
+                split, sampler, local_batch, steps, spec, aug, device, num_workers, memory_format
+            )
+
+    return Loaders(
+        make(train, train_sampler, train_steps, augment),
+        make(val, val_sampler, val_steps, False),
+        train_sampler,
+        len(val),
+        gen,
+    )
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Fetch a data set ahead of a job (e.g. on a login "
-                                "node with internet), then decode it into the tensor cache.")
+    p = argparse.ArgumentParser(
+        description="Fetch a data set ahead of a job (e.g. on a login "
+        "node with internet), then decode it into the tensor cache."
+    )
     p.add_argument("--download", action="store_true", help="download if absent")
     p.add_argument("--data-dir", default="./data", help="target folder (default ./data)")
-    p.add_argument("--dataset", default="cifar10", choices=sorted(FILE_SETS),
-                   help="which (default cifar10; tinyimagenet has no download: unzip it there)")
+    p.add_argument(
+        "--dataset",
+        default="cifar10",
+        choices=sorted(FILE_SETS),
+        help="which (default cifar10; tinyimagenet has no download: unzip it there)",
+    )
     args = p.parse_args(argv)
     try:
-        train, val = load_files(args.dataset, Path(args.data_dir), download=args.download,
-                                fetch_hint=False)  # this command is the fetch
+        train, val = load_files(
+            args.dataset, Path(args.data_dir), download=args.download, fetch_hint=False
+        )  # this command is the fetch
     except UsageError as e:
         fail(str(e))
-    print(f"{FILE_SETS[args.dataset].title} ready in {args.data_dir}: {len(train)} training "
-          f"and {len(val)} validation images")
+    print(
+        f"{FILE_SETS[args.dataset].title} ready in {args.data_dir}: {len(train)} training "
+        f"and {len(val)} validation images"
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ JOB_PORTS = range(20000, 32000)
 @dataclass(frozen=True)
 class DistEnv:
     """This rank's place in the run. Whether it is rank 0 is utils.is_rank_zero()'s to say."""
+
     rank: int
     local_rank: int
     world_size: int
@@ -55,8 +56,9 @@ def expand_hostlist(nodelist: str) -> list[str]:
     for item in items:
         # re.split with a group: text, bracket, text, bracket, ..., text
         parts = re.split(r"\[([^\[\]]*)\]", item)
-        choices = [[part] if i % 2 == 0 else _expand_ranges(part, nodelist)
-                   for i, part in enumerate(parts)]
+        choices = [
+            [part] if i % 2 == 0 else _expand_ranges(part, nodelist) for i, part in enumerate(parts)
+        ]
         hosts += ["".join(host) for host in itertools.product(*choices)]
     return hosts
 
@@ -67,8 +69,9 @@ def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
     for piece in ranges.split(","):
         low, _, high = piece.partition("-")
         if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
-            raise UsageError(f"cannot read {piece!r} in the SLURM node list {nodelist!r}; "
-                             "set MASTER_ADDR")
+            raise UsageError(
+                f"cannot read {piece!r} in the SLURM node list {nodelist!r}; set MASTER_ADDR"
+            )
         numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high or low) + 1)]
     return numbers
 
@@ -105,10 +108,12 @@ def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:
     """Across nodes, NCCL outside CSCS's container has no Slingshot plugin and falls back to
     TCP sockets without a word: a scaling study would then measure TCP."""
     if nodes > 1 and backend == "nccl" and not environ.get("NCCL_NET"):
-        return ("warning: NCCL across nodes without NCCL_NET: without the network plugin it "
-                "falls back to TCP sockets; run in the container (EDF=$PWD/edf.toml sbatch "
-                "run.sh), which sets NCCL_NET=\"AWS Libfabric\" and fails if the plugin is "
-                "missing")
+        return (
+            "warning: NCCL across nodes without NCCL_NET: without the network plugin it "
+            "falls back to TCP sockets; run in the container (EDF=$PWD/edf.toml sbatch "
+            'run.sh), which sets NCCL_NET="AWS Libfabric" and fails if the plugin is '
+            "missing"
+        )
     return None
 
 
@@ -143,12 +148,17 @@ def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[
         return torch.device("cuda", local_rank % torch.cuda.device_count()), BACKENDS["cuda"]
     given = given_gpus(env)
     if wanted == "cuda" or given:
-        why = (f"{given} gives this process GPUs" if given else "--device cuda asks for a GPU")
-        build = ("a CPU-only build of torch: install a CUDA build (on CSCS Alps, run in the "
-                 "container: EDF=...)" if torch.version.cuda is None else
-                 "no GPU visible to it: check nvidia-smi, and the container's GPU hooks")
-        raise UsageError(f"{why}, but torch {torch.__version__} sees none ({build}); "
-                         "--device cpu trains on the CPU on purpose")
+        why = f"{given} gives this process GPUs" if given else "--device cuda asks for a GPU"
+        build = (
+            "a CPU-only build of torch: install a CUDA build (on CSCS Alps, run in the "
+            "container: EDF=...)"
+            if torch.version.cuda is None
+            else "no GPU visible to it: check nvidia-smi, and the container's GPU hooks"
+        )
+        raise UsageError(
+            f"{why}, but torch {torch.__version__} sees none ({build}); "
+            "--device cpu trains on the CPU on purpose"
+        )
     return torch.device("cpu"), BACKENDS["cpu"]
 
 
@@ -161,9 +171,11 @@ def shared_gpus(owners: list[str]) -> str | None:
     if not clashes:
         return None
     owner, ranks = clashes[0]
-    return (f"ranks {', '.join(map(str, ranks))} would share one GPU ({owner}; NCCL refuses "
-            f"that): start one task per GPU (--ntasks-per-node = GPUs per node, or "
-            f"--gpus-per-task=1)")
+    return (
+        f"ranks {', '.join(map(str, ranks))} would share one GPU ({owner}; NCCL refuses "
+        f"that): start one task per GPU (--ntasks-per-node = GPUs per node, or "
+        f"--gpus-per-task=1)"
+    )
 
 
 def refuse_shared_gpus(store, rank: int, world_size: int, device: torch.device) -> None:
@@ -208,19 +220,28 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
         _store = dist.HashStore()
     else:
         addr, port = rendezvous()
-        _store, _, _ = next(dist.rendezvous(f"tcp://{addr}:{port}", rank=rank,
-                                            world_size=world_size, timeout=timeout))
+        _store, _, _ = next(
+            dist.rendezvous(
+                f"tcp://{addr}:{port}", rank=rank, world_size=world_size, timeout=timeout
+            )
+        )
         if device.type == "cuda":
             refuse_shared_gpus(_store, rank, world_size, device)
     # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
     # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
     groups_backend = GPU_GROUP_BACKEND if device.type == "cuda" else backend
-    dist.init_process_group(groups_backend, store=dist.PrefixStore("default_pg", _store),
-                            rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        groups_backend,
+        store=dist.PrefixStore("default_pg", _store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
     if world_size > 1:
         _handshake_group = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=HANDSHAKE_TIMEOUT_S))
+            backend="gloo", timeout=datetime.timedelta(seconds=HANDSHAKE_TIMEOUT_S)
+        )
     return DistEnv(rank, local_rank, world_size, device, backend)
 
 
@@ -296,7 +317,8 @@ def is_peer_failure(error: BaseException) -> bool:
     """
     text = str(error)
     return isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and ("gloo" in text or GLOO_PAIRS_CLOSED in text))
+        isinstance(error, RuntimeError) and ("gloo" in text or GLOO_PAIRS_CLOSED in text)
+    )
 
 
 def silent_ranks(grace_s: float = 3.0) -> list[int]:
@@ -321,8 +343,7 @@ def describe_peer_failure(error: BaseException) -> str:
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     try:
         missing = silent_ranks()
-        who = f"rank(s) {', '.join(map(str, missing))} died or hung" if missing else \
-            "a peer failed"
+        who = f"rank(s) {', '.join(map(str, missing))} died or hung" if missing else "a peer failed"
     except Exception:  # the store lives in rank 0 (or torchrun's agent): it may be gone too
         who = "the rendezvous store is gone too: rank 0 (or its launcher) died"
     return f"rank {dist.get_rank()}: {who}; stopping ({first_line[:200]})"

@@ -29,8 +29,15 @@ import socket
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (CPUOffload, CPUOffloadPolicy, FSDPModule, MixedPrecision,
-                                    MixedPrecisionPolicy, ShardingStrategy, fully_shard)
+from torch.distributed.fsdp import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import CustomPolicy
 
@@ -44,8 +51,12 @@ SHARDING = {
 }
 
 # The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs).
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 def low_precision(precision: str) -> torch.dtype | None:
@@ -62,10 +73,12 @@ def check_ranks_by_node(ranks_per_node: int) -> None:
     for rank, host in enumerate(hosts):
         first = hosts[rank - rank % ranks_per_node]
         if host != first:
-            raise UsageError(f"hybrid sharding needs ranks laid out in blocks of "
-                             f"{ranks_per_node} per node, but rank {rank} runs on {host} and "
-                             f"rank {rank - rank % ranks_per_node} on {first}: use srun's "
-                             "default (block) distribution")
+            raise UsageError(
+                f"hybrid sharding needs ranks laid out in blocks of "
+                f"{ranks_per_node} per node, but rank {rank} runs on {host} and "
+                f"rank {rank - rank % ranks_per_node} on {first}: use srun's "
+                "default (block) distribution"
+            )
 
 
 def hybrid_mesh(device: torch.device, ranks_per_node: int | None) -> DeviceMesh:
@@ -73,20 +86,28 @@ def hybrid_mesh(device: torch.device, ranks_per_node: int | None) -> DeviceMesh:
     node size counts GPUs, which is wrong on CPU and under --gpus-per-task=1."""
     world = torch.distributed.get_world_size()
     if not ranks_per_node or world % ranks_per_node:
-        raise UsageError(f"hybrid sharding needs equal ranks per node; world size {world}, "
-                         f"ranks per node {ranks_per_node}")
+        raise UsageError(
+            f"hybrid sharding needs equal ranks per node; world size {world}, "
+            f"ranks per node {ranks_per_node}"
+        )
     check_ranks_by_node(ranks_per_node)
     mesh = torch.arange(world).view(world // ranks_per_node, ranks_per_node)
     # Groups of our own, with --pg-timeout: init_device_mesh's would get the backend default.
     replicate = distributed_utils.subgroups(mesh.t().tolist())  # one rank of each node
     shard = distributed_utils.subgroups(mesh.tolist())  # the ranks of one node
-    return DeviceMesh.from_group([replicate, shard], device.type, mesh,
-                                 mesh_dim_names=("replicate", "shard"))
+    return DeviceMesh.from_group(
+        [replicate, shard], device.type, mesh, mesh_dim_names=("replicate", "shard")
+    )
 
 
-def get_fsdp_model(model: nn.Module, device: torch.device, sharding: str = "full",
-                   precision: str = "fp32", cpu_offload: bool = False,
-                   ranks_per_node: int | None = None) -> FSDP:
+def get_fsdp_model(
+    model: nn.Module,
+    device: torch.device,
+    sharding: str = "full",
+    precision: str = "fp32",
+    cpu_offload: bool = False,
+    ranks_per_node: int | None = None,
+) -> FSDP:
     """FSDP1: the wrap policy makes every shard unit of the model an FSDP unit."""
     units = {id(unit) for unit in model.shard_units()}
     dtype = low_precision(precision)
@@ -94,8 +115,11 @@ def get_fsdp_model(model: nn.Module, device: torch.device, sharding: str = "full
         model,
         auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),
         sharding_strategy=SHARDING[sharding],
-        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32,
-                                       buffer_dtype=dtype) if dtype else None,
+        mixed_precision=MixedPrecision(
+            param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype
+        )
+        if dtype
+        else None,
         cpu_offload=CPUOffload(offload_params=cpu_offload),
         # Also on CPU: without device_id, FSDP in torch 2.14 demands an accelerator.
         device_id=device,
@@ -106,20 +130,30 @@ def get_fsdp_model(model: nn.Module, device: torch.device, sharding: str = "full
     )
 
 
-def get_fsdp2_model(model: nn.Module, device: torch.device, sharding: str = "full",
-                    precision: str = "fp32", cpu_offload: bool = False,
-                    ranks_per_node: int | None = None) -> nn.Module:
+def get_fsdp2_model(
+    model: nn.Module,
+    device: torch.device,
+    sharding: str = "full",
+    precision: str = "fp32",
+    cpu_offload: bool = False,
+    ranks_per_node: int | None = None,
+) -> nn.Module:
     """FSDP2: fully_shard each unit, then the root (which holds what no unit does)."""
     world = torch.distributed.get_world_size()
-    mesh = (hybrid_mesh(device, ranks_per_node) if sharding == "hybrid"
-            else init_device_mesh(device.type, (world,)))
+    mesh = (
+        hybrid_mesh(device, ranks_per_node)
+        if sharding == "hybrid"
+        else init_device_mesh(device.type, (world,))
+    )
     dtype = low_precision(precision)
     options = dict(
         mesh=mesh,
         reshard_after_forward=sharding != "grad_op",
         mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if dtype else MixedPrecisionPolicy(),
-        offload_policy=CPUOffloadPolicy() if cpu_offload else None)
+        if dtype
+        else MixedPrecisionPolicy(),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else None,
+    )
     options = {k: v for k, v in options.items() if v is not None}
     model = model.to(device)
     for unit in model.shard_units():

@@ -45,7 +45,8 @@ USAGE = "usage: python main.py [OPTION ...]  (python main.py --help describes ev
 # --nproc_per_node, --ntasks-per-node, --world-size, --num-gpus, ...).
 LAUNCHER_OPTION = re.compile(
     r"--((n|num[-_]?)?(gpus?|nodes?|procs?|tasks|ranks)|(nproc|ntasks|gpus?[-_]per)[\w-]*"
-    r"|world[-_]?size)$")
+    r"|world[-_]?size)$"
+)
 
 
 class OptionError(UsageError):
@@ -62,15 +63,22 @@ class OptionParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OptionParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="exit status: 0 finished, 1 another rank died or hung, 2 bad input, 3 stopped by "
-               "SIGUSR1/SIGUSR2/SIGTERM after saving a checkpoint (resume to finish), 4 diverged "
-               "(the training loss became NaN or infinite), 5 a checkpoint could not be saved "
-               "or read")
+        "SIGUSR1/SIGUSR2/SIGTERM after saving a checkpoint (resume to finish), 4 diverged "
+        "(the training loss became NaN or infinite), 5 a checkpoint could not be saved "
+        "or read",
+    )
     add_options(parser)
-    parser.add_argument("--check", nargs="*", type=int, metavar="N",
-                        help="validate the configuration for world sizes N (default: the "
-                             "launcher's) and find the data, then exit without training")
+    parser.add_argument(
+        "--check",
+        nargs="*",
+        type=int,
+        metavar="N",
+        help="validate the configuration for world sizes N (default: the "
+        "launcher's) and find the data, then exit without training",
+    )
     return parser
 
 
@@ -81,9 +89,11 @@ def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
         return f"unexpected argument {extras[0]!r}: main.py takes options only"
     name = options[0].split("=", 1)[0]
     if LAUNCHER_OPTION.match(name):
-        return (f"main.py has no {name}: the launcher sets the number of ranks (torchrun "
-                "--nproc_per_node=N, NPROC=N bash run.sh, or srun/sbatch --ntasks=N --gpus=N); "
-                "for a sweep over GPU counts: python run_benchmarks.py --gpus 1 2 4")
+        return (
+            f"main.py has no {name}: the launcher sets the number of ranks (torchrun "
+            "--nproc_per_node=N, NPROC=N bash run.sh, or srun/sbatch --ntasks=N --gpus=N); "
+            "for a sweep over GPU counts: python run_benchmarks.py --gpus 1 2 4"
+        )
     close = difflib.get_close_matches(name, parser._option_string_actions, n=1)
     return f"unrecognized option {name}" + (f"; did you mean {close[0]}?" if close else "")
 
@@ -101,6 +111,7 @@ def parse_command_line(argv: list[str]) -> tuple[Config, list[int] | None]:
 
 # ----------------------------------------------------------------------------- check
 
+
 def check(cfg: Config, world_sizes: list[int]) -> int:
     """`--check`: would this configuration run at these world sizes? One process, no training."""
     world_sizes = world_sizes or [read_ranks()[2]]
@@ -109,8 +120,8 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import checkpoint  # torch loads here, once the options are known to be readable
     import data
     import strategies
-    train_size, source = data.find_data(cfg.dataset, cfg.data_dir, cfg.train_samples,
-                                        cfg.download)
+
+    train_size, source = data.find_data(cfg.dataset, cfg.data_dir, cfg.train_samples, cfg.download)
     for world_size in world_sizes:
         check_world(cfg, world_size, train_size)
     device, where = strategies.check_device(cfg)
@@ -119,12 +130,15 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         checkpoint.resolve(cfg.resume, Path("."))
     elif cfg.checkpoint and cfg.checkpoint_dir:
         checkpoint.refuse_overwrite(Path(cfg.checkpoint_dir), cfg.resume)
-    print(f"check: ok: strategy={cfg.strategy} world sizes {' '.join(map(str, world_sizes))}, "
-          f"global batch {cfg.batch_size}, {train_size} training images ({source}), {where}")
+    print(
+        f"check: ok: strategy={cfg.strategy} world sizes {' '.join(map(str, world_sizes))}, "
+        f"global batch {cfg.batch_size}, {train_size} training images ({source}), {where}"
+    )
     return EXIT_STATUS["finished"]
 
 
 # ----------------------------------------------------------------------------- build, run
+
 
 def train(cfg: Config, argv: list[str]) -> int:
     """Join the other ranks, build and run this rank's trainer (session.run), report, leave; a
@@ -132,6 +146,7 @@ def train(cfg: Config, argv: list[str]) -> int:
     import distributed_utils  # torch loads here, once the options are known to be readable
     import session
     from train import set_deterministic
+
     set_deterministic(cfg.deterministic)  # before CUDA starts
     env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
     failed = True
@@ -146,8 +161,7 @@ def train(cfg: Config, argv: list[str]) -> int:
         if not distributed_utils.is_peer_failure(e):
             raise
         # Its own log holds the cause: say which rank, rather than wait for the time limit.
-        print(f"error: {distributed_utils.describe_peer_failure(e)}", file=sys.stderr,
-              flush=True)
+        print(f"error: {distributed_utils.describe_peer_failure(e)}", file=sys.stderr, flush=True)
         return EXIT_STATUS["peer_failed"]
     finally:
         distributed_utils.cleanup(failed)
@@ -155,6 +169,7 @@ def train(cfg: Config, argv: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def continue_command(argv: list[str], folder: Path) -> str:
     """The command line that resumes a stopped run: its own, resuming from its folder."""
@@ -173,8 +188,10 @@ def continue_command(argv: list[str], folder: Path) -> str:
 def stop_report(outcome: "Outcome", epochs: int, argv: list[str]) -> str:
     at = outcome.stopped_at
     signal_name = stopping.stop_signal() or "a signal to another rank"
-    text = (f"[CHECKPOINT] stopped on {signal_name} at epoch {at.epoch} step {at.step} of "
-            f"{epochs} epochs")
+    text = (
+        f"[CHECKPOINT] stopped on {signal_name} at epoch {at.epoch} step {at.step} of "
+        f"{epochs} epochs"
+    )
     if outcome.folder is None:
         return text + " (no checkpoint written: --no-checkpoint)"
     return f"{text}; continue with: {continue_command(argv, outcome.folder)}"

@@ -40,13 +40,16 @@ class CNN(nn.Module):
     sizes (divisible by 8) the classifier takes what the convolutions leave: 64x64 -> 8x8,
     fc 4096->512."""
 
-    def __init__(self, width: int = 16, num_classes: int = NUM_CLASSES,
-                 image_shape: tuple[int, int, int] = IMAGE_SHAPE):
+    def __init__(
+        self,
+        width: int = 16,
+        num_classes: int = NUM_CLASSES,
+        image_shape: tuple[int, int, int] = IMAGE_SHAPE,
+    ):
         super().__init__()
         h, w = image_shape[1:]
         if h % 8 or w % 8:
-            raise ValueError(f"the CNN halves the image three times: {h}x{w} is not divisible "
-                             "by 8")
+            raise ValueError(f"the CNN halves the image three times: {h}x{w} is not divisible by 8")
         c1, c2, c3 = width, 2 * width, 4 * width
         self.conv1 = ConvBlock(image_shape[0], c1)
         self.conv2 = ConvBlock(c1, c2)
@@ -60,8 +63,9 @@ class CNN(nn.Module):
         n = x.shape[0]
         c1, c2, c3 = self.channels
         h, w = self.image_shape[1:]
-        assert x.shape[1:] == self.image_shape, \
+        assert x.shape[1:] == self.image_shape, (
             f"expected (N, {', '.join(map(str, self.image_shape))}) input, got {tuple(x.shape)}"
+        )
         x = self.conv1(x)
         assert x.shape == (n, c1, h // 2, w // 2), x.shape
         x = self.conv2(x)
@@ -101,8 +105,9 @@ MODELS = {
 }
 
 
-def build_model(name: str, num_classes: int = NUM_CLASSES,
-                image_shape: tuple[int, int, int] = IMAGE_SHAPE) -> nn.Module:
+def build_model(
+    name: str, num_classes: int = NUM_CLASSES, image_shape: tuple[int, int, int] = IMAGE_SHAPE
+) -> nn.Module:
     return MODELS[name](num_classes, tuple(image_shape))
 
 

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # pick_python.sh -- which Python the shell scripts run, and whether it has what they need.
 # Sourced by run.sh and plot_results.sh (it runs nothing by itself), so that both answer alike:
 #

@@ -27,9 +27,20 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
-from collect_results import (COMM_CSV, COURSE_COLUMNS, DEFAULT_OUT, GPU_TIMELINE_CSV,  # noqa: E402
-                             TIME_PARTS, cores_outnumbered, markdown_table, note, scaling,
-                             side_path, summarize, write_atomically)
+from collect_results import (  # noqa: E402
+    COMM_CSV,
+    COURSE_COLUMNS,
+    DEFAULT_OUT,
+    GPU_TIMELINE_CSV,
+    TIME_PARTS,
+    cores_outnumbered,
+    markdown_table,
+    note,
+    scaling,
+    side_path,
+    summarize,
+    write_atomically,
+)
 from utils import UsageError, fail  # noqa: E402
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
@@ -85,9 +96,14 @@ LINE_ALPHA = 0.8
 def strategy_styles(summary: pd.DataFrame) -> dict[str, dict]:
     """The same colour, marker and line style for a strategy in every figure."""
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {s: {"color": cycle[i % len(cycle)], "marker": MARKERS[i % len(MARKERS)],
-                "linestyle": LINESTYLES[i % len(LINESTYLES)]}
-            for i, s in enumerate(sorted(summary["strategy"].unique()))}
+    return {
+        s: {
+            "color": cycle[i % len(cycle)],
+            "marker": MARKERS[i % len(MARKERS)],
+            "linestyle": LINESTYLES[i % len(LINESTYLES)],
+        }
+        for i, s in enumerate(sorted(summary["strategy"].unique()))
+    }
 
 
 def log2_axis(ax, which: str, ticks) -> None:
@@ -103,8 +119,9 @@ def log10_y_axis(ax) -> None:
     """Log y axis labelled 0.5, 1, 2, 3 rather than 2x10^0: epoch times span about one decade."""
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}" if
-                                               leading_digit(value) in (2, 3, 5) else ""))
+    ax.yaxis.set_minor_formatter(
+        FuncFormatter(lambda value, _: f"{value:g}" if leading_digit(value) in (2, 3, 5) else "")
+    )
 
 
 def leading_digit(value: float) -> int:
@@ -124,13 +141,20 @@ def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFr
         raise NotPlottable(f"no {column} values")
     styles = strategy_styles(summary)
     for strategy, points in rows.groupby("strategy"):
-        ax.plot(points["gpus"], points[column], alpha=LINE_ALPHA, label=strategy,
-                **styles[strategy])
+        ax.plot(
+            points["gpus"], points[column], alpha=LINE_ALPHA, label=strategy, **styles[strategy]
+        )
         low, high = f"{column}_min", f"{column}_max"
         if low in points and (points["runs"] > 1).any():  # min-max over repeated runs
             spread = [points[column] - points[low], points[high] - points[column]]
-            ax.errorbar(points["gpus"], points[column], yerr=spread, fmt="none",
-                        ecolor=styles[strategy]["color"], capsize=3)
+            ax.errorbar(
+                points["gpus"],
+                points[column],
+                yerr=spread,
+                fmt="none",
+                ecolor=styles[strategy]["color"],
+                capsize=3,
+            )
     gpu_axis(ax, rows["gpus"])
     ax.set_ylabel(ylabel)
     return rows
@@ -143,8 +167,13 @@ def plot_ideal_scaling(ax, summary: pd.DataFrame, column: str, exponent: int) ->
         base = points.loc[points["gpus"] == 1, column]
         if not base.empty:
             gpus = points["gpus"].sort_values()
-            ax.plot(gpus, base.iloc[0] * gpus.astype(float) ** exponent,
-                    color=styles[strategy]["color"], label=f"{strategy} ideal", **IDEAL_STYLE)
+            ax.plot(
+                gpus,
+                base.iloc[0] * gpus.astype(float) ** exponent,
+                color=styles[strategy]["color"],
+                label=f"{strategy} ideal",
+                **IDEAL_STYLE,
+            )
 
 
 def figure(panels: int = 1) -> tuple[Figure, list]:
@@ -222,8 +251,7 @@ def plot_peak_memory(summary: pd.DataFrame) -> Figure:
     axes[0].set_title("Peak training memory per rank")
     if has_state:
         state = summary.assign(state_mem=summary["state_mem"] / 2**20)
-        plot_lines(axes[1], state, "state_mem",
-                   "parameters + gradients + optimizer state (MB)")
+        plot_lines(axes[1], state, "state_mem", "parameters + gradients + optimizer state (MB)")
         axes[1].set_title("Model state held by one rank")
     for ax in axes:
         ax.set_ylim(bottom=0)
@@ -241,10 +269,15 @@ def plot_speedup(summary: pd.DataFrame) -> Figure:
     # log-log: the ideal is the diagonal. A speedup below 1 (slower than one GPU) gets ticks of
     # its own (1/2, 1/4...) and every point its value: the GPU counts alone label none of it.
     below_one = math.floor(math.log2(min(rows["speedup"].min(), 1)))
-    log2_axis(speed_ax, "y", [*gpus, *(2.0 ** k for k in range(below_one, 0))])
+    log2_axis(speed_ax, "y", [*gpus, *(2.0**k for k in range(below_one, 0))])
     for speedup, count in zip(rows["speedup"], rows["gpus"]):
-        speed_ax.annotate(f"{speedup:.2f}", (count, speedup), textcoords="offset points",
-                          xytext=(4, -10), fontsize="small")
+        speed_ax.annotate(
+            f"{speedup:.2f}",
+            (count, speedup),
+            textcoords="offset points",
+            xytext=(4, -10),
+            fontsize="small",
+        )
     speed_ax.set_title("Speedup (1-GPU epoch time / N-GPU epoch time)")
     speed_ax.legend()
     plot_lines(eff_ax, summary, "efficiency", "parallel efficiency (%)")
@@ -265,8 +298,12 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     return fig
 
 
-PART_NAMES = {"t_compute": "compute", "t_data": "data", "t_comm": "communication",
-              "t_wait": "waiting"}
+PART_NAMES = {
+    "t_compute": "compute",
+    "t_data": "data",
+    "t_comm": "communication",
+    "t_wait": "waiting",
+}
 
 
 BAR_WIDTH = 0.7
@@ -290,8 +327,15 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
     ideal = rows["strategy"].map(one_gpu) / rows["gpus"]
     # A dash across each bar: a line, so that its legend entry is as small as the others'.
-    ax.hlines(ideal, [i - BAR_WIDTH / 2 for i in x], [i + BAR_WIDTH / 2 for i in x],
-              color="black", zorder=3, label="ideal: 1-GPU time / N", **IDEAL_STYLE)
+    ax.hlines(
+        ideal,
+        [i - BAR_WIDTH / 2 for i in x],
+        [i + BAR_WIDTH / 2 for i in x],
+        color="black",
+        zorder=3,
+        label="ideal: 1-GPU time / N",
+        **IDEAL_STYLE,
+    )
     ax.set_xticks(list(x), [f"{s}\n{g:.0f} GPU" for s, g in zip(rows["strategy"], rows["gpus"])])
     ax.set_ylabel("seconds per epoch (median after epoch 1)")
     ax.set_title("Where an epoch's time goes (negative parts drawn as 0)")
@@ -331,17 +375,23 @@ def plot_gpu_timeline(timeline: pd.DataFrame | None) -> Figure:
     """Memory used and utilisation of every sampled GPU over its job's time (nvidia-smi, by
     run.sh's samplers): one line per GPU, coloured by run."""
     if timeline is None or timeline.empty:
-        raise NotPlottable(f"no GPU samples ({GPU_TIMELINE_CSV}: run.sh samples where "
-                           "nvidia-smi exists)")
+        raise NotPlottable(
+            f"no GPU samples ({GPU_TIMELINE_CSV}: run.sh samples where nvidia-smi exists)"
+        )
     fig, (memory, use) = figure(2)
     runs = timeline.groupby(["strategy", "gpus", "job_id"], dropna=False, sort=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, ((strategy, gpus, job_id), run) in enumerate(runs):
-        for j, ((host, gpu), samples) in enumerate(run.groupby(["host", "gpu"])):
+        for j, (_, samples) in enumerate(run.groupby(["host", "gpu"])):
             label = f"{strategy} {gpus:.0f} GPU(s), job {job_id}" if j == 0 else None
             for ax, column in ((memory, "mem_mib"), (use, "util_pct")):
-                ax.plot(samples["seconds"], samples[column], color=colors[i % len(colors)],
-                        linewidth=1, label=label)
+                ax.plot(
+                    samples["seconds"],
+                    samples[column],
+                    color=colors[i % len(colors)],
+                    linewidth=1,
+                    label=label,
+                )
     memory.set_ylabel("memory used (MiB, nvidia-smi)")
     use.set_ylabel("utilisation (%, nvidia-smi)")
     use.set_ylim(0, 105)
@@ -380,8 +430,11 @@ def add_subtitle(fig: Figure, subtitle: str) -> None:
     points = FontProperties(size=SUBTITLE_SIZE).get_size_in_points()
     margin = 0.95  # of the width: the line's ends stay off the figure's edges
     characters_per_line = int(margin * fig.get_figwidth() * 72 / (EM_PER_CHARACTER * points))
-    fig.suptitle(textwrap.fill(subtitle, characters_per_line, break_on_hyphens=False),
-                 fontsize=SUBTITLE_SIZE, color="dimgray")
+    fig.suptitle(
+        textwrap.fill(subtitle, characters_per_line, break_on_hyphens=False),
+        fontsize=SUBTITLE_SIZE,
+        color="dimgray",
+    )
     fig.tight_layout()  # leaves room for the suptitle, however many lines it has
 
 
@@ -391,8 +444,9 @@ def save_png(fig: Figure, path: Path, subtitle: str) -> None:
     plt.close(fig)
 
 
-def plot_all(results: pd.DataFrame, out_dir: Path,
-             beside: dict[str, pd.DataFrame | None] | None = None) -> list[Path]:
+def plot_all(
+    results: pd.DataFrame, out_dir: Path, beside: dict[str, pd.DataFrame | None] | None = None
+) -> list[Path]:
     """Every figure there is data for; `beside` holds the CSVs found beside the results."""
     beside = beside or {}
     summary, subtitle = summarize(results, beside.get(COMM_CSV)), context(results)
@@ -413,13 +467,21 @@ def plot_all(results: pd.DataFrame, out_dir: Path,
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--csv", type=Path, default=DEFAULT_OUT,
-                   help="collect_results.py's CSV, or the course's results_*.csv")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--csv",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="collect_results.py's CSV, or the course's results_*.csv",
+    )
     p.add_argument("--out-dir", type=Path, default=Path("plots"), help="folder for the PNGs")
-    p.add_argument("--report", action="store_true",
-                   help="also write report.md in the folder: table, figures, largest costs")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="also write report.md in the folder: table, figures, largest costs",
+    )
     return p.parse_args(argv)
 
 
@@ -441,28 +503,47 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
     sentences = []
     for _, row in summary.dropna(subset=list(TIME_PARTS)).iterrows():
         part = max(TIME_PARTS, key=lambda p: row[p])
-        text = (f"{row['strategy']} on {row['gpus']:.0f} GPU(s): the largest cost is "
-                f"{PART_NAMES[part]}, {row[part]:.3f} s of {row['time']:.2f} s per epoch "
-                f"({100 * row[part] / row['time']:.0f}%)")
+        text = (
+            f"{row['strategy']} on {row['gpus']:.0f} GPU(s): the largest cost is "
+            f"{PART_NAMES[part]}, {row[part]:.3f} s of {row['time']:.2f} s per epoch "
+            f"({100 * row[part] / row['time']:.0f}%)"
+        )
         if row.get("threads_per_core", 0) > 1:
             text += "; but its ranks shared too few cores for this to be a finding"
         if pd.notna(row.get("comm_model")):
-            text += (f"; its messages would take {row['comm_model']:.3f} s at the measured "
-                     f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden")
+            text += (
+                f"; its messages would take {row['comm_model']:.3f} s at the measured "
+                f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden"
+            )
         sentences.append(f"- {text}.")
     return sentences or ["- The CSV has no t_compute, t_data, t_comm, t_wait: no breakdown."]
 
 
 def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path]) -> str:
     summary = summarize(results, comm)
-    return "\n".join([
-        "# Scaling report", "", context(results), "", markdown_table(summary), "",
-        "## Largest cost per strategy and GPU count", "", *largest_costs(summary), "",
-        "## Figures", "", *(f"![{p.stem}]({p.name})\n" for p in written), ""])
+    return "\n".join(
+        [
+            "# Scaling report",
+            "",
+            context(results),
+            "",
+            markdown_table(summary),
+            "",
+            "## Largest cost per strategy and GPU count",
+            "",
+            *largest_costs(summary),
+            "",
+            "## Figures",
+            "",
+            *(f"![{p.stem}]({p.name})\n" for p in written),
+            "",
+        ]
+    )
 
 
-def write_report(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path],
-                 out_dir: Path) -> Path:
+def write_report(
+    results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path], out_dir: Path
+) -> Path:
     path = out_dir / "report.md"
     text = report_text(results, comm, written)
     write_atomically(path, lambda temp: temp.write_text(text))

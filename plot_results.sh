@@ -31,7 +31,7 @@ written="$("$PYTHON" "$here/plot_results.py" --csv "$csv" --out-dir "$plots" --r
 echo
 echo "results: $csv"
 echo "plots:"
-sed 's/^/  /' <<<"$written"
+while read -r png; do echo "  $png"; done <<<"$written"
 echo "report: $plots/report.md"
 
 if command -v xdg-open >/dev/null 2>&1 && [[ -n "${DISPLAY:-}" ]]; then

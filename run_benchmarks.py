@@ -50,8 +50,19 @@ LOGS_DIR = REPO / "logs"
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
 
 # squeue states after which a job no longer runs (COMPLETED is the only good one).
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-         "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REVOKED",
+    "SPECIAL_EXIT",
+}
 # The last line run.sh (and the collection job) writes: the exit status outlives the job, which
 # SLURM forgets MinJobAge seconds after it ends (and there may be no sacct to ask).
 EXIT_LINE = re.compile(r"exit status (\d+)\s*$", re.MULTILINE)
@@ -61,6 +72,7 @@ SQUEUE_RETRIES = 5  # a busy controller may time out now and then
 @dataclass(frozen=True)
 class Configuration:
     """One point of the sweep: a strategy on a number of GPUs, with its global batch."""
+
     strategy: str
     gpus: int
     nodes: int
@@ -78,6 +90,7 @@ class Configuration:
 @dataclass
 class Job:
     """A submitted job, and what became of it."""
+
     name: str
     job_id: str
     log: Path
@@ -88,52 +101,99 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         usage="%(prog)s [options] [-- main.py arguments]",
         description=__doc__.split("\n\n")[0],
-        epilog="Arguments after -- go to main.py, e.g. -- --dataset synthetic --compile")
-    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8],
-                   help="GPU counts, one task each (default: 1 2 4 8)")
-    p.add_argument("--strategies", nargs="+", choices=STRATEGIES,
-                   default=list(DEFAULT_STRATEGIES),
-                   help="default: ddp fsdp (dp and single run one process: --gpus 1 only)")
+        epilog="Arguments after -- go to main.py, e.g. -- --dataset synthetic --compile",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="GPU counts, one task each (default: 1 2 4 8)",
+    )
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        default=list(DEFAULT_STRATEGIES),
+        help="default: ddp fsdp (dp and single run one process: --gpus 1 only)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=4, help="default: %(default)s")
     p.add_argument("--epochs", type=int, default=5, help="default: %(default)s")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="strong scaling: the global batch size of every GPU count; weak: the "
-                        "batch per GPU (default: %(default)s)")
-    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
-                   help="strong: the same global batch for every GPU count; weak: the same "
-                        "batch per GPU (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=1, metavar="R",
-                   help="run every configuration R times (default: %(default)s)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=256,
+        help="strong scaling: the global batch size of every GPU count; weak: the "
+        "batch per GPU (default: %(default)s)",
+    )
+    p.add_argument(
+        "--scaling",
+        choices=("strong", "weak"),
+        default="strong",
+        help="strong: the same global batch for every GPU count; weak: the same "
+        "batch per GPU (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="run every configuration R times (default: %(default)s)",
+    )
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default: %(default)s")
     slurm = p.add_argument_group("SLURM (default: run.sh's #SBATCH lines and SBATCH_* variables)")
     slurm.add_argument("--partition", help="sbatch --partition")
     slurm.add_argument("--account", help="sbatch --account")
     slurm.add_argument("--time", help="time limit of each training job, e.g. 00:30:00")
     slurm.add_argument("--cpus-per-task", type=int, help="CPUs (and OpenMP threads) per rank")
-    slurm.add_argument("--environment", metavar="EDF",
-                       help="CSCS Alps: run the tasks in this container (EDF file or name)")
+    slurm.add_argument(
+        "--environment",
+        metavar="EDF",
+        help="CSCS Alps: run the tasks in this container (EDF file or name)",
+    )
     mode = p.add_argument_group("what to do")
-    mode.add_argument("--dry-run", action="store_true",
-                      help="print the job scripts; write and submit nothing")
-    mode.add_argument("--wait", action="store_true",
-                      help="wait for the sweep to end; exit 1 if a job did not complete")
-    mode.add_argument("--poll-interval", type=float, default=10.0, metavar="SECONDS",
-                      help="between two looks at the queue with --wait (default: %(default)s)")
-    mode.add_argument("--local", action="store_true",
-                      help="no SLURM: run the sweep one after the other here, through torchrun")
-    mode.add_argument("--one-at-a-time", action="store_true",
-                      help="each job waits for the one before it (jobs that share cores "
-                           "measure each other)")
-    mode.add_argument("--exclusive", action="store_true",
-                      help="sbatch --exclusive: no other job on a benchmark's nodes")
+    mode.add_argument(
+        "--dry-run", action="store_true", help="print the job scripts; write and submit nothing"
+    )
+    mode.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the sweep to end; exit 1 if a job did not complete",
+    )
+    mode.add_argument(
+        "--poll-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="between two looks at the queue with --wait (default: %(default)s)",
+    )
+    mode.add_argument(
+        "--local",
+        action="store_true",
+        help="no SLURM: run the sweep one after the other here, through torchrun",
+    )
+    mode.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="each job waits for the one before it (jobs that share cores measure each other)",
+    )
+    mode.add_argument(
+        "--exclusive",
+        action="store_true",
+        help="sbatch --exclusive: no other job on a benchmark's nodes",
+    )
     return p
 
 
 # main.py's options that the sweep sets in every job (sweep_choices), each with the sweep's own
 # option that chooses it. Given again after `--`, main.py would take the last one: a job named
 # ddp_1gpu would train FSDP, silently.
-SWEEP_OPTION = {"strategy": "--strategies", "epochs": "--epochs", "batch_size": "--batch-size",
-                "precision": "--precision"}
+SWEEP_OPTION = {
+    "strategy": "--strategies",
+    "epochs": "--epochs",
+    "batch_size": "--batch-size",
+    "precision": "--precision",
+}
 
 
 def main_option(token: str) -> str | None:
@@ -143,8 +203,11 @@ def main_option(token: str) -> str | None:
         return None
     name = token.split("=", 1)[0]
     actions = config.add_options(argparse.ArgumentParser())._option_string_actions
-    dests = ({actions[name].dest} if name in actions else
-             {action.dest for option, action in actions.items() if option.startswith(name)})
+    dests = (
+        {actions[name].dest}
+        if name in actions
+        else {action.dest for option, action in actions.items() if option.startswith(name)}
+    )
     return dests.pop() if len(dests) == 1 else None
 
 
@@ -152,8 +215,10 @@ def refuse_sweep_options(tokens: list[str], where: str) -> None:
     """One error line for a main.py option that the sweep chooses itself."""
     for token in tokens:
         if (dest := main_option(token)) in SWEEP_OPTION:
-            fail(f"{token.split('=', 1)[0]} {where} is the sweep's choice: use "
-                 f"run_benchmarks.py {SWEEP_OPTION[dest]} instead")
+            fail(
+                f"{token.split('=', 1)[0]} {where} is the sweep's choice: use "
+                f"run_benchmarks.py {SWEEP_OPTION[dest]} instead"
+            )
 
 
 def parse_args(ours: list[str]) -> argparse.Namespace:
@@ -163,8 +228,10 @@ def parse_args(ours: list[str]) -> argparse.Namespace:
     if unknown:
         refuse_sweep_options(unknown[:1], "is an option of main.py that")
         if main_option(unknown[0]):
-            fail(f"{unknown[0].split('=', 1)[0]} is an option of main.py: put main.py's options "
-                 f"after --, e.g. python run_benchmarks.py [options] -- {shlex.join(unknown)}")
+            fail(
+                f"{unknown[0].split('=', 1)[0]} is an option of main.py: put main.py's options "
+                f"after --, e.g. python run_benchmarks.py [options] -- {shlex.join(unknown)}"
+            )
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
 
@@ -173,7 +240,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """Our arguments, and main.py's (those after the first `--`)."""
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1 :]
     return argv, []
 
 
@@ -183,14 +250,18 @@ def check_args(args) -> None:
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.local and (args.environment or args.exclusive):
-        fail(f"--{'environment' if args.environment else 'exclusive'} needs SLURM; leave it "
-             "out with --local (which runs one configuration at a time anyway)")
+        fail(
+            f"--{'environment' if args.environment else 'exclusive'} needs SLURM; leave it "
+            "out with --local (which runs one configuration at a time anyway)"
+        )
     if args.poll_interval <= 0:
         fail(f"--poll-interval must be positive, got {args.poll_interval}")
     one_process = sorted(set(args.strategies) & set(ONE_PROCESS))
     if one_process and any(g > 1 for g in args.gpus):
-        fail(f"--strategies {' '.join(one_process)} run one process: sweep them with --gpus 1 "
-             "(in a sweep of their own)")
+        fail(
+            f"--strategies {' '.join(one_process)} run one process: sweep them with --gpus 1 "
+            "(in a sweep of their own)"
+        )
     for gpus in args.gpus:
         if gpus < 1:
             fail(f"--gpus: every count must be at least 1, got {gpus}")
@@ -203,30 +274,43 @@ def nodes_for(gpus: int, gpus_per_node: int) -> int:
     """Nodes for one task per GPU; a job that spans nodes must fill every one equally."""
     nodes = math.ceil(gpus / gpus_per_node)
     if gpus % nodes:
-        fail(f"{gpus} GPUs do not spread evenly over {nodes} nodes of {gpus_per_node} GPUs: "
-             f"use a multiple of {nodes}, or another --gpus-per-node")
+        fail(
+            f"{gpus} GPUs do not spread evenly over {nodes} nodes of {gpus_per_node} GPUs: "
+            f"use a multiple of {nodes}, or another --gpus-per-node"
+        )
     return nodes
 
 
 def plan(args) -> list[Configuration]:
     gpu_counts = list(dict.fromkeys(args.gpus))  # without repeats, in the order given
     nodes = {g: nodes_for(g, args.gpus_per_node) for g in gpu_counts}
+
     def global_batch(gpus: int) -> int:
         return args.batch_size * gpus if args.scaling == "weak" else args.batch_size
 
-    return [Configuration(s, g, nodes[g], global_batch(g))
-            for g in gpu_counts for s in dict.fromkeys(args.strategies)]
+    return [
+        Configuration(s, g, nodes[g], global_batch(g))
+        for g in gpu_counts
+        for s in dict.fromkeys(args.strategies)
+    ]
 
 
 def sweep_choices(run: Configuration, args) -> dict:
     """What the sweep decides for each job, by Config field (the keys of SWEEP_OPTION)."""
-    return {"strategy": run.strategy, "epochs": args.epochs, "batch_size": run.global_batch,
-            "precision": args.precision}
+    return {
+        "strategy": run.strategy,
+        "epochs": args.epochs,
+        "batch_size": run.global_batch,
+        "precision": args.precision,
+    }
 
 
 def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
-    chosen = [word for dest, value in sweep_choices(run, args).items()
-              for word in (config.option_flag(dest), str(value))]
+    chosen = [
+        word
+        for dest, value in sweep_choices(run, args).items()
+        for word in (config.option_flag(dest), str(value))
+    ]
     return [*chosen, "--comm-benchmark", *extra]  # every job measures its collectives (comm.csv)
 
 
@@ -245,13 +329,15 @@ def script(comment: str, sbatch_options: list[str], target: list[str], env: dict
     """A job script: from the repository, sbatch with these options (and the caller's, "$@")."""
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
     options = " \\\n    ".join(shlex.quote(o) for o in sbatch_options)
-    return ("#!/bin/bash\n"
-            f"{comment}"
-            'cd "$(dirname "$0")/../.." || exit  # from jobs/<sweep>/ to the repository\n'
-            f"{exports}"
-            f"exec sbatch \\\n    {options} \\\n"
-            f'    "$@" \\\n'
-            f"    {shlex.join(target)}\n")
+    return (
+        "#!/bin/bash\n"
+        f"{comment}"
+        'cd "$(dirname "$0")/../.." || exit  # from jobs/<sweep>/ to the repository\n'
+        f"{exports}"
+        f"exec sbatch \\\n    {options} \\\n"
+        f'    "$@" \\\n'
+        f"    {shlex.join(target)}\n"
+    )
 
 
 def slurm_options(args) -> list[str]:
@@ -268,10 +354,16 @@ def relative(path: Path) -> str:
 
 def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
     log = f"logs/{sweep}/{run.name}_%j"
-    options = ["--parsable", f"--job-name=bench-{run.name}",
-               f"--nodes={run.nodes}", f"--ntasks-per-node={run.tasks_per_node}",
-               f"--gpus-per-node={run.tasks_per_node}", f"--output={log}.log",
-               f"--error={log}.err", *slurm_options(args)]
+    options = [
+        "--parsable",
+        f"--job-name=bench-{run.name}",
+        f"--nodes={run.nodes}",
+        f"--ntasks-per-node={run.tasks_per_node}",
+        f"--gpus-per-node={run.tasks_per_node}",
+        f"--output={log}.log",
+        f"--error={log}.err",
+        *slurm_options(args),
+    ]
     if args.time:
         options.append(f"--time={args.time}")
     if args.cpus_per_task:
@@ -281,10 +373,12 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
     env = {"SAMPLES_DIR": f"logs/{sweep}"}  # run.sh's GPU and CPU samplers: beside the logs
     if args.environment:
         env["EDF"] = edf_value(args.environment)
-    comment = (f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
-               f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
-               f"# Submit again with: bash jobs/{sweep}/{run.name}.sh [more sbatch options]\n"
-               "# run.sh is the launch recipe; these options size the job and name its logs.\n")
+    comment = (
+        f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
+        f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
+        f"# Submit again with: bash jobs/{sweep}/{run.name}.sh [more sbatch options]\n"
+        "# run.sh is the launch recipe; these options size the job and name its logs.\n"
+    )
     return script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
 
 
@@ -294,12 +388,20 @@ def collect_script(sweep: str, args) -> str:
         command = f"srun --environment={shlex.quote(edf_value(args.environment))} {command}"
     command = f"LOGS=logs/{sweep} {command}"  # first: an assignment after srun is no assignment
     command += '; status=$?; echo "exit status $status"; exit $status'
-    options = ["--parsable", "--job-name=bench-collect", "--ntasks=1", "--time=00:15:00",
-               f"--output=jobs/{sweep}/collect_%j.log", *slurm_options(args)]
-    comment = (f"# Collects logs/{sweep}/ into results.csv and plots into plots/. Written by "
-               "run_benchmarks.py,\n# which submits it with --dependency=afterany:<the sweep's "
-               f"job ids>.\n# Submit again with: bash jobs/{sweep}/collect.sh [more sbatch "
-               "options]\n")
+    options = [
+        "--parsable",
+        "--job-name=bench-collect",
+        "--ntasks=1",
+        "--time=00:15:00",
+        f"--output=jobs/{sweep}/collect_%j.log",
+        *slurm_options(args),
+    ]
+    comment = (
+        f"# Collects logs/{sweep}/ into results.csv and plots into plots/. Written by "
+        "run_benchmarks.py,\n# which submits it with --dependency=afterany:<the sweep's "
+        f"job ids>.\n# Submit again with: bash jobs/{sweep}/collect.sh [more sbatch "
+        "options]\n"
+    )
     return script(comment, options, ["--wrap", command], {})
 
 
@@ -321,12 +423,15 @@ class SubmitError(Exception):
 
 def submit(job_script: Path, *sbatch_options: str) -> str:
     """Submits through the job script; returns the job id, or ends with sbatch's complaint."""
-    done = subprocess.run(["bash", str(job_script), *sbatch_options], cwd=REPO,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", str(job_script), *sbatch_options], cwd=REPO, capture_output=True, text=True
+    )
     job_id = done.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
     if done.returncode != 0 or not job_id.isdigit():
-        raise SubmitError(f"sbatch refused {job_script.relative_to(REPO)}: "
-                          f"{last_line(done.stderr or done.stdout)}")
+        raise SubmitError(
+            f"sbatch refused {job_script.relative_to(REPO)}: "
+            f"{last_line(done.stderr or done.stdout)}"
+        )
     return job_id
 
 
@@ -352,17 +457,25 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]
     print(f"sweep {sweep}: logs in {relative(logs)}/, job scripts in jobs/{sweep}/", flush=True)
     try:
         for run, name in repeated(runs, args.repeats):
-            after = [f"--dependency=afterany:{jobs[-1].job_id}"] if (
-                args.one_at_a_time and jobs) else []
-            job_id = submit(write(JOBS_DIR / sweep / f"{run.name}.sh",
-                                  run_script(run, sweep, args, extra)), *after)
+            after = (
+                [f"--dependency=afterany:{jobs[-1].job_id}"]
+                if (args.one_at_a_time and jobs)
+                else []
+            )
+            job_id = submit(
+                write(JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)),
+                *after,
+            )
             jobs.append(Job(name, job_id, logs / f"{run.name}_{job_id}.log"))
-            print(f"{name}: job {job_id} ({count(run.nodes, 'node')} x "
-                  f"{count(run.tasks_per_node, 'task')}), log {relative(jobs[-1].log)}",
-                  flush=True)
+            print(
+                f"{name}: job {job_id} ({count(run.nodes, 'node')} x "
+                f"{count(run.tasks_per_node, 'task')}), log {relative(jobs[-1].log)}",
+                flush=True,
+            )
         dependency = "--dependency=afterany:" + ":".join(j.job_id for j in jobs)
-        job_id = submit(write(JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)),
-                        dependency)
+        job_id = submit(
+            write(JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)), dependency
+        )
     except SubmitError as e:
         submitted = " ".join(j.job_id for j in jobs)
         hint = f" (already queued: {submitted}; scancel {submitted} to drop them)" if jobs else ""
@@ -375,13 +488,22 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]
 def queue_states(job_ids: list[str]) -> dict[str, str]:
     """{job id: state} of the jobs SLURM still knows; finished ones drop out after a while."""
     for attempt in range(SQUEUE_RETRIES):
-        done = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i %T",
-                               "--jobs=" + ",".join(job_ids)], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                "squeue",
+                "--noheader",
+                "--states=all",
+                "--format=%i %T",
+                "--jobs=" + ",".join(job_ids),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode == 0:
             return dict(line.split()[:2] for line in done.stdout.splitlines() if line.strip())
         if "Invalid job id" in done.stderr:  # none of them is known any more
             return {}
-        time.sleep(2 ** attempt)
+        time.sleep(2**attempt)
     fail(f"squeue keeps failing: {last_line(done.stderr)}", code=1)
 
 
@@ -419,8 +541,10 @@ def report(jobs: list[Job]) -> int:
     for job in failed:
         err = job.log.with_suffix(".err")
         where = err if err.exists() and err.stat().st_size else job.log
-        print(f"failed: {job.name} job {job.job_id} {job.state}, see {relative(where)}",
-              file=sys.stderr)
+        print(
+            f"failed: {job.name} job {job.job_id} {job.state}, see {relative(where)}",
+            file=sys.stderr,
+        )
     print(f"sweep done: {len(jobs) - len(failed)} of {len(jobs)} jobs completed")
     return 1 if failed else 0
 
@@ -429,24 +553,45 @@ def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
     sweep = next_sweep_folder(LOGS_DIR).name
     for run in runs:
         print(f"# ---- jobs/{sweep}/{run.name}.sh\n{run_script(run, sweep, args, extra)}")
-    print(f"# ---- jobs/{sweep}/collect.sh, submitted with --dependency=afterany:<the job ids "
-          f"above>\n{collect_script(sweep, args)}", end="")
+    print(
+        f"# ---- jobs/{sweep}/collect.sh, submitted with --dependency=afterany:<the job ids "
+        f"above>\n{collect_script(sweep, args)}",
+        end="",
+    )
 
 
 def job_python(in_container: bool) -> str:
     """The Python run.sh gives the jobs (pick_python.sh decides, for both): the sweep checks
     them with it, whichever Python runs the sweep itself."""
-    done = subprocess.run(["bash", "-c", 'source "$1/pick_python.sh" && pick_python "$@"',
-                           "pick", str(REPO), "yes" if in_container else "no"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'source "$1/pick_python.sh" && pick_python "$@"',
+            "pick",
+            str(REPO),
+            "yes" if in_container else "no",
+        ],
+        capture_output=True,
+        text=True,
+    )
     return done.stdout.strip() or sys.executable
 
 
 def has_torch(python: str) -> bool:
     try:
-        return subprocess.run([python, "-c", "import importlib.util, sys; "
-                               "sys.exit(importlib.util.find_spec('torch') is None)"],
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                [
+                    python,
+                    "-c",
+                    "import importlib.util, sys; "
+                    "sys.exit(importlib.util.find_spec('torch') is None)",
+                ],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
     except OSError:  # no such interpreter: the jobs will say so
         return False
 
@@ -456,8 +601,11 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> N
     written or submitted: a typo fails here, in seconds, not in the queue."""
     python = job_python(bool(args.environment))
     if not has_torch(python):
-        print(f"note: no torch in {python}: main.py's options are not checked before "
-              "submitting", file=sys.stderr, flush=True)
+        print(
+            f"note: no torch in {python}: main.py's options are not checked before submitting",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     # A login node has no GPU: unless the sweep says where it runs, check for the GPU nodes'.
     device = [] if args.local or "--device" in extra else ["--device", "cuda"]
@@ -465,10 +613,13 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> N
     for strategy, batch in dict.fromkeys((r.strategy, r.global_batch) for r in runs):
         same = [r for r in runs if (r.strategy, r.global_batch) == (strategy, batch)]
         first, sizes = same[0], [str(r.gpus) for r in same]
-        done = subprocess.run([python, "main.py", *main_args(first, args, extra),
-                               *device, "--check", *sizes],
-                              cwd=REPO, capture_output=True, text=True,
-                              env=without_slurm())
+        done = subprocess.run(
+            [python, "main.py", *main_args(first, args, extra), *device, "--check", *sizes],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=without_slurm(),
+        )
         if done.returncode:  # main.py's one line, or argparse's "main.py: error: ..."
             error = last_line(done.stderr or done.stdout).split("error: ", 1)[-1]
             fail(f"main.py --strategy {strategy}: {error} (nothing submitted)")
@@ -498,21 +649,28 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
         log = time_stamped(logs, f"{run.name}_local-", ".log")
         print(f"{name}: {count(run.gpus, 'process')} here, log {relative(log)}", flush=True)
         with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-            status = subprocess.run(["bash", "run.sh", *main_args(run, args, extra)], cwd=REPO,
-                                    stdout=out, stderr=err,
-                                    env={**without_slurm(), "NPROC": str(run.gpus),
-                                         "SAMPLES_DIR": str(logs)}).returncode
+            status = subprocess.run(
+                ["bash", "run.sh", *main_args(run, args, extra)],
+                cwd=REPO,
+                stdout=out,
+                stderr=err,
+                env={**without_slurm(), "NPROC": str(run.gpus), "SAMPLES_DIR": str(logs)},
+            ).returncode
         if status:
             failed.append(name)
-            print(f"{name}: exit status {status}, see {relative(log.with_suffix('.err'))}",
-                  file=sys.stderr, flush=True)
-    status = subprocess.run(plot, cwd=REPO,
-                            env={**os.environ, "LOGS": str(logs)}).returncode
+            print(
+                f"{name}: exit status {status}, see {relative(log.with_suffix('.err'))}",
+                file=sys.stderr,
+                flush=True,
+            )
+    status = subprocess.run(plot, cwd=REPO, env={**os.environ, "LOGS": str(logs)}).returncode
     if status:
         failed.append("plot_results.sh")
     steps = len(runs) * args.repeats + 1
-    print(f"sweep done: {steps - len(failed)} of {steps} steps succeeded"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"sweep done: {steps - len(failed)} of {steps} steps succeeded"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

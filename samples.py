@@ -21,8 +21,18 @@ import pandas as pd
 
 FILE_RE = re.compile(r"^(?P<kind>gpu|cpu)_(?P<job_id>.+)_(?P<host>[^_]+)\.csv$")
 GPU_COLUMNS = ("timestamp", "gpu", "util_pct", "mem_mib", "mem_total_mib", "power_w")
-GPU_SUMMARY = ("job_id", "host", "gpu", "samples", "peak_mem_mib", "mean_mem_mib",
-               "mode_mem_mib", "mem_total_mib", "mean_util_pct", "mean_power_w")
+GPU_SUMMARY = (
+    "job_id",
+    "host",
+    "gpu",
+    "samples",
+    "peak_mem_mib",
+    "mean_mem_mib",
+    "mode_mem_mib",
+    "mem_total_mib",
+    "mean_util_pct",
+    "mean_power_w",
+)
 CPU_SUMMARY = ("job_id", "host", "pid", "samples", "seconds", "mean_cpu_pct", "peak_rss_mb")
 
 
@@ -38,8 +48,9 @@ def sample_files(folder: Path) -> list[tuple[str, str, str, Path]]:
 
 def read_gpu_samples(path: Path) -> pd.DataFrame:
     """nvidia-smi's rows (its header may repeat after a requeue; "[N/A]" power is NaN)."""
-    frame = pd.read_csv(path, header=None, names=GPU_COLUMNS, skipinitialspace=True,
-                        dtype=str, on_bad_lines="skip")
+    frame = pd.read_csv(
+        path, header=None, names=GPU_COLUMNS, skipinitialspace=True, dtype=str, on_bad_lines="skip"
+    )
     frame = frame[frame["timestamp"] != "timestamp"]
     for column in GPU_COLUMNS[1:]:
         frame[column] = pd.to_numeric(frame[column], errors="coerce")
@@ -50,14 +61,20 @@ def summarize_gpus(job_id: str, host: str, frame: pd.DataFrame) -> list[dict]:
     rows = []
     for gpu, one in frame.groupby("gpu"):
         memory = one["mem_mib"]
-        rows.append({
-            "job_id": job_id, "host": host, "gpu": int(gpu), "samples": len(one),
-            "peak_mem_mib": memory.max(), "mean_mem_mib": round(memory.mean(), 1),
-            "mode_mem_mib": memory.mode().max(),  # of equally frequent values, the largest
-            "mem_total_mib": one["mem_total_mib"].max(),
-            "mean_util_pct": round(one["util_pct"].mean(), 1),
-            "mean_power_w": round(one["power_w"].mean(), 1),
-        })
+        rows.append(
+            {
+                "job_id": job_id,
+                "host": host,
+                "gpu": int(gpu),
+                "samples": len(one),
+                "peak_mem_mib": memory.max(),
+                "mean_mem_mib": round(memory.mean(), 1),
+                "mode_mem_mib": memory.mode().max(),  # of equally frequent values, the largest
+                "mem_total_mib": one["mem_total_mib"].max(),
+                "mean_util_pct": round(one["util_pct"].mean(), 1),
+                "mean_power_w": round(one["power_w"].mean(), 1),
+            }
+        )
     return rows
 
 
@@ -66,12 +83,17 @@ def summarize_processes(job_id: str, host: str, frame: pd.DataFrame) -> list[dic
     for pid, one in frame.groupby("pid"):
         seconds = one["time_s"].max() - one["time_s"].min()
         cpu = one["cpu_s"].max() - one["cpu_s"].min()
-        rows.append({
-            "job_id": job_id, "host": host, "pid": int(pid), "samples": len(one),
-            "seconds": round(seconds, 1),
-            "mean_cpu_pct": round(100 * cpu / seconds, 1) if seconds > 0 else float("nan"),
-            "peak_rss_mb": one["rss_mb"].max(),
-        })
+        rows.append(
+            {
+                "job_id": job_id,
+                "host": host,
+                "pid": int(pid),
+                "samples": len(one),
+                "seconds": round(seconds, 1),
+                "mean_cpu_pct": round(100 * cpu / seconds, 1) if seconds > 0 else float("nan"),
+                "peak_rss_mb": one["rss_mb"].max(),
+            }
+        )
     return rows
 
 
@@ -84,12 +106,21 @@ def gpu_timeline(folders: list[Path]) -> pd.DataFrame:
             if kind != "gpu":
                 continue
             frame = read_gpu_samples(path)
-            when = pd.to_datetime(frame["timestamp"], format="%Y/%m/%d %H:%M:%S.%f",
-                                  errors="coerce")
-            frames.append(pd.DataFrame({
-                "job_id": job_id, "host": host, "gpu": frame["gpu"].astype(int),
-                "seconds": (when - when.min()).dt.total_seconds(),
-                "mem_mib": frame["mem_mib"], "util_pct": frame["util_pct"]}).dropna())
+            when = pd.to_datetime(
+                frame["timestamp"], format="%Y/%m/%d %H:%M:%S.%f", errors="coerce"
+            )
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "job_id": job_id,
+                        "host": host,
+                        "gpu": frame["gpu"].astype(int),
+                        "seconds": (when - when.min()).dt.total_seconds(),
+                        "mem_mib": frame["mem_mib"],
+                        "util_pct": frame["util_pct"],
+                    }
+                ).dropna()
+            )
     columns = ("job_id", "host", "gpu", "seconds", "mem_mib", "util_pct")
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
@@ -102,8 +133,6 @@ def summarize(folders: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
             if kind == "gpu":
                 gpus += summarize_gpus(job_id, host, read_gpu_samples(path))
             else:
-                frame = pd.read_csv(path, on_bad_lines="skip").apply(pd.to_numeric,
-                                                                     errors="coerce")
+                frame = pd.read_csv(path, on_bad_lines="skip").apply(pd.to_numeric, errors="coerce")
                 processes += summarize_processes(job_id, host, frame.dropna())
-    return (pd.DataFrame(gpus, columns=GPU_SUMMARY),
-            pd.DataFrame(processes, columns=CPU_SUMMARY))
+    return (pd.DataFrame(gpus, columns=GPU_SUMMARY), pd.DataFrame(processes, columns=CPU_SUMMARY))

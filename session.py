@@ -21,8 +21,17 @@ from config import SHARDED, Config, check_world
 from fsdp_utils import effective_sharding, low_precision
 from model import build_model, count_parameters
 from strategies import check_device_options, make_precision, wrap_model
-from train import (PROFILE_SCHEDULE, ComputeCalibration, Diverged, MemoryMeter, StepProfiler,
-                   Trainer, make_optimizer, make_scheduler, set_fp32_math)
+from train import (
+    PROFILE_SCHEDULE,
+    ComputeCalibration,
+    Diverged,
+    MemoryMeter,
+    StepProfiler,
+    Trainer,
+    make_optimizer,
+    make_scheduler,
+    set_fp32_math,
+)
 from utils import format_config, is_rank_zero, log0
 
 # ----------------------------------------------------------------------------- building
@@ -33,17 +42,28 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     spec = data.DATASETS[cfg.dataset]
     augment = spec.augment if cfg.augment is None else cfg.augment
     nodes = distributed_utils.num_nodes()
-    train_set, val_set = data.load_splits(cfg.dataset, cfg.data_dir, cfg.seed, cfg.train_samples,
-                                          cfg.val_samples, cfg.download)
+    train_set, val_set = data.load_splits(
+        cfg.dataset, cfg.data_dir, cfg.seed, cfg.train_samples, cfg.val_samples, cfg.download
+    )
     check_world(cfg, env.world_size, len(train_set))
     check_device_options(cfg, env.device)
     precision = make_precision(cfg.precision, cfg.strategy, env.device)
     fp32_math = set_fp32_math(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    loaders = data.build_loaders(train_set, val_set, spec, kind=cfg.loader, rank=env.rank,
-                                 world_size=env.world_size, global_batch=cfg.batch_size,
-                                 seed=cfg.seed, augment=augment, device=env.device,
-                                 num_workers=cfg.num_workers, memory_format=memory_format)
+    loaders = data.build_loaders(
+        train_set,
+        val_set,
+        spec,
+        kind=cfg.loader,
+        rank=env.rank,
+        world_size=env.world_size,
+        global_batch=cfg.batch_size,
+        seed=cfg.seed,
+        augment=augment,
+        device=env.device,
+        num_workers=cfg.num_workers,
+        memory_format=memory_format,
+    )
     sizes = {"train_size": len(train_set), "val_size": len(val_set)}
     del train_set, val_set  # the loaders hold what they need: the baseline must not count these
     # Before the baseline: the calibration's own model and optimizer are not the training's.
@@ -57,49 +77,92 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
 
     # The [METRIC] line's fields that are not measured (their order is utils.METRIC_FIELDS'):
     # those that name the run, those that say how it ran, and those known once it is built.
-    run_labels = {"strategy": cfg.strategy, "world_size": env.world_size, "nodes": nodes,
-                  "global_batch": cfg.batch_size, "local_batch": cfg.batch_size // env.world_size}
-    setting = {"precision": cfg.precision, "device": env.device.type, "dataset": cfg.dataset,
-               "seed": cfg.seed, "job_id": distributed_utils.job_id()}
-    built = {"sharding": effective_sharding(model, cfg.sharding),
-             "train_images": len(loaders.train) * cfg.batch_size}
-    resolved = {**asdict(cfg), **run_labels, "augment": augment, "backend": env.backend,
-                "fp32_math": fp32_math,
-                "deterministic": torch.are_deterministic_algorithms_enabled(),
-                "rendezvous": distributed_utils.rendezvous_text(env.world_size),
-                "threads": torch.get_num_threads(),
-                "cpus": os.cpu_count(),  # the node's: its ranks' threads share them
-                **sizes,
-                "steps_per_epoch": len(loaders.train), "parameters": parameters,
-                "torch": torch.__version__, **setting}
-    trainer = Trainer(model=model, optimizer=optimizer, precision=precision, env=env,
-                      loaders=loaders, labels={**run_labels, **setting, **built},
-                      print_every=cfg.print_every, memory=memory,
-                      scheduler=make_scheduler(cfg, optimizer, len(loaders.train)),
-                      grad_accum=cfg.grad_accum, clip_grad=cfg.clip_grad,
-                      calibration=calibration)
+    run_labels = {
+        "strategy": cfg.strategy,
+        "world_size": env.world_size,
+        "nodes": nodes,
+        "global_batch": cfg.batch_size,
+        "local_batch": cfg.batch_size // env.world_size,
+    }
+    setting = {
+        "precision": cfg.precision,
+        "device": env.device.type,
+        "dataset": cfg.dataset,
+        "seed": cfg.seed,
+        "job_id": distributed_utils.job_id(),
+    }
+    built = {
+        "sharding": effective_sharding(model, cfg.sharding),
+        "train_images": len(loaders.train) * cfg.batch_size,
+    }
+    resolved = {
+        **asdict(cfg),
+        **run_labels,
+        "augment": augment,
+        "backend": env.backend,
+        "fp32_math": fp32_math,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "rendezvous": distributed_utils.rendezvous_text(env.world_size),
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),  # the node's: its ranks' threads share them
+        **sizes,
+        "steps_per_epoch": len(loaders.train),
+        "parameters": parameters,
+        "torch": torch.__version__,
+        **setting,
+    }
+    trainer = Trainer(
+        model=model,
+        optimizer=optimizer,
+        precision=precision,
+        env=env,
+        loaders=loaders,
+        labels={**run_labels, **setting, **built},
+        print_every=cfg.print_every,
+        memory=memory,
+        scheduler=make_scheduler(cfg, optimizer, len(loaders.train)),
+        grad_accum=cfg.grad_accum,
+        clip_grad=cfg.clip_grad,
+        calibration=calibration,
+    )
     return trainer, resolved
 
 
-def calibrate_compute(cfg: Config, env: distributed_utils.DistEnv, spec: data.DatasetSpec,
-                      memory_format: torch.memory_format) -> ComputeCalibration:
+def calibrate_compute(
+    cfg: Config,
+    env: distributed_utils.DistEnv,
+    spec: data.DatasetSpec,
+    memory_format: torch.memory_format,
+) -> ComputeCalibration:
     """An unwrapped copy of the training step for t_compute, built with the random streams
     restored afterwards, so that training is exactly as without it. Not compiled: for --compile
     runs t_compute is the eager model's."""
     forked = [env.device] if env.device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked):
         model = build_model(cfg.model, spec.num_classes, spec.image_shape).to(
-            env.device, memory_format=memory_format)
+            env.device, memory_format=memory_format
+        )
         # As one process runs it: autocast (also for FSDP, whose policy casts the real one), a
         # plain scaler (FSDP1's would all-reduce, over ranks that step different counts).
-        bare = Trainer(model=model, optimizer=make_optimizer(cfg, model),
-                       precision=make_precision(cfg.precision, "single", env.device), env=env,
-                       grad_accum=cfg.grad_accum, clip_grad=cfg.clip_grad)
-        return ComputeCalibration(bare, cfg.batch_size // env.world_size, spec.image_shape,
-                                  spec.num_classes, memory_format)
+        bare = Trainer(
+            model=model,
+            optimizer=make_optimizer(cfg, model),
+            precision=make_precision(cfg.precision, "single", env.device),
+            env=env,
+            grad_accum=cfg.grad_accum,
+            clip_grad=cfg.clip_grad,
+        )
+        return ComputeCalibration(
+            bare,
+            cfg.batch_size // env.world_size,
+            spec.image_shape,
+            spec.num_classes,
+            memory_format,
+        )
 
 
 # ----------------------------------------------------------------------------- running
+
 
 @dataclass
 class Outcome:
@@ -115,14 +178,16 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     trainer, resolved = build_trainer(cfg, env)
     if cfg.profile:
         trainer.profiler = StepProfiler(profile_path(env), env.device)
-    folder = (distributed_utils.on_rank0(checkpoint.prepare_folder, cfg.checkpoint_dir,
-                                         cfg.resume) if cfg.checkpoint else None)
+    folder = (
+        distributed_utils.on_rank0(checkpoint.prepare_folder, cfg.checkpoint_dir, cfg.resume)
+        if cfg.checkpoint
+        else None
+    )
     fits = checkpoint.Identity(cfg.strategy, cfg.model, resolved["parameters"], cfg.batch_size)
     resumable = (trainer.model, trainer.optimizer, trainer.loaders.generator, trainer.scheduler)
     source, position = None, checkpoint.Position()
     if cfg.resume == "auto":
-        source, position = checkpoint.load_newest_readable(folder or Path("."), fits,
-                                                           *resumable)
+        source, position = checkpoint.load_newest_readable(folder or Path("."), fits, *resumable)
     elif cfg.resume:
         source = checkpoint.resolve(cfg.resume, folder or Path("."))
         position = checkpoint.load_everywhere(source, fits, *resumable)
@@ -148,8 +213,13 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         try:
             history, stopped_at = trainer.fit(position, cfg.epochs, stop, save)
         except Diverged as e:
-            return Outcome(trainer, [], None, folder, f"{e}: training diverged (try a lower "
-                           f"--lr); {last_good_checkpoint(folder)}")
+            return Outcome(
+                trainer,
+                [],
+                None,
+                folder,
+                f"{e}: training diverged (try a lower --lr); {last_good_checkpoint(folder)}",
+            )
     if trainer.profiler:
         log0(profile_report(trainer.profiler))
     return Outcome(trainer, history, stopped_at, folder)
@@ -188,5 +258,7 @@ def profile_report(profiler: StepProfiler) -> str:
     if not profiler.saved:
         return f"[PROFILE] no trace: the run trained fewer than {steps} steps"
     pattern = profiler.path.with_name(profiler.path.name.replace("rank0", "rank*"))
-    return (f"[PROFILE] steps {steps - PROFILE_SCHEDULE['active'] + 1}-{steps} of each rank "
-            f"traced: {pattern} (open in https://ui.perfetto.dev)")
+    return (
+        f"[PROFILE] steps {steps - PROFILE_SCHEDULE['active'] + 1}-{steps} of each rank "
+        f"traced: {pattern} (open in https://ui.perfetto.dev)"
+    )

@@ -1,8 +1,9 @@
 """Stopping on a signal: SIGUSR1 or SIGUSR2 (SLURM's warning before the time limit; run.sh asks
 for USR1 with `--signal=B:USR1@T`, other sites and tools use USR2, and srun forwards it to every
-task) and SIGTERM (preemption, `scancel`) no longer end the process once `catch_stop_signals` is entered: they become a stop that every rank
-takes at the same step boundary, within a few steps (`StopRequest`), after which the run saves a
-checkpoint (checkpoint.py) and exits with status 3.
+task) and SIGTERM (preemption, `scancel`) no longer end the process once `catch_stop_signals`
+is entered: they become a stop that every rank takes at the same step boundary, within a few
+steps (`StopRequest`), after which the run saves a checkpoint (checkpoint.py) and exits with
+status 3.
 
 Catching the signals needs no torch: main.py catches them before torch loads, so that a warning
 during that import (seconds) does not kill the process either. Only `StopRequest`, which agrees
@@ -29,8 +30,7 @@ def catch_stop_signals():
     """From here on SIGUSR1 or SIGUSR2 (SLURM's time-limit warning: sites and tools differ on
     which) and SIGTERM (preemption, scancel) no longer end the process: they only ask for a
     checkpoint and a stop."""
-    previous = {sig: signal.signal(sig, _on_stop_signal)
-                for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -62,11 +62,14 @@ class StopRequest:
     def __init__(self, timeout_s: float = 300.0):
         import torch
         import torch.distributed as dist
+
         self.torch, self.dist = torch, dist
         # The group's timeout is the run's --pg-timeout, not gloo's default of 30 minutes.
-        self.group = (dist.new_group(backend="gloo",
-                                     timeout=datetime.timedelta(seconds=timeout_s))
-                      if read_ranks()[2] > 1 else None)
+        self.group = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            if read_ranks()[2] > 1
+            else None
+        )
         self.pending = None
         self.every, self.calls = STOP_POLL_EVERY, 0
 
@@ -87,8 +90,10 @@ class StopRequest:
             return False
         agreed = self.drain()
         flag = self.torch.tensor([int(_stop_signal is not None)])
-        self.pending = (self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group,
-                                             async_op=True), flag)
+        self.pending = (
+            self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True),
+            flag,
+        )
         return agreed
 
     def drain(self) -> bool:

@@ -16,16 +16,21 @@ from train import Precision
 from utils import UsageError
 
 
-def wrap_model(cfg: Config, model: torch.nn.Module, device: torch.device, world_size: int,
-               nodes: int) -> torch.nn.Module:
+def wrap_model(
+    cfg: Config, model: torch.nn.Module, device: torch.device, world_size: int, nodes: int
+) -> torch.nn.Module:
     """The model as --strategy trains it on this rank: in --channels-last memory format,
     with synchronized BatchNorm (--sync-bn), wrapped, and compiled (--compile)."""
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    shard = dict(sharding=cfg.sharding, precision=cfg.precision, cpu_offload=cfg.cpu_offload,
-                 ranks_per_node=world_size // nodes)
+    shard = dict(
+        sharding=cfg.sharding,
+        precision=cfg.precision,
+        cpu_offload=cfg.cpu_offload,
+        ranks_per_node=world_size // nodes,
+    )
     if cfg.strategy == "ddp":
         model = get_ddp_model(model, device)
     elif cfg.strategy == "fsdp":
@@ -45,6 +50,7 @@ def make_precision(precision: str, strategy: str, device: torch.device) -> Preci
     fp16 = precision == "fp16"
     if strategy == "fsdp":  # FSDP1's gradients are flat shards: its scaler sees them all
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
         scaler = ShardedGradScaler(device.type, enabled=fp16)
     else:
         scaler = torch.amp.GradScaler(device.type, enabled=fp16)
@@ -53,13 +59,21 @@ def make_precision(precision: str, strategy: str, device: torch.device) -> Preci
 
 def check_device_options(cfg: Config, device: torch.device) -> None:
     """Options the device cannot do."""
-    if (cfg.precision == "bf16" and device.type == "cuda" and torch.cuda.is_available()
-            and not torch.cuda.is_bf16_supported()):
-        raise UsageError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
-                         "use --precision fp16 or fp32")
+    if (
+        cfg.precision == "bf16"
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and not torch.cuda.is_bf16_supported()
+    ):
+        raise UsageError(
+            f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
+            "use --precision fp16 or fp32"
+        )
     if cfg.cpu_offload and device.type != "cuda":
-        raise UsageError("--cpu-offload moves FSDP's shards from the GPU to the CPU; "
-                         "without a GPU they are on the CPU already")
+        raise UsageError(
+            "--cpu-offload moves FSDP's shards from the GPU to the CPU; "
+            "without a GPU they are on the CPU already"
+        )
     if cfg.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
     if cfg.sync_bn and cfg.strategy != "ddp":

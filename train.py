@@ -11,15 +11,16 @@ is the maximum over ranks, and throughput counts the images of all ranks.
 
 import contextlib
 import ctypes
+import functools
 import math
 import os
 import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from utils import format_metric, is_rank_zero, log0, metric_order
 @dataclass
 class Precision:
     """How a step runs in low precision: autocast (DDP), and a loss scaler enabled for fp16."""
+
     autocast_dtype: torch.dtype | None
     scaler: torch.amp.GradScaler
 
@@ -80,8 +82,9 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     torch has it for the parameters, else foreach (one per operation over all of them): torch's
     default on a CPU is a loop of about ten operations per parameter and step. FSDP2's DTensor
     parameters have no sharding rule for the fused kernels (torch 2.14), only for foreach."""
-    optimizer, options = ((torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else
-                          (torch.optim.Adam, {}))
+    optimizer, options = (
+        (torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else (torch.optim.Adam, {})
+    )
     params = list(model.parameters())
     if not any(isinstance(p, DTensor) for p in params):
         try:
@@ -91,8 +94,9 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     return optimizer(params, lr=cfg.lr, foreach=True, **options)
 
 
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer,
-                   steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR | None:
+def make_scheduler(
+    cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR | None:
     """The learning rate per optimizer step: linear warm-up, then constant, step or cosine."""
     if cfg.lr_schedule == "none" and not cfg.warmup_epochs:
         return None
@@ -157,6 +161,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     peak = _process_memory_bytes("VmHWM")
     if peak is None:
         import resource  # no /proc: lifetime peak instead of per-epoch
+
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return peak
 
@@ -232,7 +237,7 @@ class StageTimer:
 
     def total(self) -> float:
         """Call after the device has synchronized."""
-        return self.seconds + sum(s.elapsed_time(e) for s, e in self.pairs[:self.used]) / 1000
+        return self.seconds + sum(s.elapsed_time(e) for s, e in self.pairs[: self.used]) / 1000
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -248,8 +253,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def all_reduce(values: list[float | torch.Tensor], device: torch.device,
-               op=dist.ReduceOp.SUM) -> list[float]:
+def all_reduce(
+    values: list[float | torch.Tensor], device: torch.device, op=dist.ReduceOp.SUM
+) -> list[float]:
     """Reduce several scalars over ranks in one collective; returns Python floats."""
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -312,6 +318,7 @@ class Segment:
     """What this rank did in the part of an epoch this process trained (the whole epoch unless
     it resumed mid-way): the part's wall time (its slowest rank's), this rank's own time
     fetching batches, and its steps."""
+
     elapsed: float
     data: float
     steps: int
@@ -357,8 +364,10 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.path, self.saved = path, False
         self.profiler = torch.profiler.profile(
-            activities=activities, on_trace_ready=self.save,
-            schedule=torch.profiler.schedule(**PROFILE_SCHEDULE, repeat=1))
+            activities=activities,
+            on_trace_ready=self.save,
+            schedule=torch.profiler.schedule(**PROFILE_SCHEDULE, repeat=1),
+        )
 
     def save(self, profiler: torch.profiler.profile) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -370,6 +379,7 @@ class StepProfiler:
 class Trainer:
     """One rank's part of a training run, and the loop that trains it. Built with keywords; a
     bare trainer (ComputeCalibration's) has only what `step` needs: no loaders, labels, meter."""
+
     model: nn.Module
     optimizer: torch.optim.Optimizer
     precision: Precision
@@ -384,19 +394,23 @@ class Trainer:
     calibration: "ComputeCalibration | None" = None  # for t_compute (see time_breakdown)
     profiler: StepProfiler | None = None
 
-    def __post_init__(self):
-        self.data_timer = StageTimer(self.env.device)  # data_wait, its events made once
+    @functools.cached_property
+    def data_timer(self) -> StageTimer:
+        """data_wait's timer: one per trainer, its CUDA events made once."""
+        return StageTimer(self.env.device)
 
-    def fit(self, start: Position, epochs: int, stop: StopRequest,
-            save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
+    def fit(
+        self, start: Position, epochs: int, stop: StopRequest, save: Callable[[Position], None]
+    ) -> tuple[list[dict], Position | None]:
         """Epochs from `start` to `epochs`, each saved when done. Returns the `[METRIC]` fields
         of the epochs finished and, if a stop was agreed, the position saved (else None).
         Raises Diverged, saving nothing, after an epoch whose training loss is not finite."""
         with self.profiler.profiler if self.profiler else contextlib.nullcontext():
             return self._fit(start, epochs, stop, save)
 
-    def _fit(self, start: Position, epochs: int, stop: StopRequest,
-             save: Callable[[Position], None]) -> tuple[list[dict], Position | None]:
+    def _fit(
+        self, start: Position, epochs: int, stop: StopRequest, save: Callable[[Position], None]
+    ) -> tuple[list[dict], Position | None]:
         history, position = [], start
         while position.epoch <= epochs:
             reached, measured = self.run_epoch(position, stop)
@@ -405,8 +419,9 @@ class Trainer:
                 save(reached)
                 return history, reached
             if not math.isfinite(measured["train_loss"]):  # the same on every rank: all-reduced
-                raise Diverged(f"epoch {reached.epoch}: the training loss is "
-                               f"{measured['train_loss']}")
+                raise Diverged(
+                    f"epoch {reached.epoch}: the training loss is {measured['train_loss']}"
+                )
             history.append(metric_order({**measured, **self.labels}))
             log0(format_metric(history[-1]))
             position = Position(epoch=position.epoch + 1)
@@ -415,8 +430,9 @@ class Trainer:
                 return history, position
         return history, None
 
-    def run_epoch(self, start: Position, stop: StopRequest | None = None
-                  ) -> tuple[Position, dict | None]:
+    def run_epoch(
+        self, start: Position, stop: StopRequest | None = None
+    ) -> tuple[Position, dict | None]:
         """Train (from `start`) and validate one epoch: the measurements of its `[METRIC]` line.
 
         Returns the position reached and the measurements, or None for them if a stop came
@@ -434,8 +450,10 @@ class Trainer:
         breakdown = time_breakdown(segment, step_seconds, device)
         val = self.evaluate()
         peak, state, reserved = all_reduce(
-            [own_peak, state_bytes(self.model, self.optimizer), own_reserved], device,
-            dist.ReduceOp.MAX)
+            [own_peak, state_bytes(self.model, self.optimizer), own_reserved],
+            device,
+            dist.ReduceOp.MAX,
+        )
         train_loss = reached.loss_sum / max(reached.seen, 1)
         return reached, {
             "epoch": reached.epoch,
@@ -453,8 +471,9 @@ class Trainer:
             **breakdown,
         }
 
-    def train_epoch(self, start: Position, stop: StopRequest | None = None
-                    ) -> tuple[Position, bool, Segment]:
+    def train_epoch(
+        self, start: Position, stop: StopRequest | None = None
+    ) -> tuple[Position, bool, Segment]:
         """Train from `start` until the epoch ends or a stop is agreed.
 
         Returns the position reached, its sums global (all ranks) and including `start`'s,
@@ -494,19 +513,27 @@ class Trainer:
         # `time` does not depend on which rank reports it and the t_* parts add up to it.
         most_data, elapsed = all_reduce([own_data, elapsed], device, dist.ReduceOp.MAX)
         segment = Segment(elapsed, own_data, step - start.step)
-        reached = Position(start.epoch, step, start.loss_sum + loss_sum, start.seen + int(seen),
-                           start.data_wait + most_data, start.time + elapsed)
+        reached = Position(
+            start.epoch,
+            step,
+            start.loss_sum + loss_sum,
+            start.seen + int(seen),
+            start.data_wait + most_data,
+            start.time + elapsed,
+        )
         return reached, step == total, segment
 
-    def step(self, images: torch.Tensor, labels: torch.Tensor,
-             mean_loss_sum: torch.Tensor) -> None:
+    def step(self, images: torch.Tensor, labels: torch.Tensor, mean_loss_sum: torch.Tensor) -> None:
         """One optimizer step on this rank's share of the global batch, in `grad_accum`
         micro-batches whose gradients are reduced over the ranks once, after the last. Adds the
         share's mean loss to `mean_loss_sum` (on the device: no host synchronisation)."""
         model, scaler = self.model, self.precision.scaler
         self.optimizer.zero_grad(set_to_none=True)
-        micro = (((images, labels),) if self.grad_accum == 1 else
-                 tuple(zip(images.chunk(self.grad_accum), labels.chunk(self.grad_accum))))
+        micro = (
+            ((images, labels),)
+            if self.grad_accum == 1
+            else tuple(zip(images.chunk(self.grad_accum), labels.chunk(self.grad_accum)))
+        )
         for i, (x, y) in enumerate(micro):
             with gradient_sync(model, enabled=i == len(micro) - 1):
                 with self.precision.autocast(x.device):
@@ -542,8 +569,9 @@ class Trainer:
         for images, labels in loaders.val:
             with self.precision.autocast(device):
                 logits = self.model(images)
-            weights = validation_weights(offset, len(labels), env.rank, env.world_size,
-                                         loaders.val_size, device)
+            weights = validation_weights(
+                offset, len(labels), env.rank, env.world_size, loaders.val_size, device
+            )
             offset += len(labels)
             losses = F.cross_entropy(logits.float(), labels, reduction="none")
             loss_sum += (losses * weights).sum()
@@ -553,8 +581,12 @@ class Trainer:
         elapsed = time.perf_counter() - start
         loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
         assert int(count) == loaders.val_size, (count, loaders.val_size)
-        return {"val_loss": loss_sum / count, "acc": 100.0 * correct / count,
-                "val_correct": int(correct), "val_time": elapsed}
+        return {
+            "val_loss": loss_sum / count,
+            "acc": 100.0 * correct / count,
+            "val_correct": int(correct),
+            "val_time": elapsed,
+        }
 
 
 class ComputeCalibration:
@@ -564,13 +596,20 @@ class ComputeCalibration:
     rank at once, so that it sees the machine as the epoch just did; it touches neither the
     trained model nor any random stream."""
 
-    def __init__(self, bare: Trainer, local_batch: int, image_shape: tuple, num_classes: int,
-                 memory_format: torch.memory_format):
+    def __init__(
+        self,
+        bare: Trainer,
+        local_batch: int,
+        image_shape: tuple,
+        num_classes: int,
+        memory_format: torch.memory_format,
+    ):
         device = bare.env.device
         self.bare = bare
         # In the loaders' memory format: a layout conversion is not the step's compute.
         self.images = torch.randn(local_batch, *image_shape, device=device).contiguous(
-            memory_format=memory_format)
+            memory_format=memory_format
+        )
         self.labels = torch.randint(0, num_classes, (local_batch,), device=device)
         self.losses = torch.zeros((), device=device)  # where the steps add their loss, unread
         self.bare.step(self.images, self.labels, self.losses)  # allocations, kernel choices

@@ -37,11 +37,29 @@ COURSE_FIELDS = (
 # format_metric() orders any line by it; fields it does not name follow in the order given.
 METRIC_FIELDS = (
     *(name for name, _ in COURSE_FIELDS),
-    "strategy", "world_size", "nodes", "global_batch", "local_batch",  # the run
-    "train_loss", "val_time", "throughput", "data_wait", "state_mem",  # first measurements
-    "precision", "device", "dataset", "seed", "job_id",  # the setting
-    "data_mem", "reserved_mem", "t_compute", "t_data", "t_comm", "t_wait",  # measured since
-    "sharding", "train_images",  # labels added since (e.g. the sharding FSDP really used)
+    "strategy",
+    "world_size",
+    "nodes",
+    "global_batch",
+    "local_batch",  # the run
+    "train_loss",
+    "val_time",
+    "throughput",
+    "data_wait",
+    "state_mem",  # first measurements
+    "precision",
+    "device",
+    "dataset",
+    "seed",
+    "job_id",  # the setting
+    "data_mem",
+    "reserved_mem",
+    "t_compute",
+    "t_data",
+    "t_comm",
+    "t_wait",  # measured since
+    "sharding",
+    "train_images",  # labels added since (e.g. the sharding FSDP really used)
 )
 
 METRIC_TAG = "[METRIC]"
@@ -122,8 +140,9 @@ def format_metric(fields: dict) -> str:
     METRIC_FIELDS."""
     head = [name + "=" + fmt.format(fields[name]) for name, fmt in COURSE_FIELDS]
     course_names = {name for name, _ in COURSE_FIELDS}
-    tail = [f"{k}={format_value(v)}" for k, v in metric_order(fields).items()
-            if k not in course_names]
+    tail = [
+        f"{k}={format_value(v)}" for k, v in metric_order(fields).items() if k not in course_names
+    ]
     return " ".join([METRIC_TAG, *head, *tail])
 
 
@@ -145,7 +164,7 @@ def parse_metric(line: str) -> dict | None:
     line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
     if not line.startswith(METRIC_TAG) or not COURSE_METRIC_RE.match(line):
         return None
-    fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(METRIC_TAG):])}
+    fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(METRIC_TAG) :])}
     fields["peak_mem"] = int(str(fields["peak_mem"]).removesuffix("MB"))
     return fields
 
@@ -159,7 +178,7 @@ def parse_config(line: str) -> dict | None:
     line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
     if not line.startswith(CONFIG_TAG):
         return None
-    return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(CONFIG_TAG):])}
+    return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(CONFIG_TAG) :])}
 
 
 # A sweep's logs live in logs/sweep-<date-time>/, never mixed with another sweep's: the sweep
@@ -212,5 +231,5 @@ def parse_comm(line: str) -> dict | None:
     line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
     if not line.startswith(COMM_TAG):
         return None
-    fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(COMM_TAG):])}
+    fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(COMM_TAG) :])}
     return fields if all(k in fields for k in COMM_FIELDS) else None

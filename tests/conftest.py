@@ -19,8 +19,16 @@ START_TIMEOUT_S = 600  # on a clean machine, installing the packages comes first
 
 # A run of seconds: synthetic data (no download), few images, no progress lines. Tests add
 # --epochs, --batch-size and what they test.
-TINY = ["--dataset", "synthetic", "--train-samples", "256", "--val-samples", "64",
-        "--print-every", "1000"]
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--train-samples",
+    "256",
+    "--val-samples",
+    "64",
+    "--print-every",
+    "1000",
+]
 
 
 def clean_environment(**extra) -> dict:
@@ -34,12 +42,19 @@ def clean_environment(**extra) -> dict:
 
 def run(command: list, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProcess:
     """A command as a user runs it (text output captured), with clean_environment(**env)."""
-    return subprocess.run([str(c) for c in command], cwd=cwd, env=clean_environment(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(c) for c in command],
+        cwd=cwd,
+        env=clean_environment(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def run_main(args: list, nproc: int | None = None, cwd=REPO, timeout=240,
-             **env) -> subprocess.CompletedProcess:
+def run_main(
+    args: list, nproc: int | None = None, cwd=REPO, timeout=240, **env
+) -> subprocess.CompletedProcess:
     """main.py as a user starts it: plain python, or torchrun with nproc ranks."""
     launcher = [sys.executable]
     if nproc:
@@ -63,8 +78,9 @@ def metrics_in(text: str) -> list[dict]:
     return [m for m in map(parse_metric, text.splitlines()) if m]
 
 
-def assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str,
-                          status: int = 2) -> str:
+def assert_one_line_error(
+    done: subprocess.CompletedProcess, *fragments: str, status: int = 2
+) -> str:
     """The user's view of bad input: exit status `status`, exactly one `error:` line holding
     every fragment, and no Python traceback anywhere in the output. Returns the line."""
     output = done.stdout + done.stderr
@@ -92,8 +108,7 @@ def _controller_up(env: dict) -> bool:
     # Without its configuration file, scontrol would retry for a minute before giving up.
     if shutil.which("scontrol") is None or not Path(env["SLURM_CONF"]).is_file():
         return False
-    ping = subprocess.run(["scontrol", "ping"], env=env, capture_output=True, text=True,
-                          timeout=30)
+    ping = subprocess.run(["scontrol", "ping"], env=env, capture_output=True, text=True, timeout=30)
     return "is UP" in ping.stdout
 
 
@@ -105,8 +120,7 @@ def _start_error(stderr: str) -> str:
 
 
 def _stop(env: dict) -> None:
-    subprocess.run([REPO / ".ci" / "slurm" / "stop.sh"], env=env, capture_output=True,
-                   timeout=120)
+    subprocess.run([REPO / ".ci" / "slurm" / "stop.sh"], env=env, capture_output=True, timeout=120)
 
 
 @pytest.fixture(scope="session")
@@ -119,12 +133,18 @@ def slurm_env() -> dict:
     """
     if os.geteuid() != 0:
         pytest.skip("the loopback SLURM cluster needs root: it installs packages, starts daemons")
-    env = clean_environment(PROJECT_SLURM_DIR=str(SLURM_DIR),
-                            SLURM_CONF=str(SLURM_DIR / "etc" / "slurm.conf"))
+    env = clean_environment(
+        PROJECT_SLURM_DIR=str(SLURM_DIR), SLURM_CONF=str(SLURM_DIR / "etc" / "slurm.conf")
+    )
     was_running = _controller_up(env)
     try:
-        start = subprocess.run([REPO / ".ci" / "slurm" / "start.sh"], env=env,
-                               capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        start = subprocess.run(
+            [REPO / ".ci" / "slurm" / "start.sh"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+        )
         failure = start.returncode and _start_error(start.stderr)
     except subprocess.TimeoutExpired:
         failure = f"no cluster after {START_TIMEOUT_S} s"
@@ -139,21 +159,36 @@ def slurm_env() -> dict:
         _stop(env)
 
 
-
-def start_ranks(args: list, world_size: int, cwd=REPO, program="main.py",
-                **env) -> list[subprocess.Popen]:
+def start_ranks(
+    args: list, world_size: int, cwd=REPO, program="main.py", **env
+) -> list[subprocess.Popen]:
     """main.py (or a program that runs it) as world_size processes started directly, as srun
     starts its tasks (no torchrun agent between the test and the ranks): each rank's own
     signals and exit status are seen."""
     from dist_harness import free_port
+
     port = str(free_port())
+
     def rank_environment(rank: int) -> dict:
-        ours = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                    OMP_NUM_THREADS="1")
+        ours = dict(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
         return clean_environment(**{**ours, **env})  # a test may override ours
 
-    return [subprocess.Popen([sys.executable, program, *map(str, args)], cwd=cwd, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=rank_environment(rank))
-            for rank in range(world_size)]
+    return [
+        subprocess.Popen(
+            [sys.executable, program, *map(str, args)],
+            cwd=cwd,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=rank_environment(rank),
+        )
+        for rank in range(world_size)
+    ]

@@ -34,9 +34,14 @@ def _to_bytes(value) -> bytes:
 
 
 def _worker(fn, rank, world_size, port, queue, args, pg_timeout_s):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)  # as torchrun does: N ranks share 2 cores
     try:
         env = distributed_utils.setup(timeout_s=pg_timeout_s)
@@ -57,14 +62,17 @@ def spawn(fn, world_size: int, *args, timeout: float = 180, pg_timeout_s: float 
     return [value for _, value in outcomes]
 
 
-def spawn_outcomes(fn, world_size: int, *args, timeout: float = 180,
-                   pg_timeout_s: float = 60) -> list[tuple[str, object]]:
+def spawn_outcomes(
+    fn, world_size: int, *args, timeout: float = 180, pg_timeout_s: float = 60
+) -> list[tuple[str, object]]:
     """(status, value) for every rank: ('ok', result) or ('error', message)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, pg_timeout_s))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, pg_timeout_s))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results = {}
@@ -88,8 +96,18 @@ def spawn_outcomes(fn, world_size: int, *args, timeout: float = 180,
 # augmentation (synthetic), so every world size sees exactly the same global batches.
 # SGD, not Adam: Adam's step g / (sqrt(v) + eps) turns the last-bit differences of near-zero
 # gradients summed in another order into steps of up to +-lr (seen here: 4e-3 after 20 steps).
-EQUAL_CFG = dict(dataset="synthetic", train_samples=240, val_samples=60, batch_size=24, epochs=2,
-                 print_every=1000, seed=7, optimizer="sgd", lr=0.05, checkpoint=False)
+EQUAL_CFG = dict(
+    dataset="synthetic",
+    train_samples=240,
+    val_samples=60,
+    batch_size=24,
+    epochs=2,
+    print_every=1000,
+    seed=7,
+    optimizer="sgd",
+    lr=0.05,
+    checkpoint=False,
+)
 
 
 def full_state(env, model) -> dict | None:

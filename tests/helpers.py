@@ -20,15 +20,30 @@ COURSE_LOGS = REPO / "tests" / "fixtures" / "alps-course-logs"  # the course's r
 
 # ----------------------------------------------------------------------------- logs and CSVs
 
+
 def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **changes) -> dict:
     """The fields main.py logs, with values the line's formats keep exactly."""
     fields = {
-        "epoch": epoch, "time": 2.5, "val_loss": 1.5 - epoch / 8, "acc": 40.0 + epoch,
-        "peak_mem": 800, "strategy": strategy, "world_size": world_size, "nodes": 1,
-        "global_batch": 256, "local_batch": 256 // world_size, "train_loss": 2.25,
-        "val_time": 0.125, "throughput": 1000.0 * world_size, "data_wait": 0.0625,
-        "state_mem": 8856264, "precision": "fp32", "device": "cpu", "dataset": "synthetic",
-        "seed": 42, "job_id": "1234",
+        "epoch": epoch,
+        "time": 2.5,
+        "val_loss": 1.5 - epoch / 8,
+        "acc": 40.0 + epoch,
+        "peak_mem": 800,
+        "strategy": strategy,
+        "world_size": world_size,
+        "nodes": 1,
+        "global_batch": 256,
+        "local_batch": 256 // world_size,
+        "train_loss": 2.25,
+        "val_time": 0.125,
+        "throughput": 1000.0 * world_size,
+        "data_wait": 0.0625,
+        "state_mem": 8856264,
+        "precision": "fp32",
+        "device": "cpu",
+        "dataset": "synthetic",
+        "seed": 42,
+        "job_id": "1234",
     }
     return {**fields, **changes}
 
@@ -36,15 +51,22 @@ def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **chan
 def log_text(metrics: list[dict], expected_epochs: int | None = None, **config) -> str:
     """A log as main.py writes it: a [CONFIG] line (its epochs= and the fields given), progress
     chatter, and one line per metric from utils.format_metric."""
-    lines = [" ".join([f"[CONFIG] strategy=ddp epochs={expected_epochs or len(metrics)} seed=42",
-                       *(f"{k}={v}" for k, v in config.items())])]
+    lines = [
+        " ".join(
+            [
+                f"[CONFIG] strategy=ddp epochs={expected_epochs or len(metrics)} seed=42",
+                *(f"{k}={v}" for k, v in config.items()),
+            ]
+        )
+    ]
     for fields in metrics:
         lines += [f"epoch {fields['epoch']} step 2/2 loss 2.3 500.0 ms/step", format_metric(fields)]
     return "\n".join(lines) + "\n"
 
 
-def write_log(path: Path, metrics: list[dict], expected_epochs: int | None = None,
-              tail: str = "") -> Path:
+def write_log(
+    path: Path, metrics: list[dict], expected_epochs: int | None = None, tail: str = ""
+) -> Path:
     path.write_text(log_text(metrics, expected_epochs) + tail)
     return path
 
@@ -54,37 +76,67 @@ def run_log(folder: Path, name: str, epochs: int = 3, **changes) -> Path:
 
 
 def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame:
-    rows = [{"log": f"{s}_{g}gpu.log", "strategy": s, "gpus": g, "nodes": 1, "job_id": "1",
-             "epoch": e, "time": t, "val_loss": 1.0 / e, "acc": 50.0 + e, "peak_mem": 100 * g,
-             "throughput": 1000.0 * g / t}
-            for (s, g), times in times_by_run.items() for e, t in enumerate(times, 1)]
+    rows = [
+        {
+            "log": f"{s}_{g}gpu.log",
+            "strategy": s,
+            "gpus": g,
+            "nodes": 1,
+            "job_id": "1",
+            "epoch": e,
+            "time": t,
+            "val_loss": 1.0 / e,
+            "acc": 50.0 + e,
+            "peak_mem": 100 * g,
+            "throughput": 1000.0 * g / t,
+        }
+        for (s, g), times in times_by_run.items()
+        for e, t in enumerate(times, 1)
+    ]
     return pd.DataFrame(rows)
-
 
 
 # ----------------------------------------------------------------------------- data
 
+
 def write_cifar_dir(root, n_train_per_file=20, n_test=30, seed=0):
     """A small data set in CIFAR-10's own python format."""
     import data  # loads torch: only the tests that write CIFAR-10 files pay for it
+
     rng = np.random.default_rng(seed)
     folder = root / data.CIFAR10_FOLDER
     folder.mkdir(parents=True)
     for name, n in [(f, n_train_per_file) for f in data.CIFAR10_TRAIN_FILES] + [
-            (data.CIFAR10_TEST_FILE, n_test)]:
-        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                 b"labels": rng.integers(0, 10, n).tolist(), b"batch_label": name.encode()}
+        (data.CIFAR10_TEST_FILE, n_test)
+    ]:
+        batch = {
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            b"labels": rng.integers(0, 10, n).tolist(),
+            b"batch_label": name.encode(),
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(batch, f)
     return folder
 
 
-
 # ----------------------------------------------------------------------------- a peer fails
 
 # Long enough that training is still under way when rank 1 is stopped.
-ARGS = ["--dataset", "synthetic", "--train-samples", "40000", "--val-samples", "256",
-        "--batch-size", "32", "--epochs", "1", "--print-every", "20", "--no-checkpoint"]
+ARGS = [
+    "--dataset",
+    "synthetic",
+    "--train-samples",
+    "40000",
+    "--val-samples",
+    "256",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "1",
+    "--print-every",
+    "20",
+    "--no-checkpoint",
+]
 PG_TIMEOUT_S = 10
 # What the README promises: a dead peer is named within DEAD_S (measured 3.0-3.1 s on the 2-core
 # development machine: gloo sees the closed socket at once, then the survivors give the others

@@ -11,8 +11,15 @@ import pytest
 
 import main
 import strategies
-from conftest import (REPO, TINY, assert_one_line_error, clean_environment, metrics_in,
-                      run_main, start_ranks)
+from conftest import (
+    REPO,
+    TINY,
+    assert_one_line_error,
+    clean_environment,
+    metrics_in,
+    run_main,
+    start_ranks,
+)
 from utils import COURSE_METRIC_RE, METRIC_FIELDS, format_metric, parse_config, parse_metric
 
 QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
@@ -20,9 +27,19 @@ QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
 
 # ----------------------------------------------------------------------------- [METRIC] format
 
+
 def test_metric_line_round_trips_and_matches_the_course_regex():
-    fields = {"epoch": 3, "time": 2.2049, "val_loss": 1.08091, "acc": 61.4321, "peak_mem": 91,
-              "strategy": "fsdp", "world_size": 4, "throughput": 22727.5, "job_id": "local"}
+    fields = {
+        "epoch": 3,
+        "time": 2.2049,
+        "val_loss": 1.08091,
+        "acc": 61.4321,
+        "peak_mem": 91,
+        "strategy": "fsdp",
+        "world_size": 4,
+        "throughput": 22727.5,
+        "job_id": "local",
+    }
     line = format_metric(fields)
     assert line.startswith("[METRIC] epoch=3 time=2.20 val_loss=1.0809 acc=61.43 peak_mem=91MB ")
     assert COURSE_METRIC_RE.match(line).groups() == ("3", "2.20", "1.0809", "61.43", "91")
@@ -35,8 +52,15 @@ def test_metric_line_round_trips_and_matches_the_course_regex():
 def test_metric_fields_come_in_the_one_order_whatever_order_they_are_given_in():
     """utils.METRIC_FIELDS is the line's order: training, the collector's fixtures and any other
     writer give the fields in whatever order, the line has the same one."""
-    fields = {"epoch": 2, "time": 1.0, "val_loss": 0.5, "acc": 50.0, "peak_mem": 10,
-              **{name: 1 for name in METRIC_FIELDS[5:]}, "extra": "x"}
+    fields = {
+        "epoch": 2,
+        "time": 1.0,
+        "val_loss": 0.5,
+        "acc": 50.0,
+        "peak_mem": 10,
+        **{name: 1 for name in METRIC_FIELDS[5:]},
+        "extra": "x",
+    }
     backwards = dict(reversed(list(fields.items())))
     line = format_metric(backwards)
     assert line == format_metric(fields)
@@ -45,24 +69,49 @@ def test_metric_fields_come_in_the_one_order_whatever_order_they_are_given_in():
 
 def test_parser_reads_srun_prefixed_coloured_lines_and_rejects_cut_ones():
     line = "0: \x1b[92m[METRIC] epoch=1 time=4.09 val_loss=1.4294 acc=47.07 peak_mem=91MB\x1b[0m"
-    assert parse_metric(line) == {"epoch": 1, "time": 4.09, "val_loss": 1.4294, "acc": 47.07,
-                                  "peak_mem": 91}
+    assert parse_metric(line) == {
+        "epoch": 1,
+        "time": 4.09,
+        "val_loss": 1.4294,
+        "acc": 47.07,
+        "peak_mem": 91,
+    }
     assert parse_metric("[METRIC] epoch=1 time=4.09 val_loss=1.42") is None
     assert parse_metric("[INFO] epoch=1") is None
 
 
 # ----------------------------------------------------------------------------- real runs
 
+
 def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
-    result = run_main(["--strategy", "fsdp", "--epochs", "3", "--dataset", "synthetic",
-                       "--train-samples", "2048", "--val-samples", "512", "--batch-size", "128",
-                       "--print-every", "1000", "--no-checkpoint"], nproc=2)
+    result = run_main(
+        [
+            "--strategy",
+            "fsdp",
+            "--epochs",
+            "3",
+            "--dataset",
+            "synthetic",
+            "--train-samples",
+            "2048",
+            "--val-samples",
+            "512",
+            "--batch-size",
+            "128",
+            "--print-every",
+            "1000",
+            "--no-checkpoint",
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [l for l in result.stdout.splitlines() if l.startswith("[METRIC]")]
-    assert len(lines) == 3 and all(COURSE_METRIC_RE.match(l) for l in lines)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[METRIC]")]
+    assert len(lines) == 3 and all(COURSE_METRIC_RE.match(line) for line in lines)
     metrics = metrics_in(result.stdout)
-    required = ("strategy world_size nodes global_batch local_batch train_loss val_time "
-                "throughput data_wait state_mem precision device dataset seed job_id").split()
+    required = (
+        "strategy world_size nodes global_batch local_batch train_loss val_time "
+        "throughput data_wait state_mem precision device dataset seed job_id"
+    ).split()
     assert all(k in metrics[-1] for k in required), set(required) - set(metrics[-1])
     assert list(metrics[-1]) == list(METRIC_FIELDS)  # every field, in the one order
     last = metrics[-1]
@@ -95,36 +144,45 @@ def test_course_flag_names_are_accepted():
 
 # ----------------------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("args,message", [
-    (["--batch-size", "63"], "must be a multiple of the world size 2"),
-    (["--batch-size", "1"], "must be a multiple of the world size 2"),
-    (["--train-samples", "32"], "make no full global batch"),
-    (["--epochs", "0"], "--epochs must be at least 1"),
-])
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batch-size", "63"], "must be a multiple of the world size 2"),
+        (["--batch-size", "1"], "must be a multiple of the world size 2"),
+        (["--train-samples", "32"], "make no full global batch"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+    ],
+)
 def test_bad_input_under_torchrun_is_one_line_from_rank_0(args, message):
     result = run_main([*QUICK, *args], nproc=2)
     assert result.returncode != 0
-    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     # torchrun reports a failed child with a traceback of its own launcher; none may come
     # from the training program.
     assert not re.search(rf'File "{re.escape(str(REPO))}/\w+\.py"', result.stderr)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--lr", "nan"], "--lr must be a positive number, got nan"),
-    (["--lr", "inf"], "--lr must be a positive number, got inf"),
-    (["--lr", "-1"], "--lr must be a positive number"),
-    (["--pg-timeout", "0"], "--pg-timeout must be a positive number"),
-    (["--num-workers", "-1"], "--num-workers must be at least 0"),
-    (["--val-samples", "0"], "--val-samples must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--lr", "nan"], "--lr must be a positive number, got nan"),
+        (["--lr", "inf"], "--lr must be a positive number, got inf"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--pg-timeout", "0"], "--pg-timeout must be a positive number"),
+        (["--num-workers", "-1"], "--num-workers must be at least 0"),
+        (["--val-samples", "0"], "--val-samples must be at least 1"),
+    ],
+)
 def test_numbers_no_run_can_use_are_refused(args, message):
     assert_one_line_error(run_main([*QUICK, *args]), message)
 
 
-@pytest.mark.parametrize("args", [["--strategy", "zero"], ["--precision", "fp8"],
-                                  ["--sharding", "none"], ["--epochs", "two"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--strategy", "zero"], ["--precision", "fp8"], ["--sharding", "none"], ["--epochs", "two"]],
+)
 def test_unknown_choices_are_refused(args):
     result = run_main([*QUICK, *args])
     assert result.returncode == 2 and "invalid" in result.stderr
@@ -145,9 +203,14 @@ sys.exit(status)
 
 
 def test_a_mistyped_option_is_answered_before_torch_loads_with_what_was_meant():
-    done = subprocess.run([sys.executable, "-c", RUN_MAIN_THEN_ASK_FOR_TORCH, "--stratgy", "ddp"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env=clean_environment())
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_MAIN_THEN_ASK_FOR_TORCH, "--stratgy", "ddp"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_environment(),
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
     assert lines[-1] == "error: unrecognized option --stratgy; did you mean --strategy?", lines
@@ -158,20 +221,32 @@ def test_a_mistyped_option_is_answered_before_torch_loads_with_what_was_meant():
 @pytest.mark.parametrize("option", ["--gpus", "--nproc_per_node", "--nodes", "--ntasks-per-node"])
 def test_a_rank_count_option_says_the_launcher_sets_it(option):
     done = run_main([option, "4", *QUICK], timeout=60)
-    line = assert_one_line_error(done, f"main.py has no {option}",
-                                 "the launcher sets the number of ranks",
-                                 "torchrun --nproc_per_node", "srun/sbatch --ntasks",
-                                 "python run_benchmarks.py --gpus")
+    line = assert_one_line_error(
+        done,
+        f"main.py has no {option}",
+        "the launcher sets the number of ranks",
+        "torchrun --nproc_per_node",
+        "srun/sbatch --ntasks",
+        "python run_benchmarks.py --gpus",
+    )
     assert done.stderr.splitlines()[-1] == line
 
 
 def test_the_modules_that_read_the_options_load_no_torch():
     """main.py parses before torch loads: what it imports first, and config.py that the sweep
     tool reads on a login node, import no torch."""
-    code = ("import sys, config, utils, stopping, main, run_benchmarks; "
-            "print(sorted(m for m in ('torch', 'numpy', 'pandas') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=clean_environment())
+    code = (
+        "import sys, config, utils, stopping, main, run_benchmarks; "
+        "print(sorted(m for m in ('torch', 'numpy', 'pandas') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_environment(),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
@@ -179,9 +254,11 @@ def test_the_modules_that_read_the_options_load_no_torch():
 def test_unwritable_checkpoint_folder_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # root ignores permission bits: use a file as parent
-    result = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir",
-                       str(blocker / "ckpt")], nproc=2)
-    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    result = run_main(
+        [*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir", str(blocker / "ckpt")],
+        nproc=2,
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.stderr[-2000:]
     assert "is not writable" in errors[0] and "--checkpoint-dir" in errors[0]
 
@@ -191,31 +268,41 @@ def test_precision_the_device_cannot_do_is_refused(monkeypatch):
 
     from config import Config
     from utils import UsageError
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(UsageError, match="bf16 is not supported on Tesla V100"):
         strategies.check_device_options(Config(precision="bf16"), torch.device("cuda", 0))
     with pytest.raises(UsageError, match="--cpu-offload"):
-        strategies.check_device_options(Config(strategy="fsdp", cpu_offload=True),
-                                  torch.device("cpu"))
+        strategies.check_device_options(
+            Config(strategy="fsdp", cpu_offload=True), torch.device("cpu")
+        )
 
 
 def test_offline_first_run_says_how_to_run_without_the_download(tmp_path):
     """No internet: the one line names both ways out, fetching elsewhere and synthetic data."""
-    result = run_main(["--data-dir", str(tmp_path), "--epochs", "1"],
-                      PYTHONPATH=str(REPO / "tests" / "offline"))
-    line = assert_one_line_error(result, "downloading CIFAR-10", "--dataset synthetic",
-                                 "python data.py --download")
+    result = run_main(
+        ["--data-dir", str(tmp_path), "--epochs", "1"], PYTHONPATH=str(REPO / "tests" / "offline")
+    )
+    line = assert_one_line_error(
+        result, "downloading CIFAR-10", "--dataset synthetic", "python data.py --download"
+    )
     assert "no route to host" in line.lower()
-    fetch = subprocess.run([sys.executable, "data.py", "--download", "--data-dir", str(tmp_path)],
-                           cwd=REPO, capture_output=True, text=True, timeout=60,
-                           env=clean_environment(PYTHONPATH=str(REPO / "tests" / "offline")))
+    fetch = subprocess.run(
+        [sys.executable, "data.py", "--download", "--data-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_environment(PYTHONPATH=str(REPO / "tests" / "offline")),
+    )
     line = assert_one_line_error(fetch, "downloading CIFAR-10", "--dataset synthetic")
     assert "python data.py --download" not in line  # it would tell you to run itself
 
 
 # ----------------------------------------------------------------------------- --check
+
 
 def test_check_validates_every_world_size_without_training():
     done = run_main(["--check", "1", "2", "4", *TINY, "--batch-size", "64"], timeout=60)
@@ -226,25 +313,36 @@ def test_check_validates_every_world_size_without_training():
     assert_one_line_error(bad, "global batch size 64 must be a multiple of the world size 3")
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--dataset", "cifar10", "--no-download", "--data-dir", "{tmp}/none"],
-     "CIFAR-10 not found in"),
-    (["--train-samples", "32", "--batch-size", "64"], "make no full global batch of 64"),
-    (["--resume", "{tmp}/none"], "no checkpoint there"),
-    (["--lr", "0"], "--lr must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--dataset", "cifar10", "--no-download", "--data-dir", "{tmp}/none"],
+            "CIFAR-10 not found in",
+        ),
+        (["--train-samples", "32", "--batch-size", "64"], "make no full global batch of 64"),
+        (["--resume", "{tmp}/none"], "no checkpoint there"),
+        (["--lr", "0"], "--lr must be a positive number"),
+    ],
+)
 def test_check_finds_what_the_run_would_fail_on(tmp_path, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert_one_line_error(run_main(["--check", *TINY, *args], timeout=60), message)
 
 
 def test_check_takes_the_launchers_world_size():
-    done = run_main(["--check", *TINY, "--batch-size", "64"], timeout=60,
-                    RANK="0", LOCAL_RANK="0", WORLD_SIZE="3")
+    done = run_main(
+        ["--check", *TINY, "--batch-size", "64"],
+        timeout=60,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="3",
+    )
     assert_one_line_error(done, "multiple of the world size 3")
 
 
 # ----------------------------------------------------------------------------- --help
+
 
 def test_help_explains_every_option():
     parser = main.build_parser()
@@ -261,13 +359,31 @@ def test_help_explains_every_option():
 
 # ----------------------------------------------------------------------------- stop and resume
 
+
 def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     """SIGUSR1 from outside: checkpoint, exit status 3, and a continue command that works."""
-    args = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
-            "--batch-size", "32", "--epochs", "2", "--print-every", "20"]
-    proc = subprocess.Popen([sys.executable, "main.py", *args], cwd=repo_copy, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=clean_environment())
+    args = [
+        "--dataset",
+        "synthetic",
+        "--train-samples",
+        "4096",
+        "--val-samples",
+        "64",
+        "--batch-size",
+        "32",
+        "--epochs",
+        "2",
+        "--print-every",
+        "20",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "main.py", *args],
+        cwd=repo_copy,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_environment(),
+    )
     try:
         for line in proc.stdout:
             if line.startswith("epoch 1 step"):
@@ -277,20 +393,41 @@ def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     finally:
         proc.kill()
     assert proc.returncode == 3, err[-2000:]
-    stop = next(l for l in out.splitlines() if "stopped on SIGUSR1" in l)
+    stop = next(line for line in out.splitlines() if "stopped on SIGUSR1" in line)
     command = stop.split("continue with: ", 1)[1]
     assert command.startswith("main.py ") and "--resume checkpoints/local-" in command
-    resumed = subprocess.run([sys.executable, *command.split()], cwd=repo_copy,
-                             capture_output=True, text=True, timeout=120, env=clean_environment())
+    resumed = subprocess.run(
+        [sys.executable, *command.split()],
+        cwd=repo_copy,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_environment(),
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "[CHECKPOINT] resumed from checkpoints/local-" in resumed.stdout
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
 
 
 # Two ranks, long enough to be signalled during epoch 1, their checkpoints in ckpt/.
-STOP_RUN = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
-            "--batch-size", "32", "--epochs", "2", "--print-every", "20",
-            "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
+STOP_RUN = [
+    "--dataset",
+    "synthetic",
+    "--train-samples",
+    "4096",
+    "--val-samples",
+    "64",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "2",
+    "--print-every",
+    "20",
+    "--checkpoint-dir",
+    "ckpt",
+    "--pg-timeout",
+    "60",
+]
 
 
 def signal_rank_1_in_epoch_1(args: list, signum: int, cwd: Path, **start):
@@ -317,8 +454,9 @@ def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(repo_copy, signa
     assert [rank.returncode for rank in ranks] == [3, 3], outputs[0][1][-2000:]
     assert "stopped on a signal to another rank at epoch 1 step" in outputs[0][0]
     saved = sorted(p.name for p in (repo_copy / "ckpt").iterdir())
-    assert len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != \
-        "ckpt_e0001_s000000", saved
+    assert (
+        len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != "ckpt_e0001_s000000"
+    ), saved
     resumed = run_main([*STOP_RUN, "--resume", "auto"], nproc=2, cwd=repo_copy)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
@@ -347,8 +485,9 @@ def test_a_stopped_rank_leaves_only_once_rank_0_is_done(repo_copy):
     printed how to continue: under srun --kill-on-bad-exit, the first rank to exit non-zero
     ends the others."""
     (repo_copy / "slow_prune_main.py").write_text(SLOW_PRUNE)
-    ranks, outputs = signal_rank_1_in_epoch_1(STOP_RUN, signal.SIGUSR1, repo_copy,
-                                              program="slow_prune_main.py")
+    ranks, outputs = signal_rank_1_in_epoch_1(
+        STOP_RUN, signal.SIGUSR1, repo_copy, program="slow_prune_main.py"
+    )
     assert [rank.returncode for rank in ranks] == [3, 3], outputs[1][1][-2000:]
     pruned = float((repo_copy / "pruned").read_text())
     assert float((repo_copy / "exit_rank1").read_text()) >= pruned
@@ -356,16 +495,29 @@ def test_a_stopped_rank_leaves_only_once_rank_0_is_done(repo_copy):
 
 
 def test_resume_auto_says_when_it_found_nothing(tmp_path):
-    done = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--resume", "auto",
-                     "--checkpoint-dir", str(tmp_path / "empty")])
+    done = run_main(
+        [
+            *TINY,
+            "--batch-size",
+            "64",
+            "--epochs",
+            "1",
+            "--resume",
+            "auto",
+            "--checkpoint-dir",
+            str(tmp_path / "empty"),
+        ]
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"--resume auto: no checkpoint in {tmp_path / 'empty'}; starting fresh" in done.stdout
 
 
 # ----------------------------------------------------------------------------- the user's view
 
+
 def corrupt_cifar_dir(tmp_path) -> list[str]:
     from helpers import write_cifar_dir
+
     folder = write_cifar_dir(tmp_path / "data")
     (folder / "data_batch_3").write_bytes(b"not a pickle")
     return ["--dataset", "cifar10", "--data-dir", str(tmp_path / "data")]
@@ -387,16 +539,18 @@ def checkpoint_of_another_strategy(tmp_path) -> list[str]:
     return ["--checkpoint-dir", str(tmp_path), "--strategy", "fsdp", "--resume", "auto"]
 
 
-@pytest.mark.parametrize("setup,message", [
-    (corrupt_cifar_dir, "data_batch_3 is not a CIFAR-10 python batch"),
-    (missing_cifar_dir, "CIFAR-10 not found in"),
-    (folder_of_an_earlier_run, "already holds checkpoints of an earlier run"),
-    (checkpoint_of_another_strategy, "was written by strategy=ddp"),
-    (lambda tmp_path: ["--strategy", "fsdp", "--cpu-offload"], "--cpu-offload moves"),
-])
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (corrupt_cifar_dir, "data_batch_3 is not a CIFAR-10 python batch"),
+        (missing_cifar_dir, "CIFAR-10 not found in"),
+        (folder_of_an_earlier_run, "already holds checkpoints of an earlier run"),
+        (checkpoint_of_another_strategy, "was written by strategy=ddp"),
+        (lambda tmp_path: ["--strategy", "fsdp", "--cpu-offload"], "--cpu-offload moves"),
+    ],
+)
 def test_bad_input_table_as_the_user_sees_it(tmp_path, setup, message):
     """Each row of the bad-input table (docs/troubleshooting.md): one `error:` line, exit
     status 2, no traceback."""
     args = setup(tmp_path)
-    assert_one_line_error(run_main([*TINY, "--batch-size", "64", "--epochs", "2", *args]),
-                          message)
+    assert_one_line_error(run_main([*TINY, "--batch-size", "64", "--epochs", "2", *args]), message)

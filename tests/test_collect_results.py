@@ -12,6 +12,8 @@ from conftest import call_main
 from helpers import COURSE_LOGS, log_text, metric_fields, run_log, runs_frame, write_log
 from utils import format_comm, format_metric
 
+pytestmark = pytest.mark.fast  # make test-fast
+
 COURSE_LOG = "ddp_4gpu_15epochs.train.log"
 
 
@@ -28,6 +30,7 @@ def skip_reason(reports: list[str], name: str) -> str:
 
 
 # ---- the course's real log ----
+
 
 def test_course_log_parses(tmp_path):
     results, reports = collect(COURSE_LOGS)
@@ -52,14 +55,27 @@ def test_course_log_summary():
 
 # ---- the project's logs ----
 
+
 def test_project_log_keeps_every_field(tmp_path):
-    written = [metric_fields(e, strategy="fsdp", world_size=4, nodes=2, job_id="987")
-               for e in (1, 2)]
+    written = [
+        metric_fields(e, strategy="fsdp", world_size=4, nodes=2, job_id="987") for e in (1, 2)
+    ]
     write_log(tmp_path / "fsdp_4gpu_987.log", written)
     results, reports = collect(tmp_path)
     assert reports == []
-    assert list(results.columns[:11]) == ["sweep", "log", "strategy", "gpus", "nodes", "job_id",
-                                          "epoch", "time", "val_loss", "acc", "peak_mem"]
+    assert list(results.columns[:11]) == [
+        "sweep",
+        "log",
+        "strategy",
+        "gpus",
+        "nodes",
+        "job_id",
+        "epoch",
+        "time",
+        "val_loss",
+        "acc",
+        "peak_mem",
+    ]
     for fields, (_, row) in zip(written, results.iterrows()):
         for key, value in fields.items():
             assert row[key] == value, key
@@ -79,7 +95,8 @@ def test_course_format_identity_from_file_name(tmp_path):
     (tmp_path / "mystery.log").write_text(course_line.format(1))
     results, reports = collect(tmp_path)
     assert results[["strategy", "gpus", "job_id"]].drop_duplicates().values.tolist() == [
-        ["fsdp", 2, "777"]]
+        ["fsdp", 2, "777"]
+    ]
     assert "unknown run" in skip_reason(reports, "mystery.log")
 
 
@@ -99,17 +116,25 @@ def test_repeated_epoch_keeps_the_last(tmp_path):
 
 # ---- bad logs: named, skipped, nothing leaks ----
 
+
 def test_bad_logs_are_skipped_and_do_not_leak(tmp_path):
     # Sorted names put each bad file right after a good one: the course's collector carried
     # the previous file's line into the next.
     run_log(tmp_path, "a_good_ddp_1gpu.log", acc=11.0, strategy="ddp", world_size=1)
     (tmp_path / "b_no_metrics.log").write_text("[INFO] World size: 4\nsrun: job started\n")
     cut = format_metric(metric_fields(3, acc=33.0))
-    write_log(tmp_path / "c_truncated.log", [metric_fields(e, acc=33.0) for e in (1, 2)],
-              tail=cut[: len(cut) // 3])  # killed mid-line
+    write_log(
+        tmp_path / "c_truncated.log",
+        [metric_fields(e, acc=33.0) for e in (1, 2)],
+        tail=cut[: len(cut) // 3],
+    )  # killed mid-line
     (tmp_path / "d_garbage.bin").write_bytes(bytes(range(256)) * 4)
-    write_log(tmp_path / "e_crashed.log", [metric_fields(1, acc=55.0)], expected_epochs=5,
-              tail="Traceback (most recent call last):\nRuntimeError: NCCL timeout\n")
+    write_log(
+        tmp_path / "e_crashed.log",
+        [metric_fields(1, acc=55.0)],
+        expected_epochs=5,
+        tail="Traceback (most recent call last):\nRuntimeError: NCCL timeout\n",
+    )
     (tmp_path / "f_empty.log").write_bytes(b"")
     run_log(tmp_path, "g_good_fsdp_2gpu.log", acc=22.0, strategy="fsdp", world_size=2)
 
@@ -152,13 +177,23 @@ def test_stderr_beside_a_log_reports_its_crash(tmp_path):
 
 # ---- summary ----
 
+
 def test_speedup_and_efficiency():
-    summary = collect_results.summarize(runs_frame({
-        ("ddp", 1): [30.0, 8.0, 7.0, 9.0],  # epoch 1 is warm-up: steady time = median(8, 7, 9)
-        ("ddp", 4): [12.0, 2.0, 2.0, 2.5],
-        ("ddp", 8): [12.0, 2.0, 2.0, 2.0],
-        ("fsdp", 2): [9.0, 5.0],             # no 1-GPU fsdp run: no speedup
-    })).set_index(["strategy", "gpus"])
+    summary = collect_results.summarize(
+        runs_frame(
+            {
+                ("ddp", 1): [
+                    30.0,
+                    8.0,
+                    7.0,
+                    9.0,
+                ],  # epoch 1 is warm-up: steady time = median(8, 7, 9)
+                ("ddp", 4): [12.0, 2.0, 2.0, 2.5],
+                ("ddp", 8): [12.0, 2.0, 2.0, 2.0],
+                ("fsdp", 2): [9.0, 5.0],  # no 1-GPU fsdp run: no speedup
+            }
+        )
+    ).set_index(["strategy", "gpus"])
     assert summary.loc[("ddp", 1), "time"] == 8.0
     assert summary.loc[("ddp", 4), ["speedup", "efficiency"]].tolist() == [4.0, 100.0]
     assert summary.loc[("ddp", 8), ["speedup", "efficiency"]].tolist() == [4.0, 50.0]
@@ -187,6 +222,7 @@ def test_repeated_configuration_takes_medians():
 
 # ---- command line ----
 
+
 def cli(capsys, *args) -> tuple[int, str, str]:
     return call_main(collect_results.main, capsys, *args)
 
@@ -213,9 +249,11 @@ def test_logs_of_a_local_run_alone_say_how_to_get_something_to_plot(tmp_path, ca
     (logs / "cpu_local-20261123-101500-42_host.csv").write_text("time_s,pid,cpu_s,rss_mb\n")
     code, out, err = cli(capsys, "--logs", logs, "--out", tmp_path / "r.csv")
     assert code != 0 and out == ""
-    assert err.splitlines()[-1] == (f"error: no log files in {logs}: logs come from a sweep "
-                                    "(python run_benchmarks.py, or with --local on this "
-                                    "machine) or from sbatch run.sh")
+    assert err.splitlines()[-1] == (
+        f"error: no log files in {logs}: logs come from a sweep "
+        "(python run_benchmarks.py, or with --local on this "
+        "machine) or from sbatch run.sh"
+    )
 
 
 def test_cli_writes_csv_and_prints_summary(tmp_path, capsys):
@@ -258,6 +296,7 @@ def test_unwritable_csv_is_one_line_and_keeps_nothing_half_written(tmp_path, cap
 
 # ---- sweeps ----
 
+
 def sweep(logs: Path, name: str, time_1gpu: float) -> Path:
     folder = logs / f"sweep-{name}"
     folder.mkdir(parents=True)
@@ -283,8 +322,9 @@ def test_the_newest_sweep_is_read_unless_all_are_asked_for(tmp_path, capsys):
     code, out, err = cli(capsys, "--logs", logs, "--all-sweeps", "--out", out_csv)
     assert code == 0, err
     assert "merging 2 folders" in err
-    assert "warning: ddp on 1 GPU(s) has runs from 2 sweeps (20261122-100000, " \
-           "20261122-120000)" in err
+    assert (
+        "warning: ddp on 1 GPU(s) has runs from 2 sweeps (20261122-100000, 20261122-120000)" in err
+    )
     results = pd.read_csv(out_csv, dtype={"sweep": str})
     assert sorted(set(results["sweep"])) == ["20261122-100000", "20261122-120000"]
 
@@ -297,7 +337,8 @@ def test_a_job_stopped_and_requeued_is_no_crash(tmp_path):
     with open(log, "a") as f:
         f.write(log_text([metric_fields(2)], expected_epochs=2))
     (tmp_path / "ddp_1gpu_77.err").write_text(
-        "srun: error: node1: tasks 0-1: Exited with exit code 3\n")
+        "srun: error: node1: tasks 0-1: Exited with exit code 3\n"
+    )
     results, reports = collect(tmp_path)
     assert list(results["epoch"]) == [1, 2], reports
     assert not any("fail" in r or "skipped" in r for r in reports), reports
@@ -314,18 +355,21 @@ def test_gpu_samples_stand_next_to_their_runs(tmp_path, capsys):
         "2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
         "2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0\n"
         "2026/11/22 10:00:05.000, 0, 70, 1500, 81559, 310.0\n"
-        "2026/11/22 10:00:05.000, 1, 60, 1600, 81559, 280.0\n")
+        "2026/11/22 10:00:05.000, 1, 60, 1600, 81559, 280.0\n"
+    )
     (tmp_path / "cpu_4242_nid001.csv").write_text(
-        "time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n5.0,11,6.0,600.0\n")
+        "time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n5.0,11,6.0,600.0\n"
+    )
     out = tmp_path / "results.csv"
     assert collect_results.main(["--logs", str(tmp_path), "--out", str(out)]) == 0
     gpus = pd.read_csv(tmp_path / "gpu_samples.csv")
-    assert gpus[["strategy", "gpus", "job_id", "gpu", "peak_mem", "peak_mem_mib",
-                 "mean_util_pct"]].values.tolist() == [["ddp", 2, 4242, 0, 84, 1500, 80.0],
-                                                        ["ddp", 2, 4242, 1, 84, 1600, 70.0]]
+    assert gpus[
+        ["strategy", "gpus", "job_id", "gpu", "peak_mem", "peak_mem_mib", "mean_util_pct"]
+    ].values.tolist() == [["ddp", 2, 4242, 0, 84, 1500, 80.0], ["ddp", 2, 4242, 1, 84, 1600, 70.0]]
     cpu = pd.read_csv(tmp_path / "cpu_samples.csv")
     assert cpu[["job_id", "pid", "mean_cpu_pct", "peak_rss_mb"]].values.tolist() == [
-        [4242, 11, 100.0, 600.0]]
+        [4242, 11, 100.0, 600.0]
+    ]
     printed = capsys.readouterr().out
     assert "GPU memory and use (nvidia-smi" in printed
     assert "| ddp | 2 | 4242 | nid001 | 1 | 84 | 1600 |" in printed
@@ -337,7 +381,8 @@ def test_sampler_csvs_are_not_logs(tmp_path):
     run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
     (tmp_path / "gpu_4241_nid001.csv").write_text(
         "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
-        "power.draw [W]\n2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n")
+        "power.draw [W]\n2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
+    )
     (tmp_path / "cpu_4241_nid001.csv").write_text("time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n")
     results, reports = collect(tmp_path)
     assert reports == []
@@ -353,43 +398,75 @@ def test_no_samples_no_sample_files(tmp_path, capsys):
 
 def test_the_study_is_named_strong_or_weak_scaling():
     strong = runs_frame({("ddp", 1): [9.0], ("ddp", 2): [5.0]}).assign(
-        global_batch=256, local_batch=[256, 128])
+        global_batch=256, local_batch=[256, 128]
+    )
     assert collect_results.scaling(strong) == (
-        "strong scaling: global batch 256 at every GPU count")
+        "strong scaling: global batch 256 at every GPU count"
+    )
     weak = strong.assign(global_batch=[64, 128], local_batch=64)
     assert collect_results.scaling(weak) == "weak scaling: 64 images per GPU per step"
     mixed = strong.assign(global_batch=[64, 256], local_batch=[64, 128])
     assert collect_results.scaling(mixed) is None
     assert collect_results.scaling(strong.drop(columns="local_batch")) is None
     import plot_results
+
     assert plot_results.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
 
 
 # ---- [COMM] lines: comm.csv and the modelled communication time ----
 
+
 def comm_line(op: str, label: str, time_us: float, world_size: int = 2) -> str:
-    return format_comm({"op": op, "label": label, "bytes": 1000, "world_size": world_size,
-                        "time_us": time_us, "algbw_gbps": 1.0, "busbw_gbps": 1.0})
+    return format_comm(
+        {
+            "op": op,
+            "label": label,
+            "bytes": 1000,
+            "world_size": world_size,
+            "time_us": time_us,
+            "algbw_gbps": 1.0,
+            "busbw_gbps": 1.0,
+        }
+    )
 
 
 def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys):
     # 512 images per epoch at global batch 256: 2 steps per epoch.
     two_steps = dict(world_size=2, train_images=512, t_comm=0.5)
-    ddp = [comm_line("all_reduce", "grad", 3500), comm_line("all_reduce", "bucket0", 1000),
-           comm_line("all_reduce", "bucket1", 3000), comm_line("all_reduce", "sweep", 9e6)]
-    fsdp = [comm_line("all_gather", "unit_a", 1000), comm_line("reduce_scatter", "unit_a", 2000),
-            comm_line("all_gather", "unit_b", 500), comm_line("reduce_scatter", "unit_b", 500)]
-    for name, strategy, lines in (("ddp_2gpu_1.log", "ddp", ddp),
-                                  ("fsdp_2gpu_2.log", "fsdp", fsdp)):
-        metrics = [metric_fields(e, strategy, sharding="full" if strategy == "fsdp" else
-                                 "replicate", **two_steps) for e in (1, 2)]
+    ddp = [
+        comm_line("all_reduce", "grad", 3500),
+        comm_line("all_reduce", "bucket0", 1000),
+        comm_line("all_reduce", "bucket1", 3000),
+        comm_line("all_reduce", "sweep", 9e6),
+    ]
+    fsdp = [
+        comm_line("all_gather", "unit_a", 1000),
+        comm_line("reduce_scatter", "unit_a", 2000),
+        comm_line("all_gather", "unit_b", 500),
+        comm_line("reduce_scatter", "unit_b", 500),
+    ]
+    for name, strategy, lines in (
+        ("ddp_2gpu_1.log", "ddp", ddp),
+        ("fsdp_2gpu_2.log", "fsdp", fsdp),
+    ):
+        metrics = [
+            metric_fields(
+                e, strategy, sharding="full" if strategy == "fsdp" else "replicate", **two_steps
+            )
+            for e in (1, 2)
+        ]
         (tmp_path / name).write_text("\n".join(lines) + "\n" + log_text(metrics))
     out = tmp_path / "out" / "results.csv"
     code, table, _ = cli(capsys, "--logs", tmp_path, "--out", out)
     assert code == 0
     comm = pd.read_csv(out.with_name("comm.csv"))
-    assert list(comm.columns[:10]) == [*collect_results.RUN_COLUMNS, "op", "label", "bytes",
-                                       "world_size"]
+    assert list(comm.columns[:10]) == [
+        *collect_results.RUN_COLUMNS,
+        "op",
+        "label",
+        "bytes",
+        "world_size",
+    ]
     assert len(comm) == 8 and set(comm["strategy"]) == {"ddp", "fsdp"}
     # DDP: 2 steps x (1 + 3 ms) of buckets. FSDP, full sharding: 2 steps x (2 gathers x 1.5 ms +
     # 2.5 ms of reduce-scatters).
@@ -416,13 +493,15 @@ def test_ranks_that_outnumber_their_cores_are_said_so(tmp_path, capsys, cpus):
     (the collector warns, naming the configuration), on 4 they did not."""
     config = {"world_size": 4, "nodes": 1, "threads": 1, "cpus": cpus}
     (tmp_path / "ddp_4gpu_7.log").write_text(
-        log_text([metric_fields(e, world_size=4) for e in (1, 2)], **config))
+        log_text([metric_fields(e, world_size=4) for e in (1, 2)], **config)
+    )
     results, _ = collect(tmp_path)
     assert results["threads_per_core"].tolist() == [4 / cpus] * 2
     warning = collect_results.cores_outnumbered(results)
     if cpus == 2:
-        assert warning.startswith("warning: the ranks outnumbered the CPU cores of their node "
-                                  "in ddp on 4 GPU(s): ")
+        assert warning.startswith(
+            "warning: the ranks outnumbered the CPU cores of their node in ddp on 4 GPU(s): "
+        )
     else:
         assert warning is None
     code, _, err = cli(capsys, "--logs", tmp_path, "--out", tmp_path / "r.csv")

@@ -15,15 +15,19 @@ from model import build_model, count_parameters
 from utils import COMM_FIELDS, format_comm, parse_comm
 
 
-@pytest.mark.parametrize("op,n,algbw,busbw", [
-    # 2,214,056 bytes in 1 ms: algbw 2.214056 GB/s; busbw x 2(n-1)/n for all_reduce, (n-1)/n else.
-    ("all_reduce", 4, 2.214056, 3.321084),
-    ("all_reduce", 2, 2.214056, 2.214056),
-    ("all_reduce", 8, 2.214056, 3.874598),
-    ("all_gather", 4, 2.214056, 1.660542),
-    ("reduce_scatter", 8, 2.214056, 1.937299),
-    ("all_gather", 1, 2.214056, 0.0),  # one rank sends nothing over any link
-])
+@pytest.mark.parametrize(
+    "op,n,algbw,busbw",
+    [
+        # 2,214,056 bytes in 1 ms: algbw 2.214056 GB/s; busbw x 2(n-1)/n for all_reduce,
+        # (n-1)/n else.
+        ("all_reduce", 4, 2.214056, 3.321084),
+        ("all_reduce", 2, 2.214056, 2.214056),
+        ("all_reduce", 8, 2.214056, 3.874598),
+        ("all_gather", 4, 2.214056, 1.660542),
+        ("reduce_scatter", 8, 2.214056, 1.937299),
+        ("all_gather", 1, 2.214056, 0.0),  # one rank sends nothing over any link
+    ],
+)
 def test_bandwidths_follow_nccl_tests(op, n, algbw, busbw):
     got = comm_bench.bandwidths(op, 2_214_056, n, 1e-3)
     assert got == pytest.approx((algbw, busbw))
@@ -46,9 +50,18 @@ def test_message_sizes_of_the_course_cnn():
 
 
 def test_comm_line_round_trip():
-    row = {"op": "all_gather", "label": "unit_conv1", "bytes": 1792, "world_size": 2,
-           "time_us": 242.5, "algbw_gbps": 0.0073897, "busbw_gbps": 0.00369485,
-           "device": "cpu", "backend": "gloo", "job_id": "local"}
+    row = {
+        "op": "all_gather",
+        "label": "unit_conv1",
+        "bytes": 1792,
+        "world_size": 2,
+        "time_us": 242.5,
+        "algbw_gbps": 0.0073897,
+        "busbw_gbps": 0.00369485,
+        "device": "cpu",
+        "backend": "gloo",
+        "job_id": "local",
+    }
     line = format_comm(row)
     assert line.startswith("[COMM] op=all_gather label=unit_conv1 bytes=1792 world_size=2 ")
     assert parse_comm("0: " + line) == row  # srun -l prefix too
@@ -64,9 +77,11 @@ def _tiny_benchmark(env):
 
 def _round_of_sleeps(env):
     calls = []
+
     def run():
         calls.append(1)
         time.sleep(0.02)
+
     return comm_bench.time_round(run, env.device, 5), len(calls)
 
 
@@ -95,10 +110,22 @@ def test_two_gloo_ranks_measure_every_message():
 
 @pytest.mark.timeout(180)
 def test_benchmark_py_comm_under_torchrun():
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", "benchmark.py", "--comm"], cwd=REPO,
-                          capture_output=True, text=True, timeout=170,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "benchmark.py",
+            "--comm",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [r for r in map(parse_comm, done.stdout.splitlines()) if r]
     assert rows and len(rows) == done.stdout.count("[COMM]")  # rank 0 alone prints
@@ -112,8 +139,10 @@ def test_comm_benchmark_leaves_training_as_it_was():
     args = [*TINY, "--epochs", "1", "--batch-size", "32", "--no-checkpoint"]
     plain, measured = (run_main(args + extra) for extra in ([], ["--comm-benchmark"]))
     assert plain.returncode == measured.returncode == 0, measured.stderr[-2000:]
-    assert "[COMM]" not in plain.stdout and parse_comm(next(
-        line for line in measured.stdout.splitlines() if line.startswith("[COMM]")))
+    assert "[COMM]" not in plain.stdout and parse_comm(
+        next(line for line in measured.stdout.splitlines() if line.startswith("[COMM]"))
+    )
     keys = ("train_loss", "val_loss", "acc")
-    assert [[m[k] for k in keys] for m in metrics_in(plain.stdout)] == \
-        [[m[k] for k in keys] for m in metrics_in(measured.stdout)]
+    assert [[m[k] for k in keys] for m in metrics_in(plain.stdout)] == [
+        [m[k] for k in keys] for m in metrics_in(measured.stdout)
+    ]

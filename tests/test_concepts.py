@@ -21,7 +21,7 @@ from model import build_model
 REPO = Path(__file__).resolve().parent.parent
 CONCEPTS = REPO / "docs" / "concepts.md"
 SEED = 42
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 
 
 def batch(n: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,11 +31,14 @@ def batch(n: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- sampler
 
+
 def test_without_a_sampler_every_rank_sees_the_same_images_with_it_disjoint_shards():
     size, world = 1000, 2
     # Without a sampler, each rank iterates the data set (or shuffles it with the same seed).
-    no_sampler = [torch.randperm(size, generator=torch.Generator().manual_seed(SEED)).tolist()
-                  for _ in range(world)]
+    no_sampler = [
+        torch.randperm(size, generator=torch.Generator().manual_seed(SEED)).tolist()
+        for _ in range(world)
+    ]
     assert no_sampler[0] == no_sampler[1]
     # With the project's sampler (data.build_loaders makes the same one for training).
     shards = []
@@ -49,6 +52,7 @@ def test_without_a_sampler_every_rank_sees_the_same_images_with_it_disjoint_shar
 
 
 # ----------------------------------------------------------------------------- zero_grad
+
 
 def test_without_zero_grad_the_second_backward_adds_to_the_first():
     torch.manual_seed(SEED)
@@ -72,9 +76,11 @@ def test_without_zero_grad_the_second_backward_adds_to_the_first():
 
 # ----------------------------------------------------------------------------- DDP vs FSDP
 
+
 def _parameters_after_one_step(env, strategy: str) -> dict:
     from ddp_utils import get_ddp_model
     from fsdp_utils import get_fsdp_model
+
     torch.manual_seed(SEED)  # the same initial weights on every rank
     model = build_model("cnn")
     full = sum(p.numel() for p in model.parameters())
@@ -109,6 +115,7 @@ def test_fsdp_full_shard_holds_about_half_the_parameters_per_rank_at_two_ranks()
 
 # ----------------------------------------------------------------------------- no_grad
 
+
 def test_no_grad_builds_no_autograd_graph_and_saves_no_activations():
     torch.manual_seed(SEED)
     model = build_model("cnn").eval()
@@ -119,6 +126,7 @@ def test_no_grad_builds_no_autograd_graph_and_saves_no_activations():
         def pack(t):
             tensors.append(t.numel() * t.element_size())
             return t
+
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     with count(saved):
@@ -132,6 +140,7 @@ def test_no_grad_builds_no_autograd_graph_and_saves_no_activations():
 
 
 # ----------------------------------------------------------------------------- train/eval
+
 
 def test_train_and_eval_mode_give_the_same_output_for_the_cnn():
     torch.manual_seed(SEED)
@@ -179,11 +188,15 @@ def _validation_model_and_data():
 
 def _validate_on_rank(env) -> dict:
     from train import all_reduce
+
     model, images, labels = _validation_model_and_data()
     correct, count = _accuracy_counts(model, images, labels, env.rank, env.world_size)
     total_correct, total_count = all_reduce([correct, count], env.device)
-    return {"own": 100 * correct / count, "reduced": 100 * total_correct / total_count,
-            "count": total_count}
+    return {
+        "own": 100 * correct / count,
+        "reduced": 100 * total_correct / total_count,
+        "count": total_count,
+    }
 
 
 def test_validation_all_reduce_turns_per_rank_accuracies_into_the_whole_sets():
@@ -237,8 +250,7 @@ def defined_names(path: Path) -> set[str]:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         if isinstance(node, ast.ClassDef):
-            names |= {f"{node.name}.{n.name}" for n in node.body
-                      if isinstance(n, ast.FunctionDef)}
+            names |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, ast.FunctionDef)}
     return names
 
 

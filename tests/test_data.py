@@ -29,7 +29,7 @@ def seen_indices(loader, split) -> list[int]:
     out = []
     for images, _ in loader:
         # Undo normalization to recover the encoded index.
-        raw = (images[:, :2, 0, 0] * torch.tensor(SPEC.std[:2]) + torch.tensor(SPEC.mean[:2]))
+        raw = images[:, :2, 0, 0] * torch.tensor(SPEC.std[:2]) + torch.tensor(SPEC.mean[:2])
         raw = (raw * 255).round().long()
         out += (raw[:, 0] + 256 * raw[:, 1]).tolist()
     return out
@@ -44,10 +44,19 @@ def test_every_sample_once_per_epoch_new_order_each_epoch(kind, world_size):
     for epoch in range(2):
         per_rank = []
         for rank in range(world_size):
-            loaders = data.build_loaders(split, split, SPEC, kind=kind, rank=rank,
-                                         world_size=world_size, global_batch=global_batch,
-                                         seed=3, augment=False, device=torch.device("cpu"),
-                                         num_workers=0)
+            loaders = data.build_loaders(
+                split,
+                split,
+                SPEC,
+                kind=kind,
+                rank=rank,
+                world_size=world_size,
+                global_batch=global_batch,
+                seed=3,
+                augment=False,
+                device=torch.device("cpu"),
+                num_workers=0,
+            )
             loaders.train_sampler.set_epoch(epoch)
             per_rank.append(seen_indices(loaders.train, split))
         everything = sorted(i for r in per_rank for i in r)
@@ -62,9 +71,19 @@ def test_each_rank_gets_exactly_what_distributed_sampler_assigns(kind):
     n, global_batch, world_size = 240, 24, 3
     split = indexed_split(n)
     for rank in range(world_size):
-        loaders = data.build_loaders(split, split, SPEC, kind=kind, rank=rank,
-                                     world_size=world_size, global_batch=global_batch, seed=9,
-                                     augment=False, device=torch.device("cpu"), num_workers=0)
+        loaders = data.build_loaders(
+            split,
+            split,
+            SPEC,
+            kind=kind,
+            rank=rank,
+            world_size=world_size,
+            global_batch=global_batch,
+            seed=9,
+            augment=False,
+            device=torch.device("cpu"),
+            num_workers=0,
+        )
         reference = DistributedSampler(range(n), world_size, rank, shuffle=True, seed=9)
         for epoch in (0, 1):
             loaders.set_position(epoch)
@@ -74,9 +93,18 @@ def test_each_rank_gets_exactly_what_distributed_sampler_assigns(kind):
 
 def test_training_keeps_full_global_batches_only():
     split = indexed_split(250)  # 10 full batches of 24, 10 images left over
-    loaders = data.build_loaders(split, split, SPEC, kind="tensor", rank=0, world_size=2,
-                                 global_batch=24, seed=0, augment=False,
-                                 device=torch.device("cpu"))
+    loaders = data.build_loaders(
+        split,
+        split,
+        SPEC,
+        kind="tensor",
+        rank=0,
+        world_size=2,
+        global_batch=24,
+        seed=0,
+        augment=False,
+        device=torch.device("cpu"),
+    )
     assert len(loaders.train) == 10
     assert len(seen_indices(loaders.train, split)) == 10 * 12
 
@@ -89,10 +117,17 @@ def test_random_crop_flip_takes_a_window_of_the_padded_image():
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     flips, shifts = 0, set()
     for i in range(len(images)):
-        windows = [((dy, dx), padded[i, :, dy:dy + 32, dx:dx + 32])
-                   for dy in range(9) for dx in range(9)]
-        matches = [(*shift, flip) for shift, w in windows for flip in (False, True)
-                   if torch.equal(out[i], w.flip(2) if flip else w)]
+        windows = [
+            ((dy, dx), padded[i, :, dy : dy + 32, dx : dx + 32])
+            for dy in range(9)
+            for dx in range(9)
+        ]
+        matches = [
+            (*shift, flip)
+            for shift, w in windows
+            for flip in (False, True)
+            if torch.equal(out[i], w.flip(2) if flip else w)
+        ]
         assert matches, f"image {i} is not a crop of its padded original"
         flips += matches[0][2]
         shifts.add(matches[0][:2])
@@ -104,15 +139,24 @@ def test_tensor_path_normalizes_like_torchvision():
     split = data.make_synthetic(8, 8, seed=1)[0]
     norm = data.Normalize(SPEC, torch.device("cpu"))(split.images)
     transform = data.classic_transform(SPEC, augment=False)
-    tv = torch.stack([transform(Image.fromarray(img.permute(1, 2, 0).numpy()))
-                      for img in split.images])
+    tv = torch.stack(
+        [transform(Image.fromarray(img.permute(1, 2, 0).numpy())) for img in split.images]
+    )
     assert torch.allclose(norm, tv, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- exact validation
 
-VAL_CFG = dict(dataset="synthetic", train_samples=4096, val_samples=1001, batch_size=48,
-               epochs=2, seed=11, checkpoint=False, print_every=10**6)
+VAL_CFG = dict(
+    dataset="synthetic",
+    train_samples=4096,
+    val_samples=1001,
+    batch_size=48,
+    epochs=2,
+    seed=11,
+    checkpoint=False,
+    print_every=10**6,
+)
 
 
 def trained_weights(env, cfg):
@@ -123,6 +167,7 @@ def trained_weights(env, cfg):
 
 def validate_weights(env, cfg, weights):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     trainer, _ = build_trainer(cfg, env)
     set_model_state_dict(trainer.model, weights, options=StateDictOptions(full_state_dict=True))
     return trainer.evaluate()
@@ -154,6 +199,7 @@ def test_validation_weights_mask_only_the_padding():
 
 # ----------------------------------------------------------------------------- CIFAR-10 files
 
+
 def test_loads_any_directory_in_the_cifar10_python_format(tmp_path):
     folder = write_cifar_dir(tmp_path)
     train, val = data.load_cifar10(tmp_path, download=False)
@@ -174,8 +220,9 @@ def test_cache_is_decoded_once_and_again_when_a_source_file_changes(tmp_path, mo
         assert len(data.load_cifar10(tmp_path, download=False)[1]) == 30
     assert len(decodes) == 1, "the second and third loads read the cache"
     write_cifar_dir(tmp_path / "other", n_test=5)
-    (folder / "test_batch").write_bytes((tmp_path / "other" / data.CIFAR10_FOLDER /
-                                         "test_batch").read_bytes())
+    (folder / "test_batch").write_bytes(
+        (tmp_path / "other" / data.CIFAR10_FOLDER / "test_batch").read_bytes()
+    )
     assert len(data.load_cifar10(tmp_path, download=False)[1]) == 5
     assert len(decodes) == 2, "a changed source file rebuilds the cache"
 
@@ -185,7 +232,7 @@ def test_corrupt_cifar_file_is_a_clear_error(tmp_path, damage):
     folder = write_cifar_dir(tmp_path)
     path = folder / "data_batch_3"
     blob = path.read_bytes()
-    path.write_bytes(blob[:len(blob) // 2] if damage == "truncate" else b"not a pickle")
+    path.write_bytes(blob[: len(blob) // 2] if damage == "truncate" else b"not a pickle")
     with pytest.raises(UsageError, match="data_batch_3"):
         data.load_cifar10(tmp_path, download=False)
 
@@ -230,9 +277,18 @@ def test_an_epoch_is_augmented_at_its_start_and_a_resumed_one_the_same_way():
     split = data.make_synthetic(96, 8, seed=1)[0]
 
     def batches(epoch: int, step: int = 0) -> list[torch.Tensor]:
-        loaders = data.build_loaders(split, split, SPEC, kind="tensor", rank=1, world_size=2,
-                                     global_batch=16, seed=5, augment=True,
-                                     device=torch.device("cpu"))
+        loaders = data.build_loaders(
+            split,
+            split,
+            SPEC,
+            kind="tensor",
+            rank=1,
+            world_size=2,
+            global_batch=16,
+            seed=5,
+            augment=True,
+            device=torch.device("cpu"),
+        )
         loaders.set_position(epoch, step)
         return [images for images, _ in loaders.train]
 
@@ -240,8 +296,17 @@ def test_an_epoch_is_augmented_at_its_start_and_a_resumed_one_the_same_way():
     assert len(uninterrupted) == 6 and len(resumed) == 3
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted[3:], resumed))
     assert not torch.equal(batches(epoch=3)[0], uninterrupted[0])
-    plain = data.build_loaders(split, split, SPEC, kind="tensor", rank=1, world_size=2,
-                               global_batch=16, seed=5, augment=False,
-                               device=torch.device("cpu"))
+    plain = data.build_loaders(
+        split,
+        split,
+        SPEC,
+        kind="tensor",
+        rank=1,
+        world_size=2,
+        global_batch=16,
+        seed=5,
+        augment=False,
+        device=torch.device("cpu"),
+    )
     plain.set_position(2)
     assert not any(torch.equal(a, b) for a, (b, _) in zip(uninterrupted, plain.train))

@@ -21,6 +21,7 @@ RUN_TIMEOUT_S = 120  # each run below takes seconds; a hang fails instead of sta
 
 # ----------------------------------------------------------------------------- Fashion-MNIST
 
+
 def write_idx(path, array: np.ndarray, gz: bool) -> None:
     """An IDX file of unsigned bytes: magic 0x0800 + dims, each size (big-endian), the bytes."""
     blob = struct.pack(">I", 0x0800 + array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
@@ -33,8 +34,12 @@ def write_idx(path, array: np.ndarray, gz: bool) -> None:
 
 
 # Two of the four files gzipped, two plain: the forms a download leaves and an unpacked copy.
-FASHION_GZIPPED = {"train_images": True, "train_labels": False, "val_images": False,
-                   "val_labels": True}
+FASHION_GZIPPED = {
+    "train_images": True,
+    "train_labels": False,
+    "val_images": False,
+    "val_labels": True,
+}
 
 
 def write_fashion_dir(root, n_train=40, n_val=16, seed=0) -> dict[str, np.ndarray]:
@@ -42,10 +47,12 @@ def write_fashion_dir(root, n_train=40, n_val=16, seed=0) -> dict[str, np.ndarra
     rng = np.random.default_rng(seed)
     folder = root / data.FASHION_FOLDER
     folder.mkdir(parents=True)
-    arrays = {"train_images": rng.integers(0, 256, (n_train, 28, 28)),
-              "train_labels": rng.integers(0, 10, n_train),
-              "val_images": rng.integers(0, 256, (n_val, 28, 28)),
-              "val_labels": rng.integers(0, 10, n_val)}
+    arrays = {
+        "train_images": rng.integers(0, 256, (n_train, 28, 28)),
+        "train_labels": rng.integers(0, 10, n_train),
+        "val_images": rng.integers(0, 256, (n_val, 28, 28)),
+        "val_labels": rng.integers(0, 10, n_val),
+    }
     for key, (name, _) in data.FASHION_FILES.items():
         write_idx(folder / name, arrays[key], FASHION_GZIPPED[key])
     return arrays
@@ -77,6 +84,7 @@ def test_fashionmnist_decodes_to_padded_3_channel_images_with_their_labels(tmp_p
 def test_fashionmnist_download_uses_torchvisions_urls_and_md5s():
     """No download can run here: the table must be what torchvision's FashionMNIST fetches."""
     from torchvision.datasets import FashionMNIST
+
     ours = [(data.FASHION_URL + name + ".gz", md5) for name, md5 in data.FASHION_FILES.values()]
     theirs = [(FashionMNIST.mirrors[0] + name, md5) for name, md5 in FashionMNIST.resources]
     assert ours == theirs
@@ -84,8 +92,10 @@ def test_fashionmnist_download_uses_torchvisions_urls_and_md5s():
 
 
 def test_fashionmnist_download_fetches_the_missing_files_into_torchvisions_folder(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     import torchvision.datasets.utils as tv_utils
+
     written = write_fashion_dir(tmp_path)
     fashion_file(tmp_path, "val_labels").unlink()
     calls = []
@@ -97,22 +107,26 @@ def test_fashionmnist_download_fetches_the_missing_files_into_torchvisions_folde
     monkeypatch.setattr(tv_utils, "download_and_extract_archive", fake_download)
     _, val = data.load_files("fashionmnist", tmp_path, download=True)
     name, md5 = data.FASHION_FILES["val_labels"]
-    assert calls == [(data.FASHION_URL + name + ".gz", str(tmp_path / data.FASHION_FOLDER),
-                      name + ".gz", md5)]
+    assert calls == [
+        (data.FASHION_URL + name + ".gz", str(tmp_path / data.FASHION_FOLDER), name + ".gz", md5)
+    ]
     assert val.labels.tolist() == written["val_labels"].tolist()
 
 
 def truncate(path) -> None:
     blob = path.read_bytes()
-    path.write_bytes(blob[:len(blob) // 2])
+    path.write_bytes(blob[: len(blob) // 2])
 
 
-@pytest.mark.parametrize("key,damage,message", [
-    ("train_images", truncate, "is not readable"),  # a cut gzip stream
-    ("val_labels", lambda p: p.write_bytes(b"not gzip at all"), "is not readable"),
-    ("val_images", truncate, "its header announces 16x28x28 bytes"),
-    ("train_labels", lambda p: p.write_bytes(b"\0\0\x08\x03" + bytes(20)), "wrong magic"),
-])
+@pytest.mark.parametrize(
+    "key,damage,message",
+    [
+        ("train_images", truncate, "is not readable"),  # a cut gzip stream
+        ("val_labels", lambda p: p.write_bytes(b"not gzip at all"), "is not readable"),
+        ("val_images", truncate, "its header announces 16x28x28 bytes"),
+        ("train_labels", lambda p: p.write_bytes(b"\0\0\x08\x03" + bytes(20)), "wrong magic"),
+    ],
+)
 def test_damaged_fashionmnist_file_is_a_clear_error(tmp_path, key, damage, message):
     write_fashion_dir(tmp_path)
     path = fashion_file(tmp_path, key)
@@ -123,6 +137,7 @@ def test_damaged_fashionmnist_file_is_a_clear_error(tmp_path, key, damage, messa
 
 
 # ----------------------------------------------------------------------------- Tiny ImageNet
+
 
 def colour(index: int) -> tuple[int, int, int]:
     """A solid colour per image, distinct, that JPEG keeps within a few levels."""
@@ -232,8 +247,10 @@ def wrong_size(folder):
     return "val_2.JPEG: expected a 64x64 image, got 32x64"
 
 
-@pytest.mark.parametrize("damage", [remove_val_image, remove_class_folder, garble_jpeg,
-                                    truncate_jpeg, unknown_wnid, wrong_size])
+@pytest.mark.parametrize(
+    "damage",
+    [remove_val_image, remove_class_folder, garble_jpeg, truncate_jpeg, unknown_wnid, wrong_size],
+)
 def test_damaged_tinyimagenet_is_a_clear_error(tmp_path, damage):
     write_tiny_dir(tmp_path)
     message = damage(tmp_path / data.TINY_FOLDER)
@@ -252,15 +269,19 @@ def test_tinyimagenet_without_files_says_where_to_get_it(tmp_path):
 
 # ----------------------------------------------------------------------------- augmentation, model
 
+
 def test_crop_flip_and_classic_transform_keep_64x64_images():
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8)
     out = data.RandomCropFlip(images.shape[1:], images.device)(images, gen)
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     for i in range(len(images)):
-        assert any(torch.equal(out[i], w) or torch.equal(out[i], w.flip(2))
-                   for w in (padded[i, :, dy:dy + 64, dx:dx + 64]
-                             for dy in range(9) for dx in range(9))), i
+        assert any(
+            torch.equal(out[i], w) or torch.equal(out[i], w.flip(2))
+            for w in (
+                padded[i, :, dy : dy + 64, dx : dx + 64] for dy in range(9) for dx in range(9)
+            )
+        ), i
     spec = data.DATASETS["tinyimagenet"]
     picture = Image.fromarray(images[0].permute(1, 2, 0).numpy())
     assert data.classic_transform(spec, augment=True)(picture).shape == (3, 64, 64)
@@ -278,31 +299,53 @@ def test_models_take_the_data_sets_classes_and_image_size(name):
 
 # ----------------------------------------------------------------------------- main.py
 
+
 def run_args(dataset: str, root, loader: str) -> list:
-    return ["--dataset", dataset, "--data-dir", root, "--loader", loader, "--epochs", "1",
-            "--batch-size", "8", "--num-workers", "1", "--print-every", "1000",
-            "--no-checkpoint"]
+    return [
+        "--dataset",
+        dataset,
+        "--data-dir",
+        root,
+        "--loader",
+        loader,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--num-workers",
+        "1",
+        "--print-every",
+        "1000",
+        "--no-checkpoint",
+    ]
 
 
-@pytest.mark.parametrize("dataset,loader,nproc", [
-    ("fashionmnist", "tensor", 2),
-    ("fashionmnist", "classic", None),
-    ("tinyimagenet", "tensor", None),
-    ("tinyimagenet", "classic", 2),
-])
+@pytest.mark.parametrize(
+    "dataset,loader,nproc",
+    [
+        ("fashionmnist", "tensor", 2),
+        ("fashionmnist", "classic", None),
+        ("tinyimagenet", "tensor", None),
+        ("tinyimagenet", "classic", 2),
+    ],
+)
 def test_training_run_on_each_set_with_each_loader(tmp_path, dataset, loader, nproc):
     write = write_fashion_dir if dataset == "fashionmnist" else write_tiny_dir
     write(tmp_path)
-    done = run_main([*run_args(dataset, tmp_path, loader), "--train-samples", "16"],
-                    nproc=nproc, timeout=RUN_TIMEOUT_S)
+    done = run_main(
+        [*run_args(dataset, tmp_path, loader), "--train-samples", "16"],
+        nproc=nproc,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (metric,) = metrics_in(done.stdout)
     assert metric["dataset"] == dataset and metric["world_size"] == (nproc or 1)
     assert metric["train_images"] == 16
     config = next(filter(None, map(parse_config, done.stdout.splitlines())))
     spec = data.DATASETS[dataset]
-    assert config["parameters"] == sum(p.numel() for p in build_model(
-        "cnn", spec.num_classes, spec.image_shape).parameters())
+    assert config["parameters"] == sum(
+        p.numel() for p in build_model("cnn", spec.num_classes, spec.image_shape).parameters()
+    )
     assert config["val_size"] == (16 if dataset == "fashionmnist" else 9)
 
 
@@ -315,8 +358,10 @@ def test_check_finds_each_set_and_what_it_would_fail_on(tmp_path, dataset):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "20 training images" in done.stdout
     assert not list(tmp_path.glob("*.pt")), "--check writes nothing"
-    assert_one_line_error(run_main([*args, "--data-dir", tmp_path / "none", "--no-download"],
-                                   timeout=RUN_TIMEOUT_S), "not found in")
+    assert_one_line_error(
+        run_main([*args, "--data-dir", tmp_path / "none", "--no-download"], timeout=RUN_TIMEOUT_S),
+        "not found in",
+    )
 
 
 def corrupt_fashion(root):
@@ -328,8 +373,12 @@ def corrupt_fashion(root):
 def missing_fashion(root):
     write_fashion_dir(root)
     fashion_file(root, "val_labels").unlink()
-    return ("Fashion-MNIST not found in", "downloading is off",
-            "python data.py --download --data-dir", "--dataset fashionmnist")
+    return (
+        "Fashion-MNIST not found in",
+        "downloading is off",
+        "python data.py --download --data-dir",
+        "--dataset fashionmnist",
+    )
 
 
 def corrupt_tiny(root):
@@ -346,13 +395,20 @@ def no_tiny(root):
     return ("Tiny ImageNet not found in", data.TINY_URL, f"unzip it in {root}")
 
 
-@pytest.mark.parametrize("dataset,setup", [
-    ("fashionmnist", corrupt_fashion), ("fashionmnist", missing_fashion),
-    ("tinyimagenet", corrupt_tiny), ("tinyimagenet", missing_tiny), ("tinyimagenet", no_tiny),
-])
+@pytest.mark.parametrize(
+    "dataset,setup",
+    [
+        ("fashionmnist", corrupt_fashion),
+        ("fashionmnist", missing_fashion),
+        ("tinyimagenet", corrupt_tiny),
+        ("tinyimagenet", missing_tiny),
+        ("tinyimagenet", no_tiny),
+    ],
+)
 def test_bad_files_are_one_line_errors_from_main(tmp_path, dataset, setup):
     fragments = setup(tmp_path)
     fragments = (fragments,) if isinstance(fragments, str) else fragments
-    done = run_main([*run_args(dataset, tmp_path, "tensor"), "--no-download"],
-                    timeout=RUN_TIMEOUT_S)
+    done = run_main(
+        [*run_args(dataset, tmp_path, "tensor"), "--no-download"], timeout=RUN_TIMEOUT_S
+    )
     assert_one_line_error(done, *fragments)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # make test-fast
+
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 README_MAX_BYTES = 10_240

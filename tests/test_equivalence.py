@@ -8,22 +8,33 @@ from dist_harness import EQUAL_CFG as CFG
 from dist_harness import spawn, train_and_gather
 from session import build_trainer
 
+
 @pytest.fixture(scope="module")
 def reference():
-    (state, history), = spawn(train_and_gather, 1, Config(**CFG))
-    (initial, _), = spawn(train_and_gather, 1, Config(**{**CFG, "epochs": 0}))
+    ((state, history),) = spawn(train_and_gather, 1, Config(**CFG))
+    ((initial, _),) = spawn(train_and_gather, 1, Config(**{**CFG, "epochs": 0}))
     # Training really moved the weights: agreement is not that of two untouched models.
     assert max((state[k] - initial[k]).abs().max().item() for k in state) > 1e-2
     return state, history
 
 
-@pytest.mark.parametrize("strategy,sharding,world_size", [
-    ("ddp", "full", 2), ("ddp", "full", 3), ("fsdp", "full", 2), ("fsdp", "grad_op", 2),
-    ("fsdp2", "full", 2), ("fsdp2", "full", 3), ("fsdp2", "grad_op", 2)])
+@pytest.mark.parametrize(
+    "strategy,sharding,world_size",
+    [
+        ("ddp", "full", 2),
+        ("ddp", "full", 3),
+        ("fsdp", "full", 2),
+        ("fsdp", "grad_op", 2),
+        ("fsdp2", "full", 2),
+        ("fsdp2", "full", 3),
+        ("fsdp2", "grad_op", 2),
+    ],
+)
 def test_same_parameters_as_one_process(reference, strategy, sharding, world_size):
     ref_state, ref_history = reference
-    results = spawn(train_and_gather, world_size,
-                    Config(**CFG, strategy=strategy, sharding=sharding))
+    results = spawn(
+        train_and_gather, world_size, Config(**CFG, strategy=strategy, sharding=sharding)
+    )
     state, history = results[0]
     assert state.keys() == ref_state.keys()
     diff = max((state[k] - ref_state[k]).abs().max().item() for k in state)
@@ -38,9 +49,11 @@ def test_same_parameters_as_one_process(reference, strategy, sharding, world_siz
 
 # ----------------------------------------------------------------------------- what FSDP holds
 
+
 def parameters_held(env, cfg):
     """FSDP's units, and the parameter elements this rank holds before and after a forward."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     trainer, resolved = build_trainer(cfg, env)
     model = trainer.model
     units = [type(m.module).__name__ for m in model.modules() if isinstance(m, FSDP)]
@@ -53,10 +66,8 @@ def parameters_held(env, cfg):
     return units, before, after_forward, resolved["parameters"]
 
 
-@pytest.mark.parametrize("sharding,resharded_after_forward", [("full", True),
-                                                              ("grad_op", False)])
-def test_fsdp_shards_per_block_and_full_reshards_after_forward(sharding,
-                                                              resharded_after_forward):
+@pytest.mark.parametrize("sharding,resharded_after_forward", [("full", True), ("grad_op", False)])
+def test_fsdp_shards_per_block_and_full_reshards_after_forward(sharding, resharded_after_forward):
     """ZeRO-3 (full) frees each block's gathered parameters right after its forward; ZeRO-2
     (grad_op) keeps them until backward. Both hold half of the parameters at rest."""
     cfg = Config(**CFG, strategy="fsdp", sharding=sharding)

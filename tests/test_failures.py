@@ -11,9 +11,12 @@ import pytest
 import distributed_utils
 from helpers import ARGS, DEAD_S, HUNG_S, end_rank1_during_training
 
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("failure,signal_sent,bound", [
-    ("dies", signal.SIGKILL, DEAD_S), ("hangs", signal.SIGSTOP, HUNG_S)])
+@pytest.mark.parametrize(
+    "failure,signal_sent,bound",
+    [("dies", signal.SIGKILL, DEAD_S), ("hangs", signal.SIGSTOP, HUNG_S)],
+)
 def test_a_dead_or_hung_peer_ends_rank_0_with_one_line_and_status_1(failure, signal_sent, bound):
     error, status, elapsed = end_rank1_during_training([*ARGS, "--device", "cpu"], signal_sent)
     print(f"rank 1 {failure}: rank 0 said so after {elapsed:.1f} s")
@@ -53,8 +56,10 @@ def test_every_error_of_a_timed_out_gloo_context_is_a_peer_failure():
     """The operation that times out names gloo; the one beside it only says that the pairs
     were closed. Both are a peer's failure: one line, not a traceback."""
     from dist_harness import spawn
-    seen, _ = spawn(errors_of_two_collectives_a_late_peer_misses, 2,
-                    pg_timeout_s=SHORT_TIMEOUT_S, timeout=100)
+
+    seen, _ = spawn(
+        errors_of_two_collectives_a_late_peer_misses, 2, pg_timeout_s=SHORT_TIMEOUT_S, timeout=100
+    )
     assert seen[1][0] == distributed_utils.GLOO_PAIRS_CLOSED, seen
     assert "gloo" in seen[0][0] and "Timed out" in seen[0][0], seen
     assert all(peer_failure for _, peer_failure in seen), seen
@@ -67,8 +72,10 @@ def slow_rank0_work(env, work_s: float) -> str:
 def test_waiting_for_rank0s_download_outlasts_the_pg_timeout():
     """A download takes minutes: the others wait on the handshake group, not --pg-timeout."""
     from dist_harness import spawn
-    assert spawn(slow_rank0_work, 2, 3 * SHORT_TIMEOUT_S, pg_timeout_s=SHORT_TIMEOUT_S,
-                 timeout=120) == ["done", "done"]
+
+    assert spawn(
+        slow_rank0_work, 2, 3 * SHORT_TIMEOUT_S, pg_timeout_s=SHORT_TIMEOUT_S, timeout=120
+    ) == ["done", "done"]
 
 
 def late_collective_on_the_hybrid_mesh(env) -> tuple[float, str]:
@@ -78,6 +85,7 @@ def late_collective_on_the_hybrid_mesh(env) -> tuple[float, str]:
     import torch.distributed as dist
 
     from fsdp_utils import hybrid_mesh
+
     group = hybrid_mesh(env.device, ranks_per_node=2).get_group("shard")
     if env.rank == 1:
         time.sleep(4 * SHORT_TIMEOUT_S)
@@ -95,7 +103,9 @@ def test_hybrid_mesh_groups_time_out_after_the_pg_timeout():
     """The mesh's own groups get --pg-timeout, not the backend's default of 30 minutes. Four
     ranks, two "nodes": at two, the shard group would be the whole world, which has it."""
     from dist_harness import spawn
-    (waited, error), *_ = spawn(late_collective_on_the_hybrid_mesh, 4,
-                               pg_timeout_s=SHORT_TIMEOUT_S, timeout=100)
+
+    (waited, error), *_ = spawn(
+        late_collective_on_the_hybrid_mesh, 4, pg_timeout_s=SHORT_TIMEOUT_S, timeout=100
+    )
     assert error, "rank 0's collective should have timed out"
     assert SHORT_TIMEOUT_S - 0.5 < waited < 3 * SHORT_TIMEOUT_S, (waited, error)

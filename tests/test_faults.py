@@ -37,15 +37,21 @@ ARGS = [*TINY, "--batch-size", "64", "--device", "cpu", "--pg-timeout", "30"]
 
 def snapshot(folder: Path) -> dict:
     """Every file under folder and a hash of its bytes: what `nothing written` compares."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
-def train_epochs(folder: Path, epochs: int, strategy: str = "ddp", *extra,
-                 nproc: int | None = None) -> None:
+def train_epochs(
+    folder: Path, epochs: int, strategy: str = "ddp", *extra, nproc: int | None = None
+) -> None:
     nproc = nproc or (2 if strategy != "ddp" else None)
-    done = run_main([*ARGS, "--strategy", strategy, "--checkpoint-dir", folder, "--epochs",
-                     epochs, *extra], nproc=nproc)
+    done = run_main(
+        [*ARGS, "--strategy", strategy, "--checkpoint-dir", folder, "--epochs", epochs, *extra],
+        nproc=nproc,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -68,17 +74,16 @@ def main_on_ranks(args: list, world_size: int, timeout: float = 200, **env):
 def damage(path: Path, strategy: str) -> Path:
     """Cut a checkpoint's model file short, as a full disk or a crash of the file system does:
     DDP's one file, or one of FSDP's shards. Returns the file."""
-    victim = (path / checkpoint.DDP_FILE if strategy == "ddp"
-              else sorted(path.glob("*.distcp"))[-1])
+    victim = path / checkpoint.DDP_FILE if strategy == "ddp" else sorted(path.glob("*.distcp"))[-1]
     victim.write_bytes(victim.read_bytes()[:100])
     return victim
 
 
 # ----------------------------------------------------------------------------- damaged checkpoints
 
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_resume_auto_with_only_unreadable_checkpoints_fails_and_writes_nothing(tmp_path,
-                                                                             strategy):
+def test_resume_auto_with_only_unreadable_checkpoints_fails_and_writes_nothing(tmp_path, strategy):
     """Today's run would say `no checkpoint`, train from scratch and save over the evidence:
     instead one error naming each damaged checkpoint and the ways on, status 5, nothing
     written."""
@@ -90,12 +95,31 @@ def test_resume_auto_with_only_unreadable_checkpoints_fails_and_writes_nothing(t
     (second / checkpoint.DDP_FILE).write_bytes(b"half")
     before = snapshot(tmp_path)
     world_size = 1 if strategy == "ddp" else 2
-    done, statuses = main_on_ranks([*ARGS, "--strategy", strategy, "--checkpoint-dir", tmp_path,
-                                    "--epochs", 3, "--resume", "auto"], world_size)
+    done, statuses = main_on_ranks(
+        [
+            *ARGS,
+            "--strategy",
+            strategy,
+            "--checkpoint-dir",
+            tmp_path,
+            "--epochs",
+            3,
+            "--resume",
+            "auto",
+        ],
+        world_size,
+    )
     assert set(statuses) == {STATUS_CHECKPOINT}, statuses
-    line = assert_one_line_error(done, f"no checkpoint in {tmp_path} can be read", str(first),
-                                 str(second), "nothing was written", "--checkpoint-dir",
-                                 "move them out of", status=STATUS_CHECKPOINT)
+    line = assert_one_line_error(
+        done,
+        f"no checkpoint in {tmp_path} can be read",
+        str(first),
+        str(second),
+        "nothing was written",
+        "--checkpoint-dir",
+        "move them out of",
+        status=STATUS_CHECKPOINT,
+    )
     assert "meta.pt" in line.split(str(second), 1)[1]  # why, for each
     assert "starting fresh" not in done.stdout and not metrics_in(done.stdout)
     assert snapshot(tmp_path) == before
@@ -113,8 +137,10 @@ def test_an_unreadable_checkpoint_is_set_aside_never_overwritten_or_pruned(tmp_p
     older, newest = tmp_path / "ckpt_e0002_s000000", tmp_path / "ckpt_e0003_s000000"
     damage(newest, "ddp")
     evidence = snapshot(newest)
-    done = run_main([*ARGS, "--checkpoint-dir", tmp_path, "--epochs", 4, "--resume", "auto",
-                     "--keep-last", 1], nproc=2)
+    done = run_main(
+        [*ARGS, "--checkpoint-dir", tmp_path, "--epochs", 4, "--resume", "auto", "--keep-last", 1],
+        nproc=2,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     aside = tmp_path / "ckpt_e0003_s000000.damaged"
     assert f"set {newest} aside as {aside}" in done.stdout
@@ -122,8 +148,10 @@ def test_an_unreadable_checkpoint_is_set_aside_never_overwritten_or_pruned(tmp_p
     # Epoch 2 trained again saved a new ckpt_e0003 beside it; --keep-last 1 pruned that one,
     # never the damaged one, nor the one resumed from.
     assert snapshot(aside) == evidence
-    assert [p.name for p in checkpoint.finished(tmp_path)] == ["ckpt_e0002_s000000",
-                                                                "ckpt_e0005_s000000"]
+    assert [p.name for p in checkpoint.finished(tmp_path)] == [
+        "ckpt_e0002_s000000",
+        "ckpt_e0005_s000000",
+    ]
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -135,21 +163,28 @@ def test_a_save_over_a_checkpoint_without_its_meta_file_sets_it_aside(tmp_path):
     (tmp / checkpoint.META_FILE).write_bytes(b"new")
     checkpoint._move_into_place(tmp, final)
     assert (final / checkpoint.META_FILE).read_bytes() == b"new"
-    assert (tmp_path / "ckpt_e0002_s000000.damaged" / checkpoint.DDP_FILE).read_bytes() == \
-        b"evidence"
+    assert (
+        tmp_path / "ckpt_e0002_s000000.damaged" / checkpoint.DDP_FILE
+    ).read_bytes() == b"evidence"
     assert checkpoint.candidates(tmp_path) == [final]
 
 
 def test_what_killed_runs_left_unfinished_goes_the_damaged_stays(tmp_path):
     """A .tmp folder (a save cut short) or .deleting one (a prune cut short) is removed after
     the next save; a .damaged one is kept."""
-    for name in ("ckpt_e0003_s000000.tmp", "ckpt_e0001_s000000.deleting",
-                 "ckpt_e0002_s000000.damaged", "ckpt_e0004_s000000"):
+    for name in (
+        "ckpt_e0003_s000000.tmp",
+        "ckpt_e0001_s000000.deleting",
+        "ckpt_e0002_s000000.damaged",
+        "ckpt_e0004_s000000",
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / checkpoint.META_FILE).write_bytes(b"")
     checkpoint._remove_leftovers(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_e0002_s000000.damaged",
-                                                         "ckpt_e0004_s000000"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt_e0002_s000000.damaged",
+        "ckpt_e0004_s000000",
+    ]
 
 
 # ----------------------------------------------------------------------------- failed saves, loads
@@ -221,16 +256,24 @@ def run_ranks(args: list, fault: str, tmp_path: Path, timeout: float = 150):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy,fault,cause", [
-    ("ddp", "1:save:ckpt_e0003_s000000.tmp/rng_rank1.pt",
-     "rank 1: OSError: [Errno 28] No space left on device"),
-    ("ddp", "0:save:ckpt_e0003_s000000.tmp/state.pt",
-     "rank 0: OSError: [Errno 28] No space left on device"),
-    ("ddp", "0:rename:ckpt_e0003", "rank 0: OSError: [Errno 30] Read-only file system"),
-    ("fsdp", "1:dcp:ckpt_e0003", "rank 1: OSError: [Errno 122] Disk quota exceeded"),
-])
-def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strategy, fault,
-                                                               cause):
+@pytest.mark.parametrize(
+    "strategy,fault,cause",
+    [
+        (
+            "ddp",
+            "1:save:ckpt_e0003_s000000.tmp/rng_rank1.pt",
+            "rank 1: OSError: [Errno 28] No space left on device",
+        ),
+        (
+            "ddp",
+            "0:save:ckpt_e0003_s000000.tmp/state.pt",
+            "rank 0: OSError: [Errno 28] No space left on device",
+        ),
+        ("ddp", "0:rename:ckpt_e0003", "rank 0: OSError: [Errno 30] Read-only file system"),
+        ("fsdp", "1:dcp:ckpt_e0003", "rank 1: OSError: [Errno 122] Disk quota exceeded"),
+    ],
+)
+def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strategy, fault, cause):
     """Epoch 1's checkpoint (ckpt_e0002) is saved; epoch 2's fails on one rank. Both ranks
     end at once with status 5 and one line naming the checkpoint, the cause and the intact
     one; no half-written folder stays; resuming goes on from the intact one."""
@@ -241,8 +284,12 @@ def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strat
     assert statuses == [STATUS_CHECKPOINT] * 2, outputs
     out, err = outputs[0]
     done = subprocess.CompletedProcess([], statuses[0], out, err)
-    assert_one_line_error(done, f"cannot save checkpoint {failed}: {cause}",
-                          f"the newest checkpoint, {intact}, is intact", status=5)
+    assert_one_line_error(
+        done,
+        f"cannot save checkpoint {failed}: {cause}",
+        f"the newest checkpoint, {intact}, is intact",
+        status=5,
+    )
     assert "Traceback" not in outputs[1][0] + outputs[1][1]
     assert spread < 10, spread  # the other rank did not wait for a timeout
     assert [p.name for p in (tmp_path / "ck").iterdir()] == [intact.name]
@@ -262,8 +309,11 @@ def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_pat
     statuses, outputs, spread = run_ranks(args, "1:load:rng_rank1.pt", tmp_path)
     assert statuses == [STATUS_CHECKPOINT] * 2, outputs
     done = subprocess.CompletedProcess([], statuses[0], *outputs[0])
-    assert_one_line_error(done, f"cannot read checkpoint {path} (rank 1: OSError: [Errno 5] "
-                          "Input/output error", status=5)
+    assert_one_line_error(
+        done,
+        f"cannot read checkpoint {path} (rank 1: OSError: [Errno 5] Input/output error",
+        status=5,
+    )
     assert spread < 10, spread
     assert [p.name for p in folder.iterdir()] == [path.name]
 
@@ -272,8 +322,22 @@ def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_pat
 
 STOP_SIGNALS = ["SIGUSR1", "SIGUSR2", "SIGTERM"]
 # Long enough to be signalled during epoch 1.
-LONG = ["--dataset", "synthetic", "--train-samples", "4096", "--val-samples", "64",
-        "--batch-size", "32", "--epochs", "2", "--print-every", "20", "--device", "cpu"]
+LONG = [
+    "--dataset",
+    "synthetic",
+    "--train-samples",
+    "4096",
+    "--val-samples",
+    "64",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "2",
+    "--print-every",
+    "20",
+    "--device",
+    "cpu",
+]
 
 
 def children(pid: int) -> list[int]:
@@ -289,8 +353,9 @@ def wait_for_training(process: subprocess.Popen) -> None:
 
 def assert_stopped_mid_epoch_1(folder: Path) -> None:
     saved = [p.name for p in folder.iterdir()]
-    assert len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and \
-        saved[0] != "ckpt_e0001_s000000", saved
+    assert (
+        len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != "ckpt_e0001_s000000"
+    ), saved
 
 
 @pytest.mark.timeout(200)
@@ -299,15 +364,30 @@ def test_every_stop_signal_stops_two_torchrun_ranks_with_a_checkpoint(tmp_path, 
     """The signal reaches rank 0 of two under torchrun: both stop at one step boundary, save
     one checkpoint, and exit 3 (torchrun's report says so)."""
     torchrun = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "main.py", *LONG, "--checkpoint-dir", str(tmp_path)], cwd=REPO, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_environment())
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "main.py",
+            *LONG,
+            "--checkpoint-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_environment(),
+    )
     try:
         wait_for_training(torchrun)
         ranks = children(torchrun.pid)
         assert len(ranks) == 2, ranks
-        rank0 = next(p for p in ranks
-                     if "RANK=0" in Path(f"/proc/{p}/environ").read_text().split("\0"))
+        rank0 = next(
+            p for p in ranks if "RANK=0" in Path(f"/proc/{p}/environ").read_text().split("\0")
+        )
         os.kill(rank0, getattr(signal, signal_name))
         out, err = torchrun.communicate(timeout=150)
     finally:
@@ -326,9 +406,14 @@ def test_every_stop_signal_stops_two_torchrun_ranks_with_a_checkpoint(tmp_path, 
 def test_every_stop_signal_to_run_sh_reaches_every_rank(repo_copy, signal_name):
     """run.sh without SLURM passes the signal to every rank (not to torchrun, which SIGUSR1 and
     SIGUSR2 would end, orphaning the ranks): a checkpoint, and run.sh's status 3."""
-    script = subprocess.Popen(["bash", "run.sh", *LONG, "--checkpoint-dir", "ckpt"],
-                              cwd=repo_copy, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=clean_environment(NPROC="2"))
+    script = subprocess.Popen(
+        ["bash", "run.sh", *LONG, "--checkpoint-dir", "ckpt"],
+        cwd=repo_copy,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_environment(NPROC="2"),
+    )
     try:
         wait_for_training(script)
         script.send_signal(getattr(signal, signal_name))
@@ -360,8 +445,9 @@ while true; do sleep 0.1; done""",
 }
 
 
-def batch_job_signalled(repo_copy: Path, tmp_path: Path, signal_name: str,
-                        tasks_status: int = STATUS_STOPPED):
+def batch_job_signalled(
+    repo_copy: Path, tmp_path: Path, signal_name: str, tasks_status: int = STATUS_STOPPED
+):
     """run.sh as SLURM's batch script, sent signal_name while its tasks train: (the finished
     script, the calls the stand-ins wrote down)."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
@@ -370,11 +456,24 @@ def batch_job_signalled(repo_copy: Path, tmp_path: Path, signal_name: str,
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     env = clean_environment(
-        PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(calls), TASKS_STATUS=str(tasks_status),
-        PYTHON=str(bin_dir / "python"), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1",
-        SLURM_NTASKS="2", SLURM_JOB_NODELIST="node1", SLURM_RESTART_COUNT="0")
-    script = subprocess.Popen(["bash", "run.sh", *TINY], cwd=repo_copy, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        CALLS=str(calls),
+        TASKS_STATUS=str(tasks_status),
+        PYTHON=str(bin_dir / "python"),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="node1",
+        SLURM_RESTART_COUNT="0",
+    )
+    script = subprocess.Popen(
+        ["bash", "run.sh", *TINY],
+        cwd=repo_copy,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 60
         while not Path(f"{calls}.started").exists():
@@ -391,7 +490,8 @@ def batch_job_signalled(repo_copy: Path, tmp_path: Path, signal_name: str,
 
 @pytest.mark.parametrize("signal_name", ["USR1", "USR2"])
 def test_either_warning_signal_reaches_the_tasks_and_requeues_the_batch_job(
-        repo_copy, tmp_path, signal_name):
+    repo_copy, tmp_path, signal_name
+):
     done, calls = batch_job_signalled(repo_copy, tmp_path, f"SIG{signal_name}")
     assert calls == [f"srun got {signal_name}", "scontrol requeue 4242"], done.stdout + done.stderr
     assert done.returncode == STATUS_STOPPED
@@ -413,16 +513,27 @@ def test_sigterm_reaches_the_tasks_as_sigterm_and_ends_the_batch_job(repo_copy, 
 SEED = int(os.environ.get("FAULTS_SEED", "20261123"))
 SIGNALS = [signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM]
 # 12 steps of 16 images an epoch, augmentation on (resuming must restore every random stream).
-STOP_CFG = dict(dataset="synthetic", augment=True, train_samples=192, val_samples=32,
-                batch_size=16, print_every=10**6, seed=11, epochs=4, pg_timeout=60)
+STOP_CFG = dict(
+    dataset="synthetic",
+    augment=True,
+    train_samples=192,
+    val_samples=32,
+    batch_size=16,
+    print_every=10**6,
+    seed=11,
+    epochs=4,
+    pg_timeout=60,
+)
 STEPS_PER_EPOCH = 12
 
 
 def whole_model(env, model) -> dict | None:
     """The whole model's parameters, gathered from every rank's shard, on rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=True))
+
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
 
 
@@ -431,6 +542,7 @@ def train_until_signalled(env, cfg, at_poll, rank, signum):
     never). The ranks agree on a stop at every step (the next step after the signal), as main()
     catches the signals. Returns the whole model and where a stop left training."""
     import session
+
     stopping.STOP_POLL_EVERY = 1
     if env.rank == rank and at_poll:
         poll, calls = stopping.StopRequest.poll, []
@@ -450,8 +562,7 @@ def train_until_signalled(env, cfg, at_poll, rank, signum):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_ten_stops_at_random_steps_then_resumes_end_as_the_uninterrupted_run(tmp_path,
-                                                                           strategy):
+def test_ten_stops_at_random_steps_then_resumes_end_as_the_uninterrupted_run(tmp_path, strategy):
     """Two ranks, stopped by a random stop signal to a random rank at 10 random steps of 4
     epochs, each stop resumed in new processes: the same parameters as without the stops, to
     the bit."""
@@ -463,26 +574,56 @@ def test_ten_stops_at_random_steps_then_resumes_end_as_the_uninterrupted_run(tmp
     done, stops = 0, []
     for target in targets:
         signum, rank = rng.choice(SIGNALS), rng.randrange(2)
-        state, at = spawn(train_until_signalled, 2,
-                          Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"),
-                          target - done, rank, signum)[0]
+        state, at = spawn(
+            train_until_signalled,
+            2,
+            Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"),
+            target - done,
+            rank,
+            signum,
+        )[0]
         assert at is not None, f"no stop at step {target}"
         done = (at.epoch - 1) * STEPS_PER_EPOCH + at.step
         assert done == target, (done, target)
         stops.append(f"{signal.Signals(signum).name}@rank{rank}:e{at.epoch}s{at.step}")
-    state, at = spawn(train_until_signalled, 2,
-                      Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"), 0, 0, 0)[0]
+    state, at = spawn(
+        train_until_signalled,
+        2,
+        Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"),
+        0,
+        0,
+        0,
+    )[0]
     assert at is None and state.keys() == reference.keys()
     differing = [k for k in state if not torch.equal(state[k], reference[k])]
-    print(f"\n[FAULTS] seed={SEED} strategy={strategy} stops survived: {len(stops)} "
-          f"({' '.join(stops)}); parameters differing from the uninterrupted run: "
-          f"{len(differing)} of {len(state)}")
+    print(
+        f"\n[FAULTS] seed={SEED} strategy={strategy} stops survived: {len(stops)} "
+        f"({' '.join(stops)}); parameters differing from the uninterrupted run: "
+        f"{len(differing)} of {len(state)}"
+    )
     assert not differing
 
 
-KILL_ARGS = ["--dataset", "synthetic", "--train-samples", "64", "--val-samples", "32",
-             "--batch-size", "16", "--print-every", "1000", "--device", "cpu", "--pg-timeout",
-             "10", "--keep-last", "2", "--seed", "3"]
+KILL_ARGS = [
+    "--dataset",
+    "synthetic",
+    "--train-samples",
+    "64",
+    "--val-samples",
+    "32",
+    "--batch-size",
+    "16",
+    "--print-every",
+    "1000",
+    "--device",
+    "cpu",
+    "--pg-timeout",
+    "10",
+    "--keep-last",
+    "2",
+    "--seed",
+    "3",
+]
 KILL_EPOCHS = 40
 
 
@@ -490,6 +631,7 @@ def unreadable(path: Path) -> str | None:
     """Why the checkpoint at path cannot be read whole, or None: every file of it loaded, as
     resuming would (FSDP's shards through DCP, without a process group)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     try:
         for f in path.glob("*.pt"):
             torch.load(f, weights_only=False)
@@ -520,6 +662,7 @@ def final_model(folder: Path) -> dict:
     if (newest / checkpoint.DDP_FILE).is_file():
         return torch.load(newest / checkpoint.DDP_FILE, weights_only=False)["model"]
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     dcp_to_torch_save(newest, folder / "final.pt")
     return torch.load(folder / "final.pt", weights_only=False)["model"]
 
@@ -527,8 +670,7 @@ def final_model(folder: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tmp_path,
-                                                                            strategy):
+def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tmp_path, strategy):
     """Two ranks started as srun starts them; a random one is SIGKILLed, 10 times, each run
     resuming the last (--resume auto): at a random moment after start-up, or, half of the
     times, the moment a save has begun (its .tmp folder appears). After every kill the
@@ -575,8 +717,10 @@ def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tm
     assert statuses == [0, 0], done.stderr[-3000:]
     state, expected = final_model(folder), final_model(reference)
     differing = [k for k in expected if not torch.equal(state[k], expected[k])]
-    print(f"\n[FAULTS] seed={SEED} strategy={strategy} kills survived: {len(kills)} "
-          f"({' '.join(kills)}); kills that left a half-written folder: {left}; "
-          f"unreadable newest checkpoints: {len(lost)} {lost}; parameters differing from the "
-          f"uninterrupted run: {len(differing)} of {len(expected)}")
+    print(
+        f"\n[FAULTS] seed={SEED} strategy={strategy} kills survived: {len(kills)} "
+        f"({' '.join(kills)}); kills that left a half-written folder: {left}; "
+        f"unreadable newest checkpoints: {len(lost)} {lost}; parameters differing from the "
+        f"uninterrupted run: {len(differing)} of {len(expected)}"
+    )
     assert not lost and not differing

@@ -22,8 +22,15 @@ from utils import parse_config
 
 # Two epochs of 8 steps on TINY's 256 images: a few seconds per run.
 ARGS = [*TINY, "--batch-size", "32", "--epochs", "2"]
-CFG = dict(dataset="synthetic", train_samples=256, val_samples=64, batch_size=32, epochs=1,
-           print_every=10**6, checkpoint=False)
+CFG = dict(
+    dataset="synthetic",
+    train_samples=256,
+    val_samples=64,
+    batch_size=32,
+    epochs=1,
+    print_every=10**6,
+    checkpoint=False,
+)
 
 
 def trained(args: list, nproc: int | None = None, epochs: int = 2, timeout=240, **env):
@@ -54,24 +61,31 @@ def reference():
 
 # ----------------------------------------------------------------------------- hybrid sharding
 
+
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_hybrid_sharding_trains_sharded_within_the_node(reference, strategy):
     """`--sharding hybrid` on one node of 2 ranks really runs hybrid (the `sharding` field, per
     fsdp_utils.effective_sharding, says `hybrid`; it falls back to `no_shard` only at world size
     1), shards inside the node (each rank holds half of DDP's state bytes, as `full` does), and
     trains as one process does on the same global batches (the same losses, to rounding)."""
-    lines, config = trained([*ARGS, "--no-checkpoint", "--strategy", strategy,
-                             "--sharding", "hybrid"], nproc=2)
+    lines, config = trained(
+        [*ARGS, "--no-checkpoint", "--strategy", strategy, "--sharding", "hybrid"], nproc=2
+    )
     ref_lines, _ = reference
     for m, ref in zip(lines, ref_lines):
         assert (m["sharding"], m["strategy"], m["world_size"], m["nodes"]) == (
-            "hybrid", strategy, 2, 1), m
+            "hybrid",
+            strategy,
+            2,
+            1,
+        ), m
         assert 0.49 < m["state_mem"] / ref["state_mem"] < 0.51, (m["state_mem"], ref["state_mem"])
     assert losses(lines) == pytest.approx(losses(ref_lines), abs=2e-4)
     assert config["sharding"] == "hybrid"
 
 
 # ----------------------------------------------------------------------------- precision
+
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_trains_end_to_end(reference, precision):
@@ -87,6 +101,7 @@ def test_low_precision_trains_end_to_end(reference, precision):
 
 # ----------------------------------------------------------------------------- compile
 
+
 def test_compiled_run_checkpoints_and_resumes(reference, tmp_path):
     """`--compile` with checkpoints: torch.compile really traces the model (dynamo's own log
     names model.py's forward), epoch 1 saves a checkpoint, and a compiled `--resume auto` run
@@ -96,8 +111,9 @@ def test_compiled_run_checkpoints_and_resumes(reference, tmp_path):
     compiled = [*TINY, "--batch-size", "32", "--compile", "--checkpoint-dir", folder]
     first = run_main([*compiled, "--epochs", "1"], timeout=300, TORCH_LOGS="dynamo")
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    assert "start tracing forward" in first.stderr and "model.py" in first.stderr, \
+    assert "start tracing forward" in first.stderr and "model.py" in first.stderr, (
         "torch.compile did not trace the model"
+    )
     assert [m["epoch"] for m in metrics_in(first.stdout)] == [1]
     assert (folder / "ckpt_e0002_s000000").is_dir(), sorted(p.name for p in folder.iterdir())
 
@@ -114,6 +130,7 @@ def test_compiled_run_checkpoints_and_resumes(reference, tmp_path):
 
 # ----------------------------------------------------------------------------- channels_last
 
+
 def memory_formats(env, cfg):
     """After one training step: is every 4-d conv weight, its gradient and the input batch
     channels_last?"""
@@ -122,10 +139,12 @@ def memory_formats(env, cfg):
     trainer.step(images, labels, torch.zeros(()))
     convs = [m.weight for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d)]
     nhwc = torch.channels_last
-    return {"convs": len(convs),
-            "weights": [w.is_contiguous(memory_format=nhwc) for w in convs],
-            "grads": [w.grad.is_contiguous(memory_format=nhwc) for w in convs],
-            "batch": images.is_contiguous(memory_format=nhwc)}
+    return {
+        "convs": len(convs),
+        "weights": [w.is_contiguous(memory_format=nhwc) for w in convs],
+        "grads": [w.grad.is_contiguous(memory_format=nhwc) for w in convs],
+        "batch": images.is_contiguous(memory_format=nhwc),
+    }
 
 
 def test_channels_last_trains_with_nhwc_weights_and_batches(reference):
@@ -142,6 +161,7 @@ def test_channels_last_trains_with_nhwc_weights_and_batches(reference):
 
 # ----------------------------------------------------------------------------- classic loader
 
+
 def test_classic_loader_trains_like_the_tensor_loader(reference):
     """`--loader classic` (torchvision transforms in 2 DataLoader workers; synthetic data is
     allowed) trains: the same epoch lines, and, without augmentation, the same batches as the
@@ -157,6 +177,7 @@ def test_classic_loader_trains_like_the_tensor_loader(reference):
 
 # ----------------------------------------------------------------------------- cnn-wide
 
+
 def test_cnn_wide_trains_with_far_more_state(reference):
     """`--model cnn-wide` (4x the channels) trains, and its state_mem (parameters, gradients and
     Adam's two moments: 16 bytes a parameter, plus Adam's step counters) is that of its own
@@ -171,12 +192,25 @@ def test_cnn_wide_trains_with_far_more_state(reference):
 
 # ----------------------------------------------------------------------------- [METRIC] meanings
 
+
 def test_time_excludes_validation():
     """`time` is the training part of the epoch only: with one training step and 4,096
     validation images, validation takes many times longer than `time` (were it inside the
     timed window, `time` would be at least `val_time`)."""
-    lines, _ = trained([*TINY, "--train-samples", "64", "--val-samples", "4096",
-                        "--batch-size", "64", "--epochs", "2", "--no-checkpoint"])
+    lines, _ = trained(
+        [
+            *TINY,
+            "--train-samples",
+            "64",
+            "--val-samples",
+            "4096",
+            "--batch-size",
+            "64",
+            "--epochs",
+            "2",
+            "--no-checkpoint",
+        ]
+    )
     for m in lines:
         assert m["val_time"] > 0.1, m
         assert m["time"] * 5 < m["val_time"], (m["time"], m["val_time"])
@@ -187,8 +221,19 @@ def test_throughput_counts_the_images_of_all_ranks():
     global batch of 256 train 11 full global batches (the last 184 images are dropped), so
     throughput x time is 2,816, within 1% plus the rounding of the printed time; not one
     rank's 1,408, nor the 3,000 of the data set."""
-    lines, config = trained([*TINY, "--train-samples", "3000", "--batch-size", "256",
-                             "--epochs", "2", "--no-checkpoint"], nproc=2)
+    lines, config = trained(
+        [
+            *TINY,
+            "--train-samples",
+            "3000",
+            "--batch-size",
+            "256",
+            "--epochs",
+            "2",
+            "--no-checkpoint",
+        ],
+        nproc=2,
+    )
     assert config["steps_per_epoch"] == 3000 // 256 == 11 and config["world_size"] == 2
     images = config["steps_per_epoch"] * config["global_batch"]
     for m in lines:
@@ -222,8 +267,7 @@ def test_peak_mem_is_the_maximum_over_ranks():
     """`peak_mem` is the largest rank's own training peak: with rank 0 touching 100 MB and rank
     1 300 MB inside the epoch, both ranks report rank 1's own peak (to a couple of MB), not
     rank 0's (rank 0 alone) nor the two added up (a sum)."""
-    (reported0, own0), (reported1, own1) = spawn(peak_with_allocation, 2, Config(**CFG),
-                                                 [100, 300])
+    (reported0, own0), (reported1, own1) = spawn(peak_with_allocation, 2, Config(**CFG), [100, 300])
     assert own1 - own0 > 150, (own0, own1)
     assert reported0 == reported1, (reported0, reported1)
     assert abs(reported0 - max(own0, own1)) <= 3, (reported0, own0, own1)
@@ -235,14 +279,17 @@ def test_profile_traces_the_scheduled_steps_of_every_rank(repo_copy):
     import json
 
     from train import PROFILE_SCHEDULE
+
     args = [*ARGS, "--epochs", "1", "--no-checkpoint"]
     done = run_main([*args, "--profile"], nproc=2, cwd=repo_copy)
     assert done.returncode == 0, done.stderr[-3000:]
     traces = sorted((repo_copy / "logs" / "profiles").glob("local-*_rank*.json"))
     assert [t.name[-10:] for t in traces] == ["rank0.json", "rank1.json"], traces
     assert "[PROFILE] steps 4-6 of each rank traced: logs/profiles/" in done.stdout
-    first, last = PROFILE_SCHEDULE["wait"] + PROFILE_SCHEDULE["warmup"], sum(
-        PROFILE_SCHEDULE.values())
+    first, last = (
+        PROFILE_SCHEDULE["wait"] + PROFILE_SCHEDULE["warmup"],
+        sum(PROFILE_SCHEDULE.values()),
+    )
     for trace in traces:
         names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
         assert {f"ProfilerStep#{s}" for s in range(first, last)} <= names, trace

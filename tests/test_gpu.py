@@ -14,8 +14,10 @@ import torch
 from conftest import REPO, TINY, metrics_in, run, run_main
 from utils import parse_comm, parse_config
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
 
@@ -32,8 +34,19 @@ def run_gpu(args: list, timeout: int = 300):
 def test_one_gpu_trains_at_every_precision(strategy, precision):
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
-    config, metrics = run_gpu([*QUICK, "--strategy", strategy, "--precision", precision,
-                               "--epochs", "3", "--train-samples", "2048"])
+    config, metrics = run_gpu(
+        [
+            *QUICK,
+            "--strategy",
+            strategy,
+            "--precision",
+            precision,
+            "--epochs",
+            "3",
+            "--train-samples",
+            "2048",
+        ]
+    )
     assert config["backend"] == "nccl" and metrics[-1]["device"] == "cuda"
     assert config["fp32_math"] == ("tf32" if precision == "tf32" else "ieee")
     assert metrics[-1]["acc"] > 30, "synthetic data is learnable: far above 10% chance"
@@ -43,16 +56,16 @@ def test_one_gpu_trains_at_every_precision(strategy, precision):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("flag", ["--channels-last", "--compile"])
 def test_one_gpu_memory_format_and_compile(flag):
-    _, metrics = run_gpu([*QUICK, flag, "--epochs", "3", "--train-samples", "2048"],
-                         timeout=800)
+    _, metrics = run_gpu([*QUICK, flag, "--epochs", "3", "--train-samples", "2048"], timeout=800)
     assert metrics[-1]["acc"] > 30
 
 
 def test_sync_batchnorm_trains_a_resnet():
     """--sync-bn runs only on GPUs: SyncBatchNorm's CUDA kernels gather the batch statistics
     of every rank (here one) in forward and backward."""
-    config, metrics = run_gpu([*QUICK, "--model", "resnet18", "--sync-bn", "--epochs", "3",
-                               "--train-samples", "2048"])
+    config, metrics = run_gpu(
+        [*QUICK, "--model", "resnet18", "--sync-bn", "--epochs", "3", "--train-samples", "2048"]
+    )
     assert config["sync_bn"] == "True"
     assert metrics[-1]["acc"] > 30, "synthetic data is learnable: far above 10% chance"
 
@@ -62,18 +75,34 @@ def test_sync_batchnorm_trains_a_resnet():
 def test_cpu_offload_with_clipping_and_fp16(strategy, extra):
     """Offloaded gradients are CPU tensors: their norm and fp16's inf check are collectives on
     the CPU, which the process group must be able to run (gloo beside NCCL)."""
-    _, metrics = run_gpu([*QUICK, "--strategy", strategy, "--cpu-offload", *extra,
-                          "--epochs", "1"])
+    _, metrics = run_gpu([*QUICK, "--strategy", strategy, "--cpu-offload", *extra, "--epochs", "1"])
     assert metrics[-1]["device"] == "cuda"
 
 
 def test_a_cpu_run_on_a_gpu_machine_leaves_the_gpu_alone(tmp_path):
     """--device cpu: no CUDA context is opened, checkpoints included (asking a GPU's random
     state would open one, and fail where GPUs are in exclusive mode)."""
-    code = ("import sys, torch, main; status = main.main(sys.argv[1:]); "
-            "print('cuda initialized:', torch.cuda.is_initialized()); sys.exit(status)")
-    done = run([sys.executable, "-c", code, *TINY, "--batch-size", "64", "--epochs", "1",
-                "--device", "cpu", "--checkpoint-dir", tmp_path], timeout=300)
+    code = (
+        "import sys, torch, main; status = main.main(sys.argv[1:]); "
+        "print('cuda initialized:', torch.cuda.is_initialized()); sys.exit(status)"
+    )
+    done = run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            *TINY,
+            "--batch-size",
+            "64",
+            "--epochs",
+            "1",
+            "--device",
+            "cpu",
+            "--checkpoint-dir",
+            tmp_path,
+        ],
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cuda initialized: False" in done.stdout
 
@@ -102,8 +131,7 @@ def test_checkpoint_and_resume_on_cuda_and_across_devices(tmp_path):
     config, metrics = run_gpu([*args, "--epochs", "2", "--resume", "auto"])
     assert [m["epoch"] for m in metrics] == [2]
     # The same checkpoint folder resumed on the CPU: fresh random streams, no traceback.
-    done = run_main([*args, "--epochs", "3", "--resume", "auto"],
-                    CUDA_VISIBLE_DEVICES="")
+    done = run_main([*args, "--epochs", "3", "--resume", "auto"], CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "written on another device type" in done.stdout
 
@@ -119,8 +147,13 @@ def test_comm_benchmark_times_nccl_on_the_gpu():
 
 @pytest.mark.timeout(960)
 def test_benchmark_runs_and_reports_the_one_gpu_epoch():
-    done = subprocess.run([sys.executable, "benchmark.py", "--quick"], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "benchmark.py", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "One epoch of" in done.stdout and "on one GPU" in done.stdout
     print(done.stdout)
@@ -129,9 +162,20 @@ def test_benchmark_runs_and_reports_the_one_gpu_epoch():
 def test_deterministic_runs_repeat_to_the_bit(tmp_path):
     """Two runs end with the same weights to the bit (the printed losses have too few digits
     to show a difference in the last bits)."""
+
     def trained_weights(folder):
-        run_gpu([*TINY, "--batch-size", "64", "--epochs", "2", "--deterministic",
-                 "--checkpoint-dir", str(folder)])
+        run_gpu(
+            [
+                *TINY,
+                "--batch-size",
+                "64",
+                "--epochs",
+                "2",
+                "--deterministic",
+                "--checkpoint-dir",
+                str(folder),
+            ]
+        )
         return torch.load(folder / "ckpt_e0003_s000000" / "state.pt", map_location="cpu")["model"]
 
     first, second = trained_weights(tmp_path / "a"), trained_weights(tmp_path / "b")
@@ -143,6 +187,7 @@ def test_two_ranks_on_one_gpu_are_refused_in_one_line():
     """Both ranks see one GPU as their local rank 0 (e.g. LOCAL_RANK lost, more tasks than
     GPUs): one clear line before NCCL's "Duplicate GPU detected", exit status 2."""
     from conftest import assert_one_line_error, start_ranks
+
     ranks = start_ranks([*QUICK, "--epochs", "1"], 2, CUDA_VISIBLE_DEVICES="0", LOCAL_RANK="0")
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     rank0 = subprocess.CompletedProcess([], ranks[0].returncode, *outputs[0])
@@ -158,8 +203,8 @@ def test_a_dead_peer_on_nccl_ends_rank_0_with_one_line_and_status_1():
     import signal
 
     from helpers import ARGS, DEAD_S, end_rank1_during_training
-    error, status, elapsed = end_rank1_during_training([*ARGS, "--device", "cuda"],
-                                                       signal.SIGKILL)
+
+    error, status, elapsed = end_rank1_during_training([*ARGS, "--device", "cuda"], signal.SIGKILL)
     assert error.startswith("error: rank 0: rank(s) 1 died or hung"), error
     assert status == 1
     assert elapsed < DEAD_S, elapsed
@@ -168,10 +213,12 @@ def test_a_dead_peer_on_nccl_ends_rank_0_with_one_line_and_status_1():
 def test_profile_records_cuda_kernels(tmp_path):
     """--profile on a GPU: the trace holds the device's kernels, not only the CPU's operators."""
     import shutil
+
     for path in REPO.glob("*.py"):
         shutil.copy2(path, tmp_path / path.name)
-    done = run_main([*QUICK, "--epochs", "1", "--train-samples", "1024", "--profile"],
-                    cwd=tmp_path)  # 16 steps: the profiler traces steps 4-6
+    done = run_main(
+        [*QUICK, "--epochs", "1", "--train-samples", "1024", "--profile"], cwd=tmp_path
+    )  # 16 steps: the profiler traces steps 4-6
     assert done.returncode == 0, done.stderr[-3000:]
     (trace,) = (tmp_path / "logs" / "profiles").glob("*_rank0.json")
     categories = {e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}

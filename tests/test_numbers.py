@@ -14,8 +14,15 @@ from dist_harness import spawn, spawn_outcomes
 from session import build_trainer, run
 from utils import parse_config
 
-CFG = dict(dataset="synthetic", train_samples=256, val_samples=64, batch_size=32, epochs=1,
-           print_every=10**6, checkpoint=False)
+CFG = dict(
+    dataset="synthetic",
+    train_samples=256,
+    val_samples=64,
+    batch_size=32,
+    epochs=1,
+    print_every=10**6,
+    checkpoint=False,
+)
 
 
 def config_line(stdout: str) -> dict:
@@ -23,6 +30,7 @@ def config_line(stdout: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- memory
+
 
 def peak_and_data(*args: str) -> tuple[int, int]:
     done = run_main([*TINY, "--batch-size", "64", "--epochs", "2", "--no-checkpoint", *args])
@@ -37,8 +45,10 @@ def test_peak_mem_counts_training_not_the_data_set():
     small, small_data = peak_and_data("--train-samples", "2048")
     large, large_data = peak_and_data("--train-samples", "16384")
     wide, _ = peak_and_data("--train-samples", "2048", "--model", "cnn-wide")
-    print(f"peak_mem: 2,048 images {small} MB, 16,384 images {large} MB, cnn-wide {wide} MB; "
-          f"data_mem {small_data} and {large_data} MB")
+    print(
+        f"peak_mem: 2,048 images {small} MB, 16,384 images {large} MB, cnn-wide {wide} MB; "
+        f"data_mem {small_data} and {large_data} MB"
+    )
     assert large_data - small_data >= 40  # 14,336 more images of 3 KB
     # The C heap's fragmentation over 8x the steps moves a CPU peak by some MB (about 10 seen):
     # far less than the data set's growth, which would show whole if it leaked in.
@@ -72,19 +82,24 @@ def test_peak_mem_is_read_before_the_calibration_runs():
 
 # ----------------------------------------------------------------------------- precision
 
+
 def precision_facts(env, cfg):
     trainer, resolved = build_trainer(cfg, env)
     model = trainer.model
     reduce = getattr(getattr(model, "mixed_precision", None), "reduce_dtype", None)
-    return {"conv": torch.backends.cudnn.conv.fp32_precision,
-            "matmul": torch.backends.cuda.matmul.fp32_precision,
-            # what code that knows only the legacy switches reads (it raises on a mix)
-            "legacy": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
-            "fp32_math": resolved["fp32_math"], "autocast": trainer.precision.autocast_dtype,
-            "reduce": reduce, "scaler": trainer.precision.scaler.is_enabled(),
-            "grad_dtype": next(model.parameters()).dtype,
-            "calibration_autocast": trainer.calibration.bare.precision.autocast_dtype,
-            "calibration_scaler": type(trainer.calibration.bare.precision.scaler).__name__}
+    return {
+        "conv": torch.backends.cudnn.conv.fp32_precision,
+        "matmul": torch.backends.cuda.matmul.fp32_precision,
+        # what code that knows only the legacy switches reads (it raises on a mix)
+        "legacy": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+        "fp32_math": resolved["fp32_math"],
+        "autocast": trainer.precision.autocast_dtype,
+        "reduce": reduce,
+        "scaler": trainer.precision.scaler.is_enabled(),
+        "grad_dtype": next(model.parameters()).dtype,
+        "calibration_autocast": trainer.calibration.bare.precision.autocast_dtype,
+        "calibration_scaler": type(trainer.calibration.bare.precision.scaler).__name__,
+    }
 
 
 @pytest.mark.parametrize("precision,math_mode", [("fp32", "ieee"), ("tf32", "tf32")])
@@ -118,12 +133,15 @@ def test_one_process_baselines_compute_in_the_precision_they_report(strategy):
 
 # ----------------------------------------------------------------------------- sharding
 
+
 def sharding_of(env, cfg):
     return run(cfg, env).history[-1]["sharding"]
 
 
-@pytest.mark.parametrize("strategy,world_size,expected", [
-    ("fsdp", 1, "no_shard"), ("fsdp", 2, "full"), ("ddp", 2, "replicate")])
+@pytest.mark.parametrize(
+    "strategy,world_size,expected",
+    [("fsdp", 1, "no_shard"), ("fsdp", 2, "full"), ("ddp", 2, "replicate")],
+)
 def test_metric_line_reports_the_sharding_really_used(strategy, world_size, expected):
     """FSDP at world size 1 falls back to NO_SHARD: a 1-GPU FSDP baseline is DDP-like."""
     assert spawn(sharding_of, world_size, Config(**CFG, strategy=strategy))[0] == expected
@@ -133,6 +151,7 @@ def hybrid_on_fake_nodes(env, cfg, layout):
     """Two "nodes" of two ranks each: `layout` says which node each rank's hostname names."""
     import os
     import socket
+
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # distributed_utils.num_nodes: 4 ranks on 2 nodes
     socket.gethostname = lambda: f"node{layout[env.rank]}"
     build_trainer(cfg, env)
@@ -149,6 +168,7 @@ def test_hybrid_sharding_needs_ranks_in_blocks_per_node():
 
 
 # ----------------------------------------------------------------------------- divergence
+
 
 def diverge_in_epoch_2(env, cfg):
     run_epoch = train.Trainer.run_epoch
@@ -173,14 +193,21 @@ def test_a_diverged_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_a_diverged_run_is_one_line_and_exit_status_4():
-    done = run_main([*TINY, "--batch-size", "64", "--epochs", "3", "--no-checkpoint",
-                     "--lr", "1e9"])
-    assert_one_line_error(done, "the training loss is", "training diverged",
-                          "no checkpoint was kept (--no-checkpoint)", status=4)
+    done = run_main(
+        [*TINY, "--batch-size", "64", "--epochs", "3", "--no-checkpoint", "--lr", "1e9"]
+    )
+    assert_one_line_error(
+        done,
+        "the training loss is",
+        "training diverged",
+        "no checkpoint was kept (--no-checkpoint)",
+        status=4,
+    )
     assert len(metrics_in(done.stdout)) < 3
 
 
 # ----------------------------------------------------------------------------- across devices
+
 
 def test_resume_from_a_checkpoint_of_another_device_type(tmp_path):
     """A GPU checkpoint resumed on a CPU (faked: the loader stream marked as CUDA's) trains on,
@@ -199,9 +226,11 @@ def test_resume_from_a_checkpoint_of_another_device_type(tmp_path):
 
 # ----------------------------------------------------------------------------- determinism
 
+
 def test_deterministic_switches_torch_to_deterministic_kernels():
-    done = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint",
-                     "--deterministic"])
+    done = run_main(
+        [*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint", "--deterministic"]
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert config_line(done.stdout)["deterministic"] == "True"
     plain = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint"])
@@ -210,6 +239,7 @@ def test_deterministic_switches_torch_to_deterministic_kernels():
 
 def test_multi_node_nccl_without_the_network_plugin_is_warned():
     from distributed_utils import network_warning
+
     assert "falls back to TCP" in network_warning(2, "nccl", {})
     assert network_warning(2, "nccl", {"NCCL_NET": "AWS Libfabric"}) is None
     assert network_warning(1, "nccl", {}) is None  # one node: NVLink, no network
@@ -217,6 +247,7 @@ def test_multi_node_nccl_without_the_network_plugin_is_warned():
 
 
 # ----------------------------------------------------------------------------- time breakdown
+
 
 def test_time_breakdown_accounts_for_the_epoch():
     """t_compute + t_data + t_comm + t_wait is the epoch's time; compute is measured (not
@@ -231,6 +262,7 @@ def test_time_breakdown_accounts_for_the_epoch():
 
 def training_result(env, cfg, calibrate):
     import session
+
     if not calibrate:
         session.calibrate_compute = lambda *args: None
     outcome = session.run(cfg, env)

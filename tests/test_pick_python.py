@@ -11,6 +11,8 @@ import pytest
 
 from conftest import REPO, assert_one_line_error, clean_environment
 
+pytestmark = pytest.mark.fast  # make test-fast
+
 
 def environment(**changes) -> dict:
     """clean_environment() without the variables that choose a Python, then `changes`."""
@@ -19,8 +21,9 @@ def environment(**changes) -> dict:
 
 
 def script(cwd: Path, name: str, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", name, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        ["bash", name, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def executable(path: Path, body: str) -> Path:
@@ -39,10 +42,12 @@ def test_plot_results_before_make_install_says_to_run_it(repo_copy, tmp_path):
     """No .venv, no PYTHON, a python3 without pandas on PATH: one line naming that Python, what
     it lacks and `make install`, exit status 2, nothing written."""
     bare = without_site_packages(tmp_path / "bin")
-    done = script(repo_copy, "plot_results.sh",
-                  environment(PATH=f"{bare.parent}:{os.environ['PATH']}"))
-    line = assert_one_line_error(done, "python3 cannot import pandas, matplotlib",
-                                 "run 'make install'")
+    done = script(
+        repo_copy, "plot_results.sh", environment(PATH=f"{bare.parent}:{os.environ['PATH']}")
+    )
+    line = assert_one_line_error(
+        done, "python3 cannot import pandas, matplotlib", "run 'make install'"
+    )
     assert done.stderr.splitlines()[-1] == line
     assert not (repo_copy / "results.csv").exists() and not (repo_copy / "plots").exists()
 
@@ -61,9 +66,13 @@ def test_run_sh_and_plot_results_sh_take_the_same_python(repo_copy, tmp_path, ch
     stand-in that has no module at all shows which one each script ran."""
     venv = repo_copy / ".venv" if chooser == ".venv" else tmp_path / "venv"
     python = executable(venv / "bin" / "python", "exit 1")
-    env = environment(**{"PYTHON": {"PYTHON": str(python)},
-                         "VIRTUAL_ENV": {"VIRTUAL_ENV": str(venv)},
-                         ".venv": {}}[chooser])
+    env = environment(
+        **{
+            "PYTHON": {"PYTHON": str(python)},
+            "VIRTUAL_ENV": {"VIRTUAL_ENV": str(venv)},
+            ".venv": {},
+        }[chooser]
+    )
     run_sh = script(repo_copy, "run.sh", env, "--epochs", "1")
     assert_one_line_error(run_sh, f"{python} cannot import torch", "make install")
     plots = script(repo_copy, "plot_results.sh", env)
@@ -72,16 +81,22 @@ def test_run_sh_and_plot_results_sh_take_the_same_python(repo_copy, tmp_path, ch
 
 def test_pick_python_order():
     def picked(*args: str, **env: str) -> str:
-        done = subprocess.run(["bash", "-c", 'source pick_python.sh; pick_python "$@"', "-",
-                               *args], cwd=REPO, env=environment(**env), capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(
+            ["bash", "-c", 'source pick_python.sh; pick_python "$@"', "-", *args],
+            cwd=REPO,
+            env=environment(**env),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
     nowhere = "/nonexistent-repository"
     assert picked(nowhere) == "python3"
-    assert picked(str(REPO)) == (str(REPO / ".venv/bin/python")
-                                 if (REPO / ".venv/bin/python").exists() else "python3")
+    assert picked(str(REPO)) == (
+        str(REPO / ".venv/bin/python") if (REPO / ".venv/bin/python").exists() else "python3"
+    )
     assert picked(nowhere, VIRTUAL_ENV="/v") == "/v/bin/python"
     assert picked(nowhere, "yes", VIRTUAL_ENV="/v") == "python"  # the container's own
     assert picked(nowhere, "yes", PYTHON="/p", VIRTUAL_ENV="/v") == "/p"

@@ -17,6 +17,8 @@ from conftest import REPO, call_main
 from helpers import COURSE_LOGS, run_log, runs_frame
 from utils import format_comm
 
+pytestmark = pytest.mark.fast  # make test-fast
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 course_csv = COURSE_LOGS / "results_solution.csv"
 
@@ -33,41 +35,76 @@ def assert_pngs(folder: Path, names) -> None:
 
 def with_breakdown(results: pd.DataFrame) -> pd.DataFrame:
     """The four parts of each epoch's time, as main.py logs them: they add up to `time`."""
-    return results.assign(t_compute=results["time"] * 0.5, t_data=results["time"] * 0.1,
-                          t_comm=results["time"] * 0.3, t_wait=results["time"] * 0.1)
+    return results.assign(
+        t_compute=results["time"] * 0.5,
+        t_data=results["time"] * 0.1,
+        t_comm=results["time"] * 0.3,
+        t_wait=results["time"] * 0.1,
+    )
 
 
 def comm_frame(world_sizes=(1, 2)) -> pd.DataFrame:
     """comm.csv's rows: a sweep of three sizes for each op and world size."""
-    rows = [{"sweep": "s", "log": f"ddp_{n}gpu.log", "strategy": "ddp", "gpus": n, "op": op,
-             "label": "sweep", "bytes": size, "world_size": n, "time_us": size / 1e3,
-             "algbw_gbps": 1.0, "busbw_gbps": 1.0 * (n - 1) / n}
-            for n in world_sizes for op in ("all_reduce", "all_gather", "reduce_scatter")
-            for size in (4096, 16384, 65536)]
+    rows = [
+        {
+            "sweep": "s",
+            "log": f"ddp_{n}gpu.log",
+            "strategy": "ddp",
+            "gpus": n,
+            "op": op,
+            "label": "sweep",
+            "bytes": size,
+            "world_size": n,
+            "time_us": size / 1e3,
+            "algbw_gbps": 1.0,
+            "busbw_gbps": 1.0 * (n - 1) / n,
+        }
+        for n in world_sizes
+        for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for size in (4096, 16384, 65536)
+    ]
     return pd.DataFrame(rows)
 
 
 def test_every_png_from_a_small_csv(tmp_path, capsys):
     csv = tmp_path / "results.csv"
-    with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0],
-                               ("fsdp", 1): [10.0, 9.0], ("fsdp", 2): [6.0, 5.0]})
-                   ).to_csv(csv, index=False)
+    with_breakdown(
+        runs_frame(
+            {
+                ("ddp", 1): [9.0, 8.0],
+                ("ddp", 2): [5.0, 4.0],
+                ("fsdp", 1): [10.0, 9.0],
+                ("fsdp", 2): [6.0, 5.0],
+            }
+        )
+    ).to_csv(csv, index=False)
     comm_frame().to_csv(tmp_path / "comm.csv", index=False)
-    pd.DataFrame({"job_id": "7", "strategy": "ddp", "gpus": 2, "host": "node1", "gpu": [0, 0],
-                  "seconds": [0.0, 5.0], "mem_mib": [1000, 1200], "util_pct": [50, 90]}
-                 ).to_csv(tmp_path / "gpu_timeline.csv", index=False)
+    pd.DataFrame(
+        {
+            "job_id": "7",
+            "strategy": "ddp",
+            "gpus": 2,
+            "host": "node1",
+            "gpu": [0, 0],
+            "seconds": [0.0, 5.0],
+            "mem_mib": [1000, 1200],
+            "util_pct": [50, 90],
+        }
+    ).to_csv(tmp_path / "gpu_timeline.csv", index=False)
     code, out, _ = cli(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
     assert code == 0
     assert_pngs(tmp_path / "plots", plot_results.FIGURES)
     assert out.split() == [str(tmp_path / "plots" / name) for name in plot_results.FIGURES]
 
 
-GPU_SAMPLES = ("timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
-               "power.draw [W]\n"
-               "2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
-               "2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0\n"
-               "2026/11/22 10:00:05.500, 0, 70, 1500, 81559, 310.0\n"
-               "2026/11/22 10:00:05.500, 1, 60, 1600, 81559, 280.0\n")
+GPU_SAMPLES = (
+    "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
+    "power.draw [W]\n"
+    "2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
+    "2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0\n"
+    "2026/11/22 10:00:05.500, 0, 70, 1500, 81559, 310.0\n"
+    "2026/11/22 10:00:05.500, 1, 60, 1600, 81559, 280.0\n"
+)
 
 
 def test_a_figure_not_drawn_leaves_no_older_one_behind(tmp_path, capsys):
@@ -85,7 +122,8 @@ def test_a_figure_not_drawn_leaves_no_older_one_behind(tmp_path, capsys):
     drawn = [Path(line).name for line in out.split()]
     assert "comm_bandwidth.png" not in drawn and "epoch_time.png" in drawn
     assert sorted(p.name for p in plots.iterdir()) == sorted(
-        [*drawn, "report.md", "mine.png", "notes.txt"])
+        [*drawn, "report.md", "mine.png", "notes.txt"]
+    )
 
 
 def test_side_files_belong_to_their_results_file(tmp_path, capsys):
@@ -97,15 +135,23 @@ def test_side_files_belong_to_their_results_file(tmp_path, capsys):
     run_log(new, "ddp_2gpu_2.log", world_size=2, job_id="2")  # no [COMM] lines, no samples
     run_log(old, "ddp_2gpu_1.log", world_size=2, job_id="1")
     with open(old / "ddp_2gpu_1.log", "a") as log:
-        log.writelines(format_comm(row) + "\n" for row in
-                       comm_frame([2]).drop(columns=["sweep", "log", "strategy", "gpus"])
-                       .to_dict("records"))
+        log.writelines(
+            format_comm(row) + "\n"
+            for row in comm_frame([2])
+            .drop(columns=["sweep", "log", "strategy", "gpus"])
+            .to_dict("records")
+        )
     (old / "gpu_1_node1.csv").write_text(GPU_SAMPLES)
     assert collect_results.main(["--logs", str(old), "--out", str(tmp_path / "old.csv")]) == 0
     assert collect_results.main(["--logs", str(new), "--out", str(tmp_path / "results.csv")]) == 0
     assert collect_results.main(["--logs", str(old), "--out", str(tmp_path / "old.csv")]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.csv")) == [
-        "old.csv", "old_comm.csv", "old_gpu_samples.csv", "old_gpu_timeline.csv", "results.csv"]
+        "old.csv",
+        "old_comm.csv",
+        "old_gpu_samples.csv",
+        "old_gpu_timeline.csv",
+        "results.csv",
+    ]
     capsys.readouterr()
     code, out, err = cli(capsys, "--csv", tmp_path / "results.csv", "--out-dir", tmp_path / "p")
     assert code == 0 and "not written comm_bandwidth.png: no [COMM] lines" in err
@@ -119,8 +165,11 @@ def test_course_results_csv(tmp_path, capsys):
     # The course's shape: method (not strategy), final epoch only, no throughput.
     code, _, err = cli(capsys, "--csv", course_csv, "--out-dir", tmp_path)
     assert code == 0
-    assert_pngs(tmp_path, set(plot_results.FIGURES) - {"throughput.png", "time_breakdown.png",
-                                                       "comm_bandwidth.png", "gpu_timeline.png"})
+    assert_pngs(
+        tmp_path,
+        set(plot_results.FIGURES)
+        - {"throughput.png", "time_breakdown.png", "comm_bandwidth.png", "gpu_timeline.png"},
+    )
     assert "not written gpu_timeline.png: no GPU samples" in err
     assert "not written throughput.png" in err
     assert "not written comm_bandwidth.png: no [COMM] lines" in err
@@ -129,14 +178,19 @@ def test_course_results_csv(tmp_path, capsys):
     assert ddp8["speedup"] == pytest.approx(7.08 / 1.35)  # ddp,1,10,7.08 and ddp,8,10,1.35
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "is empty"),
-    (b"strategy,gpus,epoch,time,val_loss,acc,peak_mem\n", "no rows"),
-    (b"a,b\n1,2\n", "no column strategy"),
-    (b"strategy,gpus,epoch,time,val_loss,acc,peak_mem\nddp,four,1,2.0,1.0,50,90\n",
-     "line 2: gpus is not a number"),
-    (bytes(range(256)) * 8, "results.csv"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "is empty"),
+        (b"strategy,gpus,epoch,time,val_loss,acc,peak_mem\n", "no rows"),
+        (b"a,b\n1,2\n", "no column strategy"),
+        (
+            b"strategy,gpus,epoch,time,val_loss,acc,peak_mem\nddp,four,1,2.0,1.0,50,90\n",
+            "line 2: gpus is not a number",
+        ),
+        (bytes(range(256)) * 8, "results.csv"),
+    ],
+)
 def test_bad_csv_is_one_line_error(tmp_path, capsys, content, message):
     csv = tmp_path / "results.csv"
     csv.write_bytes(content)
@@ -153,10 +207,17 @@ def test_missing_csv(tmp_path, capsys):
 
 # ---- plot_results.sh ----
 
+
 def run_script(cwd: Path, **env) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "DISPLAY"}  # open no windows
-    return subprocess.run(["bash", str(REPO / "plot_results.sh")], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, env={**environment, **env})
+    return subprocess.run(
+        ["bash", str(REPO / "plot_results.sh")],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**environment, **env},
+    )
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
@@ -167,9 +228,12 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     run_log(logs, "ddp_1gpu_1.log", world_size=1, job_id="1", **breakdown)
     run_log(logs, "ddp_2gpu_2.log", world_size=2, job_id="2", **breakdown)
     with open(logs / "ddp_2gpu_2.log", "a") as log:  # --comm-benchmark's lines
-        log.writelines(format_comm(row) + "\n" for row in
-                       comm_frame([2]).drop(columns=["sweep", "log", "strategy", "gpus"])
-                       .to_dict("records"))
+        log.writelines(
+            format_comm(row) + "\n"
+            for row in comm_frame([2])
+            .drop(columns=["sweep", "log", "strategy", "gpus"])
+            .to_dict("records")
+        )
     (logs / "gpu_2_node1.csv").write_text(GPU_SAMPLES)  # run.sh's GPU sampler, job 2
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -184,14 +248,19 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     assert len(pd.read_csv(tmp_path / "comm.csv")) == 9
     timeline = pd.read_csv(tmp_path / "gpu_timeline.csv")
     assert timeline[["strategy", "gpus", "gpu", "seconds", "mem_mib"]].values.tolist() == [
-        ["ddp", 2, 0, 0.0, 1500], ["ddp", 2, 1, 0.0, 1400], ["ddp", 2, 0, 5.5, 1500],
-        ["ddp", 2, 1, 5.5, 1600]]
+        ["ddp", 2, 0, 0.0, 1500],
+        ["ddp", 2, 1, 0.0, 1400],
+        ["ddp", 2, 0, 5.5, 1500],
+        ["ddp", 2, 1, 5.5, 1600],
+    ]
     report = (tmp_path / "report.md").read_text()
     assert "| ddp | 2 |" in report
     assert all(f"]({name})" in report for name in plot_results.FIGURES)
     # The largest part of 2.5 s: compute, 1.5 s.
-    assert "- ddp on 2 GPU(s): the largest cost is compute, 1.500 s of 2.50 s per epoch (60%)" \
+    assert (
+        "- ddp on 2 GPU(s): the largest cost is compute, 1.500 s of 2.50 s per epoch (60%)"
         in report
+    )
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
@@ -217,11 +286,17 @@ def test_figures_say_what_ran_and_what_memory_was_measured():
     """The subtitle of every figure comes from the CSV (device, data set and size, batch,
     epochs, sweep); the memory axis names what peak_mem measured on that device."""
     results = runs_frame({("ddp", 1): [9.0, 8.0], ("fsdp", 2): [6.0, 5.0]}).assign(
-        device="cpu", dataset="synthetic", train_images=2048, global_batch=256,
-        sweep="20261122-141500", state_mem=[8e6, 8e6, 4e6, 4e6])
+        device="cpu",
+        dataset="synthetic",
+        train_images=2048,
+        global_batch=256,
+        sweep="20261122-141500",
+        state_mem=[8e6, 8e6, 4e6, 4e6],
+    )
     assert plot_results.context(results) == (
         "device cpu · synthetic (2,048 images/epoch) · global batch 256 · 2 epochs · "
-        "sweep 20261122-141500")
+        "sweep 20261122-141500"
+    )
     fig = plot_results.plot_peak_memory(plot_results.summarize(results))
     memory, state = fig.axes
     assert memory.get_ylabel() == plot_results.PEAK_MEMORY_LABEL["cpu"]
@@ -236,7 +311,8 @@ def test_figures_say_what_ran_and_what_memory_was_measured():
 
 def test_quality_panels_show_their_values_and_both_have_legends():
     results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
-        val_loss=[2.0, 1.9181, 2.0, 1.9191])
+        val_loss=[2.0, 1.9181, 2.0, 1.9191]
+    )
     fig = plot_results.plot_quality(plot_results.summarize(results))
     fig.canvas.draw()
     for ax in fig.axes:
@@ -263,8 +339,12 @@ def test_the_subtitle_fits_the_figure_above_the_panels(tmp_path):
     """A subtitle longer than a 720-px figure is wide is wrapped onto lines that lie within the
     figure, and the panels' titles below them."""
     results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
-        device="cpu", dataset="synthetic", train_images=2048, global_batch=256,
-        sweep=["20261122-141500", "20261123-093000"] * 2)
+        device="cpu",
+        dataset="synthetic",
+        train_images=2048,
+        global_batch=256,
+        sweep=["20261122-141500", "20261123-093000"] * 2,
+    )
     summary, subtitle = plot_results.summarize(results), plot_results.context(results)
     for name in ("epoch_time.png", "throughput.png", "val_loss_acc.png"):
         fig = plot_results.FIGURES[name](summary)
@@ -281,11 +361,20 @@ def test_the_subtitle_fits_the_figure_above_the_panels(tmp_path):
 def test_strategies_that_draw_the_same_curve_both_stay_visible():
     """ddp and fsdp compute the same, so their quality curves coincide: each strategy has its
     own marker and line style, a little transparent, in every per-strategy line plot."""
-    same = {("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0], ("fsdp", 1): [9.0, 8.0],
-            ("fsdp", 2): [5.0, 4.0]}
+    same = {
+        ("ddp", 1): [9.0, 8.0],
+        ("ddp", 2): [5.0, 4.0],
+        ("fsdp", 1): [9.0, 8.0],
+        ("fsdp", 2): [5.0, 4.0],
+    }
     summary = plot_results.summarize(runs_frame(same))
-    for name in ("epoch_time.png", "val_loss_acc.png", "peak_memory.png",
-                 "speedup_efficiency.png", "throughput.png"):
+    for name in (
+        "epoch_time.png",
+        "val_loss_acc.png",
+        "peak_memory.png",
+        "speedup_efficiency.png",
+        "throughput.png",
+    ):
         fig = plot_results.FIGURES[name](summary)
         for ax in fig.axes:
             lines = {line.get_label(): line for line in ax.get_lines()}
@@ -306,14 +395,17 @@ def test_figures_and_report_say_when_ranks_outnumbered_their_cores():
     report = plot_results.report_text(results, None, [])
     costs = [line for line in report.splitlines() if line.startswith("- ddp on ")]
     assert [line.endswith("too few cores for this to be a finding.") for line in costs] == [
-        False, True]
+        False,
+        True,
+    ]
 
 
 def test_speedups_below_one_are_readable():
     """A strategy slower on more GPUs: the log axis has ticks below 1 down to its lowest
     speedup, and every point is labelled with its value."""
-    results = runs_frame({("fsdp", 1): [9.0, 9.0], ("fsdp", 2): [12.0, 12.0],
-                          ("fsdp", 4): [23.0, 23.0]})
+    results = runs_frame(
+        {("fsdp", 1): [9.0, 9.0], ("fsdp", 2): [12.0, 12.0], ("fsdp", 4): [23.0, 23.0]}
+    )
     (speed_ax, _) = plot_results.plot_speedup(plot_results.summarize(results)).axes
     ticks = [t for t in speed_ax.get_yticks() if speed_ax.get_ylim()[0] <= t]
     assert min(ticks) <= 9 / 23 and {0.5, 1.0} <= set(ticks)
@@ -321,12 +413,16 @@ def test_speedups_below_one_are_readable():
 
 
 def test_every_legend_entry_of_the_breakdown_stands_clear_of_its_label():
-    fig = plot_results.plot_time_breakdown(plot_results.summarize(
-        with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [6.0, 5.0]}))))
+    fig = plot_results.plot_time_breakdown(
+        plot_results.summarize(
+            with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [6.0, 5.0]}))
+        )
+    )
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     legend = fig.axes[0].get_legend()
     for handle, text in zip(legend.legend_handles, legend.get_texts(), strict=True):
         drawn = handle.get_window_extent(renderer)  # a scatter's marker has no finite extent
         assert math.isfinite(drawn.x0) and drawn.x1 < text.get_window_extent(renderer).x0, (
-            text.get_text())
+            text.get_text()
+        )

@@ -1,6 +1,5 @@
 """Checkpoint and resume: an interrupted run ends exactly where an uninterrupted one ends."""
 
-
 import pytest
 import torch
 
@@ -10,12 +9,29 @@ from dist_harness import full_state, signal_rank_then_train, spawn, spawn_outcom
 from session import run
 
 # Augmentation on: resuming must also restore every rank's random stream.
-CFG = dict(dataset="synthetic", augment=True, train_samples=384, val_samples=96, batch_size=32,
-           print_every=10**6, seed=5)
+CFG = dict(
+    dataset="synthetic",
+    augment=True,
+    train_samples=384,
+    val_samples=96,
+    batch_size=32,
+    print_every=10**6,
+    seed=5,
+)
 # [METRIC] fields that measure the machine's speed and memory, not the training: they differ
 # between any two runs. Every other field must be the same after a resume.
-MACHINE_FIELDS = {"time", "val_time", "throughput", "data_wait", "peak_mem", "reserved_mem",
-                  "t_compute", "t_data", "t_comm", "t_wait"}
+MACHINE_FIELDS = {
+    "time",
+    "val_time",
+    "throughput",
+    "data_wait",
+    "peak_mem",
+    "reserved_mem",
+    "t_compute",
+    "t_data",
+    "t_comm",
+    "t_wait",
+}
 
 
 def assert_same_run(state, history, ref_state, ref_history, epochs):
@@ -25,8 +41,11 @@ def assert_same_run(state, history, ref_state, ref_history, epochs):
         ref = ref_history[mine["epoch"] - 1]
         assert mine.keys() == ref.keys()
         for key in mine.keys() - MACHINE_FIELDS:
-            expected = ref[key] if isinstance(ref[key], str) else pytest.approx(ref[key], rel=1e-6,
-                                                                              abs=1e-9)
+            expected = (
+                ref[key]
+                if isinstance(ref[key], str)
+                else pytest.approx(ref[key], rel=1e-6, abs=1e-9)
+            )
             assert mine[key] == expected, (mine["epoch"], key)
 
 
@@ -35,8 +54,12 @@ def straight(tmp_path_factory):
     """Four uninterrupted epochs per strategy, at world size 2."""
     runs = {}
     for strategy in ("ddp", "fsdp", "fsdp2"):
-        cfg = Config(**CFG, strategy=strategy, epochs=4,
-                     checkpoint_dir=str(tmp_path_factory.mktemp(strategy)))
+        cfg = Config(
+            **CFG,
+            strategy=strategy,
+            epochs=4,
+            checkpoint_dir=str(tmp_path_factory.mktemp(strategy)),
+        )
         runs[strategy] = spawn(train_and_gather, 2, cfg)[0]
     return runs
 
@@ -98,8 +121,9 @@ def test_resume_at_another_world_size_loads_the_weights_exactly(tmp_path, strate
 def test_checkpoint_of_another_strategy_is_refused(tmp_path):
     common = dict(**CFG, checkpoint_dir=str(tmp_path), epochs=1)
     spawn(train_and_gather, 1, Config(**common, strategy="ddp"))
-    (status, message), = spawn_outcomes(train_and_gather, 1,
-                                        Config(**common, strategy="fsdp", resume="auto"))
+    ((status, message),) = spawn_outcomes(
+        train_and_gather, 1, Config(**common, strategy="fsdp", resume="auto")
+    )
     assert status == "error" and "written by strategy=ddp" in message.splitlines()[0]
 
 
@@ -114,7 +138,7 @@ def test_unfinished_checkpoint_is_never_the_latest(tmp_path):
 def test_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path):
     common = dict(**CFG, checkpoint_dir=str(tmp_path), epochs=1)
     spawn(train_and_gather, 1, Config(**common))
-    (status, message), = spawn_outcomes(train_and_gather, 1, Config(**common))
+    ((status, message),) = spawn_outcomes(train_and_gather, 1, Config(**common))
     assert status == "error" and "--resume auto" in message.splitlines()[0]
 
 
@@ -131,14 +155,16 @@ def test_stop_before_the_first_step_after_resuming_keeps_that_checkpoint(tmp_pat
 def test_mid_epoch_checkpoint_needs_the_same_global_batch(tmp_path):
     common = dict(**CFG, strategy="ddp", checkpoint_dir=str(tmp_path), epochs=3)
     spawn(signal_rank_then_train, 1, Config(**common), 15, 0)  # stops at epoch 2 after 2 steps
-    (status, message), = spawn_outcomes(
-        train_and_gather, 1, Config(**{**common, "batch_size": 16}, resume="auto"))
+    ((status, message),) = spawn_outcomes(
+        train_and_gather, 1, Config(**{**common, "batch_size": 16}, resume="auto")
+    )
     assert status == "error" and "resume it with --batch-size 32" in message.splitlines()[0]
 
 
 def test_resume_from_a_path_goes_on_writing_beside_it(tmp_path):
     common = dict(**CFG, strategy="ddp")
     spawn(train_and_gather, 1, Config(**common, epochs=1, checkpoint_dir=str(tmp_path)))
-    spawn(train_and_gather, 1, Config(**common, epochs=2,
-                                      resume=str(tmp_path / "ckpt_e0002_s000000")))
+    spawn(
+        train_and_gather, 1, Config(**common, epochs=2, resume=str(tmp_path / "ckpt_e0002_s000000"))
+    )
     assert checkpoint.latest(tmp_path).name == "ckpt_e0003_s000000"

@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import tomllib
 
 from config import option_flag
 from conftest import REPO, TINY, assert_one_line_error, clean_environment, metrics_in, run
@@ -31,6 +31,7 @@ def config_line(text: str) -> dict:
 
 # ----------------------------------------------------------------------------- edf.toml
 
+
 def test_edf_is_a_cscs_environment_definition():
     with open(REPO / "edf.toml", "rb") as f:
         edf = tomllib.load(f)
@@ -44,8 +45,16 @@ def test_edf_is_a_cscs_environment_definition():
     assert edf["env"]["MPICH_GPU_SUPPORT_ENABLED"] == "0"
     hook = edf["annotations"]["com"]["hooks"]["aws_ofi_nccl"]
     assert hook == {"enabled": "true", "variant": "cuda12"}
-    assert set(edf) <= {"image", "mounts", "workdir", "writable", "entrypoint",
-                        "base_environment", "env", "annotations"}
+    assert set(edf) <= {
+        "image",
+        "mounts",
+        "workdir",
+        "writable",
+        "entrypoint",
+        "base_environment",
+        "env",
+        "annotations",
+    }
 
 
 def test_edf_says_what_to_change():
@@ -53,6 +62,7 @@ def test_edf_says_what_to_change():
 
 
 # ----------------------------------------------------------------------------- run.sh
+
 
 def sbatch_options() -> dict:
     options = {}
@@ -83,8 +93,13 @@ def test_run_sh_defaults_are_the_course_job():
 def test_run_sh_trains_locally_with_torchrun(repo_copy):
     """What run.sh decides, seen in what the ranks used: torchrun's world and rendezvous, and
     the cores shared between the processes (OMP_NUM_THREADS, main.py's `threads`)."""
-    done = run(["bash", "run.sh", *TINY, "--batch-size", "32", "--epochs", "2"], cwd=repo_copy,
-               timeout=170, NPROC="2", OMP_NUM_THREADS="")
+    done = run(
+        ["bash", "run.sh", *TINY, "--batch-size", "32", "--epochs", "2"],
+        cwd=repo_copy,
+        timeout=170,
+        NPROC="2",
+        OMP_NUM_THREADS="",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = metrics_in(done.stdout)
     assert [m["epoch"] for m in metrics] == [1, 2]
@@ -100,10 +115,30 @@ def test_run_sh_trains_locally_with_torchrun(repo_copy):
 def test_the_sampler_counts_ranks_not_their_data_loader_workers(repo_copy):
     """--loader classic: each rank forks DataLoader workers with its own command line and
     environment; the CPU sampler writes rows for the two ranks alone."""
-    done = run(["bash", "run.sh", *TINY[:2], "--train-samples", "2048", "--val-samples", "64",
-                "--batch-size", "32", "--epochs", "2", "--loader", "classic",
-                "--num-workers", "2", "--no-checkpoint"],
-               cwd=repo_copy, timeout=170, NPROC="2", SAMPLE_EVERY="1")
+    done = run(
+        [
+            "bash",
+            "run.sh",
+            *TINY[:2],
+            "--train-samples",
+            "2048",
+            "--val-samples",
+            "64",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "2",
+            "--loader",
+            "classic",
+            "--num-workers",
+            "2",
+            "--no-checkpoint",
+        ],
+        cwd=repo_copy,
+        timeout=170,
+        NPROC="2",
+        SAMPLE_EVERY="1",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [samples] = (repo_copy / "logs").glob("cpu_local-*.csv")
     rows = pd.read_csv(samples)
@@ -125,8 +160,13 @@ def test_run_sh_refuses_bad_input_before_starting_ranks(repo_copy):
 def test_a_rank_failing_at_run_time_ends_with_its_own_line_and_status(repo_copy, tmp_path):
     """No internet: rank 0's download fails. The user sees its one line last and its exit
     status 2, not torchrun's report and status 1; the report is kept in a file."""
-    done = run(["bash", "run.sh", "--data-dir", tmp_path, "--epochs", "1"], cwd=repo_copy,
-               timeout=110, NPROC="2", PYTHONPATH=str(REPO / "tests" / "offline"))
+    done = run(
+        ["bash", "run.sh", "--data-dir", tmp_path, "--epochs", "1"],
+        cwd=repo_copy,
+        timeout=110,
+        NPROC="2",
+        PYTHONPATH=str(REPO / "tests" / "offline"),
+    )
     line = assert_one_line_error(done, "downloading CIFAR-10", "--dataset synthetic")
     assert done.stderr.strip().splitlines()[-1] == line
     assert "ChildFailedError" not in done.stdout + done.stderr
@@ -145,16 +185,35 @@ def test_a_stopped_run_exits_3_through_run_sh(repo_copy):
     """SIGUSR1 to one rank: both save and exit 3 (resumable), and so does run.sh, although
     torchrun itself exits 1; a stop is not an error."""
     script = subprocess.Popen(
-        ["bash", "run.sh", *TINY[:2], "--train-samples", "40000", "--batch-size", "32",
-         "--epochs", "1", "--print-every", "20"], cwd=repo_copy, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_environment(NPROC="2"))
+        [
+            "bash",
+            "run.sh",
+            *TINY[:2],
+            "--train-samples",
+            "40000",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "1",
+            "--print-every",
+            "20",
+        ],
+        cwd=repo_copy,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_environment(NPROC="2"),
+    )
     try:
         for line in script.stdout:  # rank 0's progress lines: training is under way
             if line.startswith("epoch 1 step"):
                 break
-        ranks = [p for p in descendants(script.pid)
-                 if b"main.py" in Path(f"/proc/{p}/cmdline").read_bytes()
-                 and b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        ranks = [
+            p
+            for p in descendants(script.pid)
+            if b"main.py" in Path(f"/proc/{p}/cmdline").read_bytes()
+            and b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGUSR1)
         out, err = script.communicate(timeout=150)
@@ -187,8 +246,13 @@ def wait_for(path: Path, script: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-def warned_batch_job(repo_copy: Path, tmp_path: Path, tasks_status: int, restarts: int,
-                     warned_while: str = "training"):
+def warned_batch_job(
+    repo_copy: Path,
+    tmp_path: Path,
+    tasks_status: int,
+    restarts: int,
+    warned_while: str = "training",
+):
     """run.sh as SLURM's batch script, given the time-limit warning while its tasks train, or
     while it checks the arguments, before any task started."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
@@ -197,11 +261,24 @@ def warned_batch_job(repo_copy: Path, tmp_path: Path, tasks_status: int, restart
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     env = clean_environment(
-        PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(calls), TASKS_STATUS=str(tasks_status),
-        PYTHON=str(bin_dir / "python"), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1",
-        SLURM_NTASKS="2", SLURM_JOB_NODELIST="node1", SLURM_RESTART_COUNT=str(restarts))
-    script = subprocess.Popen(["bash", "run.sh", *TINY], cwd=repo_copy, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        CALLS=str(calls),
+        TASKS_STATUS=str(tasks_status),
+        PYTHON=str(bin_dir / "python"),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="node1",
+        SLURM_RESTART_COUNT=str(restarts),
+    )
+    script = subprocess.Popen(
+        ["bash", "run.sh", *TINY],
+        cwd=repo_copy,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for(Path(f"{calls}.checking"), script)
         if warned_while == "checking":
@@ -218,14 +295,18 @@ def warned_batch_job(repo_copy: Path, tmp_path: Path, tasks_status: int, restart
     return subprocess.CompletedProcess(script.args, script.returncode, out, err), requeues
 
 
-@pytest.mark.parametrize("tasks_status, restarts, requeued", [
-    (3, 0, True),    # stopped on the warning with a checkpoint: go on in a requeued job
-    (138, 2, True),  # killed by the warning during start-up: likewise
-    (0, 0, False),   # finished anyway: nothing left to do
-    (3, 10, False),  # the tenth requeue was the last (MAX_REQUEUES): not forever
-])
+@pytest.mark.parametrize(
+    "tasks_status, restarts, requeued",
+    [
+        (3, 0, True),  # stopped on the warning with a checkpoint: go on in a requeued job
+        (138, 2, True),  # killed by the warning during start-up: likewise
+        (0, 0, False),  # finished anyway: nothing left to do
+        (3, 10, False),  # the tenth requeue was the last (MAX_REQUEUES): not forever
+    ],
+)
 def test_the_time_limit_warning_requeues_only_a_job_with_work_left(
-        repo_copy, tmp_path, tasks_status, restarts, requeued):
+    repo_copy, tmp_path, tasks_status, restarts, requeued
+):
     done, requeues = warned_batch_job(repo_copy, tmp_path, tasks_status, restarts)
     assert done.returncode == tasks_status, done.stdout + done.stderr
     assert requeues == (["scontrol requeue 4242"] if requeued else []), done.stdout + done.stderr
@@ -234,8 +315,9 @@ def test_the_time_limit_warning_requeues_only_a_job_with_work_left(
     if requeued:
         assert f"requeueing it ({restarts + 1} of at most 10)" in done.stdout
     if not requeued and tasks_status:
-        assert_one_line_error(done, "requeued 10 times already (MAX_REQUEUES=10): not again",
-                              status=tasks_status)
+        assert_one_line_error(
+            done, "requeued 10 times already (MAX_REQUEUES=10): not again", status=tasks_status
+        )
 
 
 def test_a_warning_before_the_tasks_start_requeues_the_job(repo_copy, tmp_path):
@@ -260,49 +342,88 @@ def test_run_sh_needs_main_py(tmp_path):
 
 # ----------------------------------------------------------------------------- run_benchmarks.py
 
+
 def test_dry_run_prints_one_script_per_configuration_and_writes_nothing(repo_copy):
     done = benchmarks("--dry-run", "--", "--dataset", "synthetic", cwd=repo_copy)
     assert done.returncode == 0, done.stderr
     sweep = re.search(r"^# ---- jobs/(sweep-[\d-]+)/", done.stdout, re.MULTILINE).group(1)
-    scripts = dict(re.findall(rf"^# ---- jobs/{sweep}/(\S+)\.sh.*?\n(.*?)(?=^# ---- |\Z)",
-                              done.stdout, re.MULTILINE | re.DOTALL))
+    scripts = dict(
+        re.findall(
+            rf"^# ---- jobs/{sweep}/(\S+)\.sh.*?\n(.*?)(?=^# ---- |\Z)",
+            done.stdout,
+            re.MULTILINE | re.DOTALL,
+        )
+    )
     names = {f"{s}_{g}gpu" for s in ("ddp", "fsdp") for g in (1, 2, 4, 8)}
     assert set(scripts) == names | {"collect"}
     eight = scripts["fsdp_8gpu"]
-    for option in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
-                   f"--output=logs/{sweep}/fsdp_8gpu_%j.log",
-                   f"--error=logs/{sweep}/fsdp_8gpu_%j.err"):
+    for option in (
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--gpus-per-node=4",
+        f"--output=logs/{sweep}/fsdp_8gpu_%j.log",
+        f"--error=logs/{sweep}/fsdp_8gpu_%j.err",
+    ):
         assert option in eight
     # One launch recipe: every job submits run.sh, with main.py's arguments after it.
-    assert re.search(r"run\.sh --strategy fsdp --epochs \d+ --batch-size 256 .*--dataset synthetic",
-                     eight)
+    assert re.search(
+        r"run\.sh --strategy fsdp --epochs \d+ --batch-size 256 .*--dataset synthetic", eight
+    )
     assert "--nodes=1" in scripts["ddp_1gpu"] and "--ntasks-per-node=1" in scripts["ddp_1gpu"]
     assert f"LOGS=logs/{sweep} bash plot_results.sh" in scripts["collect"]
     assert not (repo_copy / "jobs").exists() and not list((repo_copy / "logs").iterdir())
 
 
 def test_dry_run_passes_slurm_options_and_the_container(repo_copy):
-    done = benchmarks("--dry-run", "--gpus", "2", "--strategies", "ddp", "--account", "acct",
-                      "--partition", "normal", "--time", "00:10:00", "--environment", "edf.toml",
-                      cwd=repo_copy)
+    done = benchmarks(
+        "--dry-run",
+        "--gpus",
+        "2",
+        "--strategies",
+        "ddp",
+        "--account",
+        "acct",
+        "--partition",
+        "normal",
+        "--time",
+        "00:10:00",
+        "--environment",
+        "edf.toml",
+        cwd=repo_copy,
+    )
     assert done.returncode == 0, done.stderr
-    for option in ("--account=acct", "--partition=normal", "--time=00:10:00",
-                   f"export EDF={repo_copy / 'edf.toml'}"):
+    for option in (
+        "--account=acct",
+        "--partition=normal",
+        "--time=00:10:00",
+        f"export EDF={repo_copy / 'edf.toml'}",
+    ):
         assert option in done.stdout
 
 
 def test_the_collect_job_runs_the_collector_in_the_container_with_its_sweep(repo_copy, tmp_path):
     """The collect job's command, run by stand-ins for sbatch (runs --wrap) and srun (drops its
     options, shows what it would start and with which LOGS)."""
-    done = benchmarks("--dry-run", "--gpus", "1", "--strategies", "ddp", "--environment",
-                      "edf.toml", cwd=repo_copy)
+    done = benchmarks(
+        "--dry-run",
+        "--gpus",
+        "1",
+        "--strategies",
+        "ddp",
+        "--environment",
+        "edf.toml",
+        cwd=repo_copy,
+    )
     assert done.returncode == 0, done.stderr
-    sweep, collect = re.search(r"^# ---- jobs/(sweep-[\d-]+)/collect\.sh.*?\n(.*)", done.stdout,
-                               re.MULTILINE | re.DOTALL).groups()
+    sweep, collect = re.search(
+        r"^# ---- jobs/(sweep-[\d-]+)/collect\.sh.*?\n(.*)", done.stdout, re.MULTILINE | re.DOTALL
+    ).groups()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stand_ins = {"sbatch": 'while [ "$1" != --wrap ]; do shift; done; exec bash -c "$2"',
-                 "srun": 'while [[ "$1" == --* ]]; do shift; done; echo "LOGS=$LOGS starts: $*"'}
+    stand_ins = {
+        "sbatch": 'while [ "$1" != --wrap ]; do shift; done; exec bash -c "$2"',
+        "srun": 'while [[ "$1" == --* ]]; do shift; done; echo "LOGS=$LOGS starts: $*"',
+    }
     for name, body in stand_ins.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
@@ -321,29 +442,64 @@ def test_local_dry_run_lists_the_torchrun_sweep():
         "NPROC=1 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32 "
         "--comm-benchmark",
         "NPROC=2 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32 "
-        "--comm-benchmark"]
+        "--comm-benchmark",
+    ]
     assert re.fullmatch(r"LOGS=logs/sweep-[\d-]+ bash plot_results\.sh", lines[2]), lines
 
 
 def test_weak_scaling_keeps_the_batch_per_gpu_and_repeats_repeat():
-    done = benchmarks("--local", "--dry-run", "--gpus", "1", "2", "4", "--strategies", "ddp",
-                      "--scaling", "weak", "--batch-size", "32", "--repeats", "2")
+    done = benchmarks(
+        "--local",
+        "--dry-run",
+        "--gpus",
+        "1",
+        "2",
+        "4",
+        "--strategies",
+        "ddp",
+        "--scaling",
+        "weak",
+        "--batch-size",
+        "32",
+        "--repeats",
+        "2",
+    )
     assert done.returncode == 0, done.stderr
-    runs = [line.split()[0] + " " + line.split("--batch-size ")[1].split()[0]
-            for line in done.stdout.splitlines()[:-1]]
-    assert runs == ["NPROC=1 32", "NPROC=1 32", "NPROC=2 64", "NPROC=2 64", "NPROC=4 128",
-                    "NPROC=4 128"]
+    runs = [
+        line.split()[0] + " " + line.split("--batch-size ")[1].split()[0]
+        for line in done.stdout.splitlines()[:-1]
+    ]
+    assert runs == [
+        "NPROC=1 32",
+        "NPROC=1 32",
+        "NPROC=2 64",
+        "NPROC=2 64",
+        "NPROC=4 128",
+        "NPROC=4 128",
+    ]
 
 
-@pytest.mark.parametrize("gpus,strategies", [("2", ["ddp", "fsdp", "fsdp2"]),
-                                              ("1", ["ddp", "fsdp", "fsdp2", "dp", "single"])])
+@pytest.mark.parametrize(
+    "gpus,strategies",
+    [("2", ["ddp", "fsdp", "fsdp2"]), ("1", ["ddp", "fsdp", "fsdp2", "dp", "single"])],
+)
 def test_the_sweep_takes_every_strategy(gpus, strategies, repo_copy):
     """Each is checked by main.py --check (nothing submitted on a dry run) and gets its job."""
-    done = benchmarks("--dry-run", "--gpus", gpus, "--strategies", *strategies, "--",
-                      "--dataset", "synthetic", cwd=repo_copy)
+    done = benchmarks(
+        "--dry-run",
+        "--gpus",
+        gpus,
+        "--strategies",
+        *strategies,
+        "--",
+        "--dataset",
+        "synthetic",
+        cwd=repo_copy,
+    )
     assert done.returncode == 0, done.stderr
     assert re.findall(r"^# ---- jobs/sweep-[\d-]+/(\w+)\.sh$", done.stdout, re.M) == [
-        f"{s}_{gpus}gpu" for s in strategies]
+        f"{s}_{gpus}gpu" for s in strategies
+    ]
 
 
 def test_missing_sbatch_is_a_clear_error(tmp_path):
@@ -351,36 +507,69 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
     second sweep would fail that check; it is sbatch that is named."""
     done = benchmarks("--gpus", "1", PATH=str(tmp_path))  # a PATH without sbatch
     assert_one_line_error(done, "sbatch not found", status=2)
-    done = benchmarks("--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3",
-                      PATH=str(tmp_path))
+    done = benchmarks(
+        "--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3", PATH=str(tmp_path)
+    )
     assert_one_line_error(done, "sbatch not found", status=2)
     assert "main.py" not in done.stdout + done.stderr  # the check's error, had it run
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--gpus", "5"], "5 GPUs do not spread evenly over 2 nodes"),
-    (["--gpus", "8", "--gpus-per-node", "3"], "8 GPUs do not spread evenly over 3 nodes"),
-    (["--gpus", "0"], "at least 1"),
-    (["--gpus", "4", "--batch-size", "30"], "--batch-size 30"),
-    (["--local", "--environment", "edf.toml"], "--environment needs SLURM"),
-    (["--repeats", "0"], "--repeats must be at least 1"),
-    (["--gpus", "1", "2", "--scaling", "weak", "--batch-size", "6", "--", "--dataset",
-      "synthetic", "--grad-accum", "4"],
-     "main.py --strategy ddp: each rank's 6 images per step do not split into --grad-accum 4"),
-    (["--gpus", "1", "2", "--strategies", "ddp", "single"], "single run one process"),
-    (["--gpus", "1", "--dataset", "synthetic"], "--dataset is an option of main.py: put main.py's "
-                                                "options after --"),
-    (["--gpus", "1", "--strategy", "fsdp"], "--strategy is an option of main.py that is the "
-                                            "sweep's choice: use run_benchmarks.py --strategies"),
-    (["--gpus", "1", "--", "--method=fsdp"], "--method after -- is the sweep's choice: use "
-                                             "run_benchmarks.py --strategies"),
-    (["--gpus", "1", "--", "--batch", "64"], "--batch after -- is the sweep's choice: use "
-                                             "run_benchmarks.py --batch-size"),
-    (["--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3"],
-     "main.py --strategy ddp: each rank's 128 images per step do not split into --grad-accum 3"),
-    (["--gpus", "2", "--", "--dataset", "synthetic", "--modle", "cnn"],
-     "unrecognized option --modle; did you mean --model?"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--gpus", "5"], "5 GPUs do not spread evenly over 2 nodes"),
+        (["--gpus", "8", "--gpus-per-node", "3"], "8 GPUs do not spread evenly over 3 nodes"),
+        (["--gpus", "0"], "at least 1"),
+        (["--gpus", "4", "--batch-size", "30"], "--batch-size 30"),
+        (["--local", "--environment", "edf.toml"], "--environment needs SLURM"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (
+            [
+                "--gpus",
+                "1",
+                "2",
+                "--scaling",
+                "weak",
+                "--batch-size",
+                "6",
+                "--",
+                "--dataset",
+                "synthetic",
+                "--grad-accum",
+                "4",
+            ],
+            "main.py --strategy ddp: each rank's 6 images per step do not split into "
+            "--grad-accum 4",
+        ),
+        (["--gpus", "1", "2", "--strategies", "ddp", "single"], "single run one process"),
+        (
+            ["--gpus", "1", "--dataset", "synthetic"],
+            "--dataset is an option of main.py: put main.py's options after --",
+        ),
+        (
+            ["--gpus", "1", "--strategy", "fsdp"],
+            "--strategy is an option of main.py that is the "
+            "sweep's choice: use run_benchmarks.py --strategies",
+        ),
+        (
+            ["--gpus", "1", "--", "--method=fsdp"],
+            "--method after -- is the sweep's choice: use run_benchmarks.py --strategies",
+        ),
+        (
+            ["--gpus", "1", "--", "--batch", "64"],
+            "--batch after -- is the sweep's choice: use run_benchmarks.py --batch-size",
+        ),
+        (
+            ["--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3"],
+            "main.py --strategy ddp: each rank's 128 images per step do not split into "
+            "--grad-accum 3",
+        ),
+        (
+            ["--gpus", "2", "--", "--dataset", "synthetic", "--modle", "cnn"],
+            "unrecognized option --modle; did you mean --model?",
+        ),
+    ],
+)
 def test_bad_sweeps_are_refused_before_anything_runs(args, fragment, repo_copy):
     """Our own options, and main.py's through main.py --check for every configuration: one
     line, exit status 2, and no job script or log folder written."""
@@ -392,40 +581,73 @@ def test_every_main_py_option_the_sweep_sets_is_refused_after_the_double_dash(re
     """main.py takes the last of two: given again after --, a job named ddp_1gpu would train
     what came after it. The options refused are exactly those each job's command line sets."""
     import run_benchmarks
+
     args = run_benchmarks.parse_args(["--gpus", "1"])
     job = run_benchmarks.main_args(run_benchmarks.plan(args)[0], args, [])
-    set_with_a_value = {flag: value for flag, value in zip(job, job[1:]) if flag.startswith("--")
-                        and not value.startswith("--")}
+    set_with_a_value = {
+        flag: value
+        for flag, value in zip(job, job[1:])
+        if flag.startswith("--") and not value.startswith("--")
+    }
     assert set(set_with_a_value) == {option_flag(d) for d in run_benchmarks.SWEEP_OPTION}
     for dest, ours in run_benchmarks.SWEEP_OPTION.items():
         flag = option_flag(dest)
         assert_one_line_error(
-            benchmarks("--dry-run", "--gpus", "1", "--", flag, set_with_a_value[flag],
-                       cwd=repo_copy), f"{flag} after -- is the sweep's choice: use "
-                                       f"run_benchmarks.py {ours}")
+            benchmarks(
+                "--dry-run", "--gpus", "1", "--", flag, set_with_a_value[flag], cwd=repo_copy
+            ),
+            f"{flag} after -- is the sweep's choice: use run_benchmarks.py {ours}",
+        )
     assert not (repo_copy / "jobs").exists()
 
 
 def test_a_sweep_started_by_a_python_without_torch_checks_with_the_jobs_python(repo_copy):
     """`python run_benchmarks.py` from a shell whose python has no torch: the configurations
     are still checked, with the Python run.sh will give the jobs (pick_python.sh's choice)."""
-    done = run([sys.executable, "-S", repo_copy / "run_benchmarks.py", "--dry-run", "--gpus",
-                "2", "--", "--dataset", "synthetic", "--grad-accum", "3"], cwd=repo_copy,
-               PYTHON=sys.executable)
-    assert_one_line_error(done, "each rank's 128 images per step do not split into "
-                                "--grad-accum 3")
+    done = run(
+        [
+            sys.executable,
+            "-S",
+            repo_copy / "run_benchmarks.py",
+            "--dry-run",
+            "--gpus",
+            "2",
+            "--",
+            "--dataset",
+            "synthetic",
+            "--grad-accum",
+            "3",
+        ],
+        cwd=repo_copy,
+        PYTHON=sys.executable,
+    )
+    assert_one_line_error(done, "each rank's 128 images per step do not split into --grad-accum 3")
 
 
 @pytest.mark.timeout(300)
 def test_local_sweep_trains_collects_and_plots(repo_copy):
-    done = benchmarks("--local", "--gpus", "1", "2", "--strategies", "ddp", "--epochs", "1",
-                      "--batch-size", "32", "--", *TINY[:6], "--print-every", "1000",
-                      cwd=repo_copy, timeout=290)
+    done = benchmarks(
+        "--local",
+        "--gpus",
+        "1",
+        "2",
+        "--strategies",
+        "ddp",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--",
+        *TINY[:6],
+        "--print-every",
+        "1000",
+        cwd=repo_copy,
+        timeout=290,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (sweep,) = (repo_copy / "logs").glob("sweep-*")  # the sweep's own folder
     logs = sorted(p.name for p in sweep.glob("*.log"))
-    assert [re.sub(r"_local-[\d-]+", "", name) for name in logs] == ["ddp_1gpu.log",
-                                                                     "ddp_2gpu.log"]
+    assert [re.sub(r"_local-[\d-]+", "", name) for name in logs] == ["ddp_1gpu.log", "ddp_2gpu.log"]
     assert (repo_copy / "results.csv").exists()
     assert list((repo_copy / "plots").glob("*.png"))
     # Every job measured its collectives first (--comm-benchmark): comm.csv, both new figures

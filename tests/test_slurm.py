@@ -17,8 +17,8 @@ import pytest
 
 import distributed_utils as du
 import samples
-from conftest import REPO, SLURM_DIR
-from conftest import TINY as TINY_RUN, metrics_in
+from conftest import REPO, SLURM_DIR, metrics_in
+from conftest import TINY as TINY_RUN
 
 pytestmark = pytest.mark.slurm
 
@@ -29,29 +29,49 @@ TINY = [*TINY_RUN, *CPU]
 
 
 def stderr_tails(logs) -> str:
-    return "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-5:])
-                   for p in sorted(logs.glob("*.err")))
+    return "".join(
+        f"\n--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-5:])
+        for p in sorted(logs.glob("*.err"))
+    )
 
 
 def sh(command: list, cwd, env, timeout) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.timeout(120)
 def test_step_id_is_set_inside_srun_only(slurm_env, tmp_path):
     """distributed_utils reads SLURM's ranks only where SLURM_STEP_ID is set: in srun's tasks,
     not in the batch script, which also carries SLURM_PROCID=0 and the job's task count."""
-    script = ('echo "batch ${SLURM_STEP_ID:-unset}"; '
-              'echo "nodes $SLURM_JOB_NODELIST" $(scontrol show hostnames "$SLURM_JOB_NODELIST"); '
-              'srun bash -c \'echo "task $SLURM_PROCID ${SLURM_STEP_ID:-unset}"\'')
-    done = sh(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--output=out.txt",
-               "--wrap", script], tmp_path, slurm_env, 100)
+    script = (
+        'echo "batch ${SLURM_STEP_ID:-unset}"; '
+        'echo "nodes $SLURM_JOB_NODELIST" $(scontrol show hostnames "$SLURM_JOB_NODELIST"); '
+        "srun bash -c 'echo \"task $SLURM_PROCID ${SLURM_STEP_ID:-unset}\"'"
+    )
+    done = sh(
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--output=out.txt",
+            "--wrap",
+            script,
+        ],
+        tmp_path,
+        slurm_env,
+        100,
+    )
     assert done.returncode == 0, done.stderr
     lines = sorted((tmp_path / "out.txt").read_text().split("\n"))
     nodes = next(line.split() for line in lines if line.startswith("nodes "))
     assert [line for line in lines if line and not line.startswith("nodes ")] == [
-        "batch unset", "task 0 0", "task 1 0"]
+        "batch unset",
+        "task 0 0",
+        "task 1 0",
+    ]
     # distributed_utils expands SLURM's node list as scontrol does, without it.
     assert du.expand_hostlist(nodes[1]) == nodes[2:] == ["node1", "node2"]
 
@@ -59,11 +79,31 @@ def test_step_id_is_set_inside_srun_only(slurm_env, tmp_path):
 @pytest.mark.timeout(240)
 def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
     # Submitted from a shell that ran torchrun before: its variables travel with the job.
-    left_over = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29400"}
-    done = sh(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
-               "run.sh", *TINY, "--epochs", "2", "--batch-size", "32"],
-              repo_copy, {**slurm_env, **left_over}, 220)
+    left_over = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29400",
+    }
+    done = sh(
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=2",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+            "run.sh",
+            *TINY,
+            "--epochs",
+            "2",
+            "--batch-size",
+            "32",
+        ],
+        repo_copy,
+        {**slurm_env, **left_over},
+        220,
+    )
     log = (repo_copy / "train.log").read_text()
     err = (repo_copy / "train.err").read_text()
     assert done.returncode == 0, f"{done.stderr}\n--- train.log\n{log}\n--- train.err\n{err}"
@@ -88,9 +128,24 @@ def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
 def test_gpus_torch_cannot_see_are_refused_not_replaced_by_the_cpu(slurm_env, repo_copy):
     """The job is given (fake) GPUs that torch cannot see: one error line before any task
     starts, instead of hours of training on the CPU; --device cpu is the way to ask for that."""
-    done = sh(["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-               "run.sh", *TINY_RUN, "--epochs", "1", "--batch-size", "32"],
-              repo_copy, slurm_env, 100)
+    done = sh(
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+            "run.sh",
+            *TINY_RUN,
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+        ],
+        repo_copy,
+        slurm_env,
+        100,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     err = (repo_copy / "train.err").read_text()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -105,8 +160,12 @@ def queued_jobs(env) -> list[str]:
 @pytest.mark.timeout(120)
 def test_a_sweep_with_one_bad_configuration_submits_nothing(slurm_env, repo_copy):
     before = queued_jobs(slurm_env)
-    done = sh([sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "--", *TINY,
-               "--clip-grad", "-1"], repo_copy, slurm_env, 100)
+    done = sh(
+        [sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "--", *TINY, "--clip-grad", "-1"],
+        repo_copy,
+        slurm_env,
+        100,
+    )
     assert done.returncode == 2 and "--clip-grad" in done.stderr, done.stderr
     assert done.stderr.count("error: ") == 1 and "nothing submitted" in done.stderr
     assert queued_jobs(slurm_env) == before
@@ -116,8 +175,23 @@ def test_a_sweep_with_one_bad_configuration_submits_nothing(slurm_env, repo_copy
 @pytest.mark.timeout(60)
 def test_a_refused_job_is_a_clear_error(slurm_env, repo_copy):
     # One node of 8 GPUs: the emulated nodes have 4, so sbatch refuses the job at once.
-    done = sh([sys.executable, "run_benchmarks.py", "--gpus", "8", "--gpus-per-node", "8",
-               "--strategies", "ddp", "--", *TINY], repo_copy, slurm_env, 50)
+    done = sh(
+        [
+            sys.executable,
+            "run_benchmarks.py",
+            "--gpus",
+            "8",
+            "--gpus-per-node",
+            "8",
+            "--strategies",
+            "ddp",
+            "--",
+            *TINY,
+        ],
+        repo_copy,
+        slurm_env,
+        50,
+    )
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
@@ -129,11 +203,36 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     """docs/slurm.md's loopback sweep: jobs one at a time, logs in the sweep's own folder, the
     collection job plots it, and plot_results.sh then picks that sweep by default."""
     from plot_results import FIGURES
-    sweep = sh([sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "4", "--wait",
-                "--one-at-a-time", "--poll-interval", "2", "--cpus-per-task", "1",
-                "--epochs", "1", "--batch-size", "32", "--", *TINY], repo_copy,
-               {**slurm_env, "SAMPLE_EVERY": "1",  # run.sh's samplers, with a fake nvidia-smi
-                "PATH": f"{REPO / 'tests' / 'fake-bin'}{os.pathsep}{slurm_env['PATH']}"}, 400)
+
+    sweep = sh(
+        [
+            sys.executable,
+            "run_benchmarks.py",
+            "--gpus",
+            "1",
+            "2",
+            "4",
+            "--wait",
+            "--one-at-a-time",
+            "--poll-interval",
+            "2",
+            "--cpus-per-task",
+            "1",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--",
+            *TINY,
+        ],
+        repo_copy,
+        {
+            **slurm_env,
+            "SAMPLE_EVERY": "1",  # run.sh's samplers, with a fake nvidia-smi
+            "PATH": f"{REPO / 'tests' / 'fake-bin'}{os.pathsep}{slurm_env['PATH']}",
+        },
+        400,
+    )
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr + stderr_tails(repo_copy / "logs")
     folder = re.search(r"^sweep (sweep-[\d-]+): logs in logs/\1/", sweep.stdout, re.MULTILINE)
     assert folder, sweep.stdout
@@ -148,7 +247,8 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     assert set(gpus["job_id"]) == set(processes["job_id"]) == set(job_ids.values())
     ranks = processes.groupby("job_id")["pid"].nunique()
     assert {name: ranks[job_id] for name, job_id in job_ids.items()} == {
-        name: int(name.split("_")[1].removesuffix("gpu")) for name in job_ids}
+        name: int(name.split("_")[1].removesuffix("gpu")) for name in job_ids
+    }
     assert "collect: job" in sweep.stdout and "sweep done: 7 of 7 jobs completed" in sweep.stdout
     # One at a time: each training job started after the one before it had ended.
     spans = sorted(job_span(job_id) for job_id in job_ids.values())
@@ -162,7 +262,8 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     with open(repo_copy / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(r["strategy"], int(r["gpus"])) for r in rows} == {
-        (s, g) for s in ("ddp", "fsdp") for g in (1, 2, 4)}
+        (s, g) for s in ("ddp", "fsdp") for g in (1, 2, 4)
+    }
     assert {r["job_id"] for r in rows} == set(job_ids.values())
     assert {r["sweep"] for r in rows} == {folder.group(1).removeprefix("sweep-")}
     for png in FIGURES:  # every figure the plotter defines: this sweep has data for each
@@ -177,8 +278,13 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
 
 def job_fields(job_id: str, env) -> dict:
     """A job as the controller knows it now (empty once it has forgotten a finished job)."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True,
-                         text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
@@ -201,11 +307,34 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
     # 31.1 s, whatever the warning time), when the ranks train. 28 epochs are about 100 s of
     # training on the 2-core machine (3.4 to 3.9 s each, two ranks): longer than that.
     epochs = 28
-    submit = sh(["sbatch", "--parsable", "--time=00:01:00", "--signal=B:USR1@15",
-                 "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "run.sh",
-                 "--dataset", "synthetic", "--train-samples", "8192", "--val-samples", "256",
-                 "--batch-size", "64", "--epochs", str(epochs), "--print-every", "20", *CPU],
-                repo_copy, slurm_env, 60)
+    submit = sh(
+        [
+            "sbatch",
+            "--parsable",
+            "--time=00:01:00",
+            "--signal=B:USR1@15",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+            "run.sh",
+            "--dataset",
+            "synthetic",
+            "--train-samples",
+            "8192",
+            "--val-samples",
+            "256",
+            "--batch-size",
+            "64",
+            "--epochs",
+            str(epochs),
+            "--print-every",
+            "20",
+            *CPU,
+        ],
+        repo_copy,
+        slurm_env,
+        60,
+    )
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
     fields, held_since = {}, None
@@ -220,8 +349,18 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
             # time to finish: one requeue is what this test is about, not how many.
             held_since = held_since or time.monotonic()
             if time.monotonic() - held_since > 6:
-                lift = sh(["scontrol", "update", f"JobId={job_id}", "StartTime=now",
-                           "TimeLimit=00:05:00"], repo_copy, slurm_env, 30)
+                lift = sh(
+                    [
+                        "scontrol",
+                        "update",
+                        f"JobId={job_id}",
+                        "StartTime=now",
+                        "TimeLimit=00:05:00",
+                    ],
+                    repo_copy,
+                    slurm_env,
+                    30,
+                )
                 assert lift.returncode == 0, lift.stderr
                 held_since = None
         time.sleep(2)
@@ -238,8 +377,12 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
     logs = repo_copy / "one_job"
     logs.mkdir()
     (logs / f"ddp_2gpu_{job_id}.log").write_text(log)
-    collect = sh([sys.executable, "collect_results.py", "--logs", logs, "--out",
-                  repo_copy / "one.csv"], repo_copy, slurm_env, 60)
+    collect = sh(
+        [sys.executable, "collect_results.py", "--logs", logs, "--out", repo_copy / "one.csv"],
+        repo_copy,
+        slurm_env,
+        60,
+    )
     assert collect.returncode == 0, collect.stderr
     with open(repo_copy / "one.csv", newline="") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(1, epochs + 1))
@@ -248,15 +391,19 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
 def pid_of_task(job_id: str, rank: int) -> int | None:
     """The process of one task of a job on this machine (the loopback nodes share it)."""
     from pathlib import Path
+
     for proc in Path("/proc").iterdir():
         try:
             environ = (proc / "environ").read_bytes().split(b"\0")
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if (f"SLURM_JOB_ID={job_id}".encode() in environ and
-                f"SLURM_PROCID={rank}".encode() in environ and b"main.py" in cmdline and
-                b"--check" not in cmdline):
+        if (
+            f"SLURM_JOB_ID={job_id}".encode() in environ
+            and f"SLURM_PROCID={rank}".encode() in environ
+            and b"main.py" in cmdline
+            and b"--check" not in cmdline
+        ):
             return int(proc.name)
     return None
 
@@ -265,10 +412,34 @@ def pid_of_task(job_id: str, rank: int) -> int | None:
 def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_copy):
     """srun --kill-on-bad-exit: when one rank dies the job ends within a minute, not at its
     30-minute limit, and the log says which rank."""
-    submit = sh(["sbatch", "--parsable", "--time=00:30:00", "--nodes=1", "--ntasks-per-node=2",
-                 "--cpus-per-task=1", "run.sh", "--dataset", "synthetic", "--train-samples",
-                 "50000", "--val-samples", "64", "--batch-size", "32", "--epochs", "5",
-                 "--print-every", "20", "--no-checkpoint", *CPU], repo_copy, slurm_env, 60)
+    submit = sh(
+        [
+            "sbatch",
+            "--parsable",
+            "--time=00:30:00",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+            "run.sh",
+            "--dataset",
+            "synthetic",
+            "--train-samples",
+            "50000",
+            "--val-samples",
+            "64",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "5",
+            "--print-every",
+            "20",
+            "--no-checkpoint",
+            *CPU,
+        ],
+        repo_copy,
+        slurm_env,
+        60,
+    )
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
     deadline, log = time.monotonic() + 120, repo_copy / "train.log"
@@ -279,8 +450,12 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
     assert victim, "no process of task 1"
     killed_at = time.monotonic()
     subprocess.run(["kill", "-9", str(victim)], check=True)
-    while job_fields(job_id, slurm_env).get("JobState") not in (None, "FAILED", "COMPLETED",
-                                                                "CANCELLED"):
+    while job_fields(job_id, slurm_env).get("JobState") not in (
+        None,
+        "FAILED",
+        "COMPLETED",
+        "CANCELLED",
+    ):
         assert time.monotonic() - killed_at < 90, "the job outlived its dead rank"
         time.sleep(1)
     log = log.read_text(errors="replace")

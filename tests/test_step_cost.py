@@ -13,6 +13,8 @@ from config import Config
 from dist_harness import spawn
 from session import build_trainer
 
+pytestmark = pytest.mark.fast  # make test-fast
+
 # DDP at world size 1, batch 256, fp32, with crop and flip, on the CPU: 99 with torch 2.14 (216
 # before the epoch-level augmentation and the fused optimizer). What remains is torch's own:
 # the model's forward and backward, autograd's bookkeeping (a detach per parameter and saved
@@ -22,9 +24,17 @@ BUDGET = 100
 
 
 def count_step(env, strategy: str) -> dict:
-    cfg = Config(strategy=strategy, dataset="synthetic", augment=True, batch_size=256,
-                 train_samples=256 * 12, val_samples=256, epochs=1, checkpoint=False,
-                 print_every=10**9)
+    cfg = Config(
+        strategy=strategy,
+        dataset="synthetic",
+        augment=True,
+        batch_size=256,
+        train_samples=256 * 12,
+        val_samples=256,
+        epochs=1,
+        checkpoint=False,
+        print_every=10**9,
+    )
     trainer, _ = build_trainer(cfg, env)
     trainer.train_epoch(Position(1))  # warm-up: first allocations, lazy state
     return dict(operations_per_step(trainer, epoch=2, steps=4))

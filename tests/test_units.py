@@ -8,30 +8,55 @@ import utils
 from model import MODELS, build_model, count_parameters
 from utils import UsageError
 
+pytestmark = pytest.mark.fast  # make test-fast
 
-@pytest.mark.parametrize("env,expected", [
-    ({}, (0, 0, 1)),  # plain `python main.py`
-    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, (3, 1, 4)),  # torchrun / run.sh
-    ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"},
-     (5, 1, 8)),  # plain srun
-    # The batch script itself (no step): SLURM's task count is not ours to wait for.
-    ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8"}, (0, 0, 1)),
-    # torchrun's variables win over SLURM's (torchrun inside an allocation).
-    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0",
-      "SLURM_LOCALID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}, (1, 1, 2)),
-])
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({}, (0, 0, 1)),  # plain `python main.py`
+        ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, (3, 1, 4)),  # torchrun / run.sh
+        (
+            {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"},
+            (5, 1, 8),
+        ),  # plain srun
+        # The batch script itself (no step): SLURM's task count is not ours to wait for.
+        ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8"}, (0, 0, 1)),
+        # torchrun's variables win over SLURM's (torchrun inside an allocation).
+        (
+            {
+                "RANK": "1",
+                "LOCAL_RANK": "1",
+                "WORLD_SIZE": "2",
+                "SLURM_PROCID": "0",
+                "SLURM_LOCALID": "0",
+                "SLURM_NTASKS": "1",
+                "SLURM_STEP_ID": "0",
+            },
+            (1, 1, 2),
+        ),
+    ],
+)
 def test_ranks_from_torchrun_or_slurm(env, expected):
     assert utils.read_ranks(env) == expected
 
 
 RANK_ENVIRONMENTS = [
-    {}, {"RANK": "0", "WORLD_SIZE": "2"}, {"RANK": "1", "WORLD_SIZE": "2"},
+    {},
+    {"RANK": "0", "WORLD_SIZE": "2"},
+    {"RANK": "1", "WORLD_SIZE": "2"},
     {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
     # The batch script, and a RANK without a WORLD_SIZE: no launcher, so this is rank 0.
-    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, {"RANK": "1"},
+    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
+    {"RANK": "1"},
     # torchrun's rank 0 inside an srun task whose SLURM_PROCID is 1: torchrun's variables win.
-    {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
-     "SLURM_STEP_ID": "0"},
+    {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+    },
 ]
 
 
@@ -69,22 +94,29 @@ def test_rendezvous_inside_srun_is_the_steps_first_node():
     job = {"SLURM_JOB_ID": "40001", "SLURM_JOB_NODELIST": "nid[001234-001237]"}
     assert du.rendezvous(job) == ("nid001234", 24001)
     # A step on part of the allocation: its task 0 runs on the step's first node.
-    assert du.rendezvous({**job, "SLURM_STEP_NODELIST": "nid[001236-001237]"}) == \
-        ("nid001236", 24001)
+    assert du.rendezvous({**job, "SLURM_STEP_NODELIST": "nid[001236-001237]"}) == (
+        "nid001236",
+        24001,
+    )
     # torchrun's (or the user's) own MASTER_ADDR wins over SLURM's.
     assert du.rendezvous({**job, "MASTER_ADDR": "login1"}) == ("login1", 24001)
 
 
-@pytest.mark.parametrize("nodelist,hosts", [
-    ("nid[001234-001237,001240]",
-     ["nid001234", "nid001235", "nid001236", "nid001237", "nid001240"]),
-    ("node1,node2", ["node1", "node2"]),
-    ("a[1-2],b3", ["a1", "a2", "b3"]),
-    ("nid[001-002]-ib", ["nid001-ib", "nid002-ib"]),  # zero padding kept, a suffix after it
-    ("n[8-10]", ["n8", "n9", "n10"]),  # no padding: the width of the first number
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("login", ["login"]),
-])
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        (
+            "nid[001234-001237,001240]",
+            ["nid001234", "nid001235", "nid001236", "nid001237", "nid001240"],
+        ),
+        ("node1,node2", ["node1", "node2"]),
+        ("a[1-2],b3", ["a1", "a2", "b3"]),
+        ("nid[001-002]-ib", ["nid001-ib", "nid002-ib"]),  # zero padding kept, a suffix after it
+        ("n[8-10]", ["n8", "n9", "n10"]),  # no padding: the width of the first number
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("login", ["login"]),
+    ],
+)
 def test_hostlist_expands_as_scontrol_does(nodelist, hosts):
     assert du.expand_hostlist(nodelist) == hosts
 
@@ -106,12 +138,18 @@ def test_device_and_backend_follow_cuda(monkeypatch):
     assert du.pick_device(3, env={}) == (torch.device("cuda", 0), "nccl")
 
 
-@pytest.mark.parametrize("env,given", [
-    ({}, None), ({"CUDA_VISIBLE_DEVICES": ""}, None), ({"CUDA_VISIBLE_DEVICES": "-1"}, None),
-    ({"SLURM_GPUS_ON_NODE": "0"}, None), ({"SLURM_JOB_GPUS": "NoDevFiles"}, None),
-    ({"CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
-    ({"SLURM_GPUS_ON_NODE": "4"}, "SLURM_GPUS_ON_NODE=4"),
-])
+@pytest.mark.parametrize(
+    "env,given",
+    [
+        ({}, None),
+        ({"CUDA_VISIBLE_DEVICES": ""}, None),
+        ({"CUDA_VISIBLE_DEVICES": "-1"}, None),
+        ({"SLURM_GPUS_ON_NODE": "0"}, None),
+        ({"SLURM_JOB_GPUS": "NoDevFiles"}, None),
+        ({"CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
+        ({"SLURM_GPUS_ON_NODE": "4"}, "SLURM_GPUS_ON_NODE=4"),
+    ],
+)
 def test_gpus_given_by_the_launcher(env, given):
     assert du.given_gpus(env) == given
 
@@ -120,8 +158,11 @@ def test_no_silent_cpu_fallback_where_gpus_were_given(monkeypatch):
     """GPUs given to the job but invisible to torch: an error that says why and how to train
     on the CPU on purpose; --device cuda without a GPU likewise."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UsageError, match=r"SLURM_GPUS_ON_NODE=4 gives this process GPUs, but "
-                                         r"torch .* sees none .*--device cpu"):
+    with pytest.raises(
+        UsageError,
+        match=r"SLURM_GPUS_ON_NODE=4 gives this process GPUs, but "
+        r"torch .* sees none .*--device cpu",
+    ):
         du.pick_device(0, env={"SLURM_GPUS_ON_NODE": "4"})
     with pytest.raises(UsageError, match="--device cuda asks for a GPU"):
         du.pick_device(0, "cuda", env={})
@@ -140,8 +181,12 @@ def test_two_ranks_on_one_gpu_are_named():
 def test_num_nodes():
     assert du.num_nodes({}) == 1
     assert du.num_nodes({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == 2
-    assert du.num_nodes({"SLURM_JOB_NUM_NODES": "3", "SLURM_STEP_NUM_NODES": "2",
-                         "SLURM_STEP_ID": "0"}) == 2
+    assert (
+        du.num_nodes(
+            {"SLURM_JOB_NUM_NODES": "3", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_ID": "0"}
+        )
+        == 2
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 7, 256])
@@ -165,6 +210,7 @@ def test_course_cnn_size():
 def test_a_trainer_is_built_with_keywords():
     """Trainer's fields are named where it is built: no row of positional Nones to miscount."""
     from train import Trainer
+
     with pytest.raises(TypeError):
         Trainer(None, None, None, None)
     bare = Trainer(model=None, optimizer=None, precision=None, env=None)
@@ -178,8 +224,10 @@ def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
     log = utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log")
     assert log.name == "ddp_2gpu_local-20260101-120000.log"
     log.touch()
-    assert utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log").name == \
-        "ddp_2gpu_local-20260101-120000-2.log"
+    assert (
+        utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log").name
+        == "ddp_2gpu_local-20260101-120000-2.log"
+    )
     assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000"
     (tmp_path / "sweep-20260101-120000").mkdir()
     (tmp_path / "sweep-20260101-120000-2").mkdir()
@@ -191,11 +239,18 @@ def test_no_test_file_imports_another():
     a test file would also collect its tests again under another name, and tie the two."""
     import ast
     from pathlib import Path
+
     imports = []
     for path in sorted(Path(__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            imports += [f"{path.name}: {name}" for name in names
-                        if name.split(".")[0].startswith("test_")]
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            imports += [
+                f"{path.name}: {name}" for name in names if name.split(".")[0].startswith("test_")
+            ]
     assert not imports, imports
