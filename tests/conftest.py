@@ -30,6 +30,23 @@ TINY = [
     "1000",
 ]
 
+# A run long enough to be signalled during its first epoch (128 steps of 32 images), with a
+# progress line every 20 steps to signal it on.
+LONG_RUN = [
+    "--dataset",
+    "synthetic",
+    "--train-samples",
+    "4096",
+    "--val-samples",
+    "64",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "2",
+    "--print-every",
+    "20",
+]
+
 
 def clean_environment(**extra) -> dict:
     """This environment without the variables of a surrounding launcher (pytest may itself run

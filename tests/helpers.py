@@ -5,6 +5,7 @@ another: what two of them need lives here."""
 
 import os
 import pickle
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from conftest import REPO, start_ranks
+from conftest import REPO, TINY, clean_environment, start_ranks
 from utils import format_metric
 
 COURSE_LOGS = REPO / "tests" / "fixtures" / "alps-course-logs"  # the course's real outputs
@@ -182,3 +183,44 @@ def end_rank1_during_training(args: list, signal_sent) -> tuple[str, int, float]
             rank.kill()
             rank.communicate()
     return error, status, elapsed
+
+
+def start_batch_script(
+    repo_copy: Path, tmp_path: Path, stand_ins: dict, tasks_status: int, restarts: int = 0
+) -> tuple[subprocess.Popen, Path]:
+    """run.sh started as SLURM's batch script of job 4242 (1 node, 2 tasks), with stand-ins for
+    SLURM's binaries and the Python (name -> bash body) first on PATH; they write what they were
+    asked into the returned file (CALLS) and end the tasks with tasks_status."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = clean_environment(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        CALLS=str(calls),
+        TASKS_STATUS=str(tasks_status),
+        PYTHON=str(bin_dir / "python"),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="node1",
+        SLURM_RESTART_COUNT=str(restarts),
+    )
+    script = subprocess.Popen(
+        ["bash", "run.sh", *TINY],
+        cwd=repo_copy,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    return script, calls
+
+
+def wait_for(path: Path, script: subprocess.Popen) -> None:
+    """Until `path` exists; fails if the script ends first or after 60 s."""
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline and script.poll() is None, script.communicate()
+        time.sleep(0.1)

@@ -12,6 +12,7 @@ import pytest
 import main
 import strategies
 from conftest import (
+    LONG_RUN,
     REPO,
     TINY,
     assert_one_line_error,
@@ -362,22 +363,8 @@ def test_help_explains_every_option():
 
 def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     """SIGUSR1 from outside: checkpoint, exit status 3, and a continue command that works."""
-    args = [
-        "--dataset",
-        "synthetic",
-        "--train-samples",
-        "4096",
-        "--val-samples",
-        "64",
-        "--batch-size",
-        "32",
-        "--epochs",
-        "2",
-        "--print-every",
-        "20",
-    ]
     proc = subprocess.Popen(
-        [sys.executable, "main.py", *args],
+        [sys.executable, "main.py", *LONG_RUN],
         cwd=repo_copy,
         text=True,
         stdout=subprocess.PIPE,
@@ -410,24 +397,7 @@ def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
 
 
 # Two ranks, long enough to be signalled during epoch 1, their checkpoints in ckpt/.
-STOP_RUN = [
-    "--dataset",
-    "synthetic",
-    "--train-samples",
-    "4096",
-    "--val-samples",
-    "64",
-    "--batch-size",
-    "32",
-    "--epochs",
-    "2",
-    "--print-every",
-    "20",
-    "--checkpoint-dir",
-    "ckpt",
-    "--pg-timeout",
-    "60",
-]
+STOP_RUN = [*LONG_RUN, "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
 
 
 def signal_rank_1_in_epoch_1(args: list, signum: int, cwd: Path, **start):

@@ -18,6 +18,7 @@ import checkpoint
 import stopping
 from config import Config
 from conftest import (
+    LONG_RUN,
     REPO,
     TINY,
     assert_one_line_error,
@@ -27,6 +28,7 @@ from conftest import (
     start_ranks,
 )
 from dist_harness import spawn
+from helpers import start_batch_script, wait_for
 
 STATUS_CHECKPOINT = 5  # main.EXIT_STATUS["checkpoint"]
 STATUS_STOPPED = 3
@@ -321,23 +323,7 @@ def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_pat
 # ----------------------------------------------------------------------------- every stop signal
 
 STOP_SIGNALS = ["SIGUSR1", "SIGUSR2", "SIGTERM"]
-# Long enough to be signalled during epoch 1.
-LONG = [
-    "--dataset",
-    "synthetic",
-    "--train-samples",
-    "4096",
-    "--val-samples",
-    "64",
-    "--batch-size",
-    "32",
-    "--epochs",
-    "2",
-    "--print-every",
-    "20",
-    "--device",
-    "cpu",
-]
+LONG = [*LONG_RUN, "--device", "cpu"]
 
 
 def children(pid: int) -> list[int]:
@@ -450,35 +436,9 @@ def batch_job_signalled(
 ):
     """run.sh as SLURM's batch script, sent signal_name while its tasks train: (the finished
     script, the calls the stand-ins wrote down)."""
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    bin_dir.mkdir()
-    for name, body in SLURM_STAND_INS.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    env = clean_environment(
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        CALLS=str(calls),
-        TASKS_STATUS=str(tasks_status),
-        PYTHON=str(bin_dir / "python"),
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NUM_NODES="1",
-        SLURM_NTASKS="2",
-        SLURM_JOB_NODELIST="node1",
-        SLURM_RESTART_COUNT="0",
-    )
-    script = subprocess.Popen(
-        ["bash", "run.sh", *TINY],
-        cwd=repo_copy,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    script, calls = start_batch_script(repo_copy, tmp_path, SLURM_STAND_INS, tasks_status)
     try:
-        deadline = time.monotonic() + 60
-        while not Path(f"{calls}.started").exists():
-            assert time.monotonic() < deadline and script.poll() is None, script.communicate()
-            time.sleep(0.1)
+        wait_for(Path(f"{calls}.started"), script)
         time.sleep(0.3)  # the stand-in's traps are set once it wrote its pid
         script.send_signal(getattr(signal, signal_name))
         out, err = script.communicate(timeout=30)

@@ -16,6 +16,7 @@ import tomllib
 
 from config import option_flag
 from conftest import REPO, TINY, assert_one_line_error, clean_environment, metrics_in, run
+from helpers import start_batch_script, wait_for
 from utils import parse_comm
 
 
@@ -239,13 +240,6 @@ until [ -e "$CALLS.checked" ]; do sleep 0.1; done""",
 }
 
 
-def wait_for(path: Path, script: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert time.monotonic() < deadline and script.poll() is None, script.communicate()
-        time.sleep(0.1)
-
-
 def warned_batch_job(
     repo_copy: Path,
     tmp_path: Path,
@@ -255,30 +249,7 @@ def warned_batch_job(
 ):
     """run.sh as SLURM's batch script, given the time-limit warning while its tasks train, or
     while it checks the arguments, before any task started."""
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    bin_dir.mkdir()
-    for name, body in SLURM_STAND_INS.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    env = clean_environment(
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        CALLS=str(calls),
-        TASKS_STATUS=str(tasks_status),
-        PYTHON=str(bin_dir / "python"),
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NUM_NODES="1",
-        SLURM_NTASKS="2",
-        SLURM_JOB_NODELIST="node1",
-        SLURM_RESTART_COUNT=str(restarts),
-    )
-    script = subprocess.Popen(
-        ["bash", "run.sh", *TINY],
-        cwd=repo_copy,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    script, calls = start_batch_script(repo_copy, tmp_path, SLURM_STAND_INS, tasks_status, restarts)
     try:
         wait_for(Path(f"{calls}.checking"), script)
         if warned_while == "checking":
