@@ -27,6 +27,7 @@ SBATCH_PARTITION and SBATCH_ACCOUNT.
 """
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -196,13 +197,19 @@ SWEEP_OPTION = {
 }
 
 
+@functools.cache
+def main_options() -> dict[str, argparse.Action]:
+    """main.py's option strings (`--batch-size`, `--batch_size`), each with its action."""
+    return config.add_options(argparse.ArgumentParser())._option_string_actions
+
+
 def main_option(token: str) -> str | None:
     """The Config field a main.py option sets (`--batch-size=64`, an alias or an abbreviation
     argparse would accept), or None when the token names no single one."""
     if not token.startswith("--"):
         return None
     name = token.split("=", 1)[0]
-    actions = config.add_options(argparse.ArgumentParser())._option_string_actions
+    actions = main_options()
     dests = (
         {actions[name].dest}
         if name in actions

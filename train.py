@@ -224,7 +224,7 @@ class StageTimer:
     def measure(self):
         if self.cuda:
             if self.used == len(self.pairs):
-                self.pairs.append(tuple(torch.cuda.Event(enable_timing=True) for _ in "se"))
+                self.pairs.append(tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)))
             start, end = self.pairs[self.used]
             self.used += 1
             start.record()
