@@ -400,6 +400,9 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
                 }
             )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
+    for column in UTILISATION:  # `na` (no known peak) becomes an empty cell
+        if column in frame:
+            frame[column] = pd.to_numeric(frame[column], errors="coerce")
     leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
     return frame[leading + [c for c in frame.columns if c not in leading]]
 
@@ -464,7 +467,7 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "throughput": median_after_first(run, "throughput"),
                 "peak_mem": run["peak_mem"].max(),
                 "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
-                **{t: median_after_first(run, t) for t in TIME_PARTS},
+                **{t: median_after_first(run, t) for t in (*TIME_PARTS, *UTILISATION)},
                 "steps": final.get("train_images", math.nan) / final.get("global_batch", math.nan),
                 "sharding": final.get("sharding", pd.NA),
                 "threads_per_core": final.get("threads_per_core", math.nan),
@@ -476,6 +479,9 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
 
 # Where an epoch's time went (train.py's [METRIC] keys): they add up to `time`.
 TIME_PARTS = ("t_compute", "t_data", "t_comm", "t_wait")
+# How close to the hardware (mfu.py): model TFLOP/s per device, and MFU in percent (empty where
+# the run knew no peak for its device).
+UTILISATION = ("tflops", "mfu")
 
 
 def message_seconds(comm: pd.DataFrame, op: str, label_prefix: str) -> float:
@@ -543,7 +549,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         throughput_max=("throughput", "max"),
         peak_mem=("peak_mem", "max"),
         state_mem=("state_mem", "max"),
-        **{t: (t, "median") for t in (*TIME_PARTS, "comm_model")},
+        **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, "comm_model")},
         threads_per_core=("threads_per_core", "max"),
         device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
     )
@@ -581,6 +587,8 @@ TABLE_COLUMNS = (
     ("peak_mem", "peak mem MB", "{:.0f}"),
     ("speedup", "speedup", "{:.2f}"),
     ("efficiency", "efficiency", "{:.0f}%"),
+    ("tflops", "TFLOP/s per GPU", "{:.3g}"),
+    ("mfu", "MFU %", "{:.1f}"),
     # Communication per epoch: not hidden behind compute (measured), and what the model's
     # messages would take at the bandwidth the job measured (--comm-benchmark).
     ("t_comm", "t_comm s", "{:.3f}"),

@@ -186,6 +186,13 @@ class Config:
         "line each (comm_bench.py)",
         flag="--comm-benchmark",
     )
+    peak_tflops: float | None = option(
+        None,
+        "one device's dense peak TFLOP/s at the run's --precision, for the mfu field of "
+        "[METRIC] (default: from mfu.PEAK_TFLOPS for the GPUs listed there; none on a CPU)",
+        minimum=0,
+        metavar="TFLOPS",
+    )
     print_every: int = option(50, "progress line every N steps (rank 0)", minimum=1, metavar="N")
     pg_timeout: float = option(
         300.0,

@@ -33,6 +33,7 @@ from collect_results import (  # noqa: E402
     DEFAULT_OUT,
     GPU_TIMELINE_CSV,
     TIME_PARTS,
+    UTILISATION,
     cores_outnumbered,
     markdown_table,
     note,
@@ -46,6 +47,7 @@ from utils import UsageError, fail  # noqa: E402
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
 REQUIRED = ("strategy", "gpus", *COURSE_COLUMNS)
 NUMERIC = ("gpus", *COURSE_COLUMNS)
+MAY_BE_EMPTY = ("throughput", *UTILISATION)  # numbers where known (the course's CSV has none)
 IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
 
 
@@ -70,10 +72,10 @@ def read_results(path: Path) -> pd.DataFrame:
         raise UsageError(f"{path} is not a results CSV: no column {', '.join(missing)}")
     if results.empty:
         raise UsageError(f"{path} has no rows")
-    for column in (*NUMERIC, "throughput"):
+    for column in (*NUMERIC, *MAY_BE_EMPTY):
         if column in results:
             numbers = pd.to_numeric(results[column], errors="coerce")
-            if column != "throughput" and numbers.isna().any():
+            if column not in MAY_BE_EMPTY and numbers.isna().any():
                 row = int(numbers.isna().idxmax()) + 2  # + header, 1-based
                 raise UsageError(f"{path} line {row}: {column} is not a number")
             results[column] = numbers
@@ -289,12 +291,27 @@ def plot_speedup(summary: pd.DataFrame) -> Figure:
 
 
 def plot_throughput(summary: pd.DataFrame) -> Figure:
-    fig, (ax,) = figure()
-    plot_lines(ax, summary, "throughput", "throughput (images/s, all GPUs)")
-    plot_ideal_scaling(ax, summary, "throughput", 1)
-    ax.set_ylim(bottom=0)
-    ax.set_title("Training throughput (median after epoch 1) vs ideal N x")
-    ax.legend()
+    """Images/s of all GPUs against the ideal and, where the runs reported it, the model
+    TFLOP/s each GPU achieved, each point labelled with its MFU where the peak was known."""
+    has_tflops = "tflops" in summary and summary["tflops"].notna().any()
+    fig, axes = figure(2 if has_tflops else 1)
+    plot_lines(axes[0], summary, "throughput", "throughput (images/s, all GPUs)")
+    plot_ideal_scaling(axes[0], summary, "throughput", 1)
+    axes[0].set_title("Training throughput (median after epoch 1) vs ideal N x")
+    if has_tflops:
+        rows = plot_lines(axes[1], summary, "tflops", "model TFLOP/s per GPU (mfu.py)")
+        for _, row in rows.dropna(subset=["mfu"]).iterrows():
+            axes[1].annotate(
+                f"MFU {row['mfu']:.1f}%",
+                (row["gpus"], row["tflops"]),
+                textcoords="offset points",
+                xytext=(4, -10),
+                fontsize="small",
+            )
+        axes[1].set_title("How close to the hardware: achieved model FLOP rate")
+    for ax in axes:
+        ax.set_ylim(bottom=0)
+        ax.legend()
     return fig
 
 
@@ -343,24 +360,57 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     return fig
 
 
-def sweep_points(comm: pd.DataFrame | None) -> pd.DataFrame:
-    """The message-size sweep of the [COMM] lines at world sizes above 1 (a single rank moves
-    nothing between ranks: its bus bandwidth is 0 by definition), median over runs."""
+def comm_points(comm: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The [COMM] lines at world sizes above 1 (a single rank moves nothing between ranks: its
+    bus bandwidth is 0 by definition), median over runs: the message-size sweep, and the
+    model's own messages (DDP's buckets, each FSDP unit: comm_bench.messages)."""
     if comm is None or comm.empty:
         raise NotPlottable(f"no [COMM] lines ({COMM_CSV}: run with --comm-benchmark)")
-    sweep = comm[(comm["label"] == "sweep") & (comm["world_size"] > 1)]
-    if sweep.empty:
+    between = comm[comm["world_size"] > 1]
+    is_sweep = between["label"] == "sweep"
+    if not is_sweep.any():
         raise NotPlottable("no message-size sweep at a world size above 1")
-    return sweep.groupby(["op", "world_size", "bytes"], as_index=False)["busbw_gbps"].median()
+    # The whole gradient (label grad) is no message either strategy sends: DDP sends buckets.
+    own = between[~is_sweep & (between["label"] != "grad")]
+    keys = ["op", "world_size", "bytes"]
+    return tuple(
+        rows.groupby(keys, as_index=False)["busbw_gbps"].median()
+        for rows in (between[is_sweep], own)
+    )
+
+
+# How each collective's own messages are named on the figure.
+OWN_MESSAGES = {
+    "all_reduce": "DDP's gradient buckets",
+    "all_gather": "FSDP's units (gathered)",
+    "reduce_scatter": "FSDP's units (gradients)",
+}
 
 
 def plot_comm_bandwidth(comm: pd.DataFrame | None) -> Figure:
-    points = sweep_points(comm)
+    """Bus bandwidth over message size, one curve per world size, and on them where this
+    model's own messages sit: left of the knee they are latency-bound, on the plateau
+    bandwidth-bound."""
+    points, own = comm_points(comm)
     ops = sorted(points["op"].unique())
     fig, axes = figure(len(ops))
     for ax, op in zip(axes, ops):
         for world_size, line in points[points["op"] == op].groupby("world_size"):
-            ax.plot(line["bytes"], line["busbw_gbps"], marker="o", label=f"{world_size} ranks")
+            (curve,) = ax.plot(
+                line["bytes"], line["busbw_gbps"], marker="o", label=f"{world_size} ranks"
+            )
+            mine = own[(own["op"] == op) & (own["world_size"] == world_size)]
+            if not mine.empty:
+                ax.scatter(
+                    mine["bytes"],
+                    mine["busbw_gbps"],
+                    marker="*",
+                    s=140,
+                    color=curve.get_color(),
+                    edgecolors="black",
+                    zorder=3,
+                    label=f"{OWN_MESSAGES[op]}, {world_size} ranks",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes), log scale")
         ax.set_ylabel("bus bandwidth (GB/s, nccl-tests' busbw)")

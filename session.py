@@ -15,12 +15,13 @@ import torch
 import checkpoint
 import data
 import distributed_utils
+import mfu
 import stopping
 from comm_bench import run_comm_benchmark
 from config import SHARDED, Config, check_world
 from fsdp_utils import effective_sharding, low_precision
 from model import build_model, count_parameters
-from strategies import check_device_options, make_precision, wrap_model
+from strategies import check_device_options, devices_per_rank, make_precision, wrap_model
 from train import (
     PROFILE_SCHEDULE,
     ComputeCalibration,
@@ -74,6 +75,11 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     parameters = count_parameters(model)
     model = wrap_model(cfg, model, env.device, env.world_size, nodes)
     optimizer = make_optimizer(cfg, model)
+    flops = mfu.ModelFlops(
+        per_image=mfu.training_flops_per_image(cfg.model, spec.num_classes, spec.image_shape),
+        devices=env.world_size * devices_per_rank(cfg.strategy, env.device),
+        peak_tflops=cfg.peak_tflops or mfu.device_peak_tflops(env.device, cfg.precision),
+    )
 
     # The [METRIC] line's fields that are not measured (their order is utils.METRIC_FIELDS'):
     # those that name the run, those that say how it ran, and those known once it is built.
@@ -108,6 +114,8 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **sizes,
         "steps_per_epoch": len(loaders.train),
         "parameters": parameters,
+        "flops_per_image": flops.per_image,
+        "peak_tflops": flops.peak_tflops or mfu.UNKNOWN,
         "torch": torch.__version__,
         **setting,
     }
@@ -124,6 +132,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         grad_accum=cfg.grad_accum,
         clip_grad=cfg.clip_grad,
         calibration=calibration,
+        flops=flops,
     )
     return trainer, resolved
 

@@ -44,6 +44,14 @@ def wrap_model(
     return torch.compile(model) if cfg.compile else model
 
 
+def devices_per_rank(strategy: str, device: torch.device) -> int:
+    """The devices one rank computes on: DataParallel drives every visible GPU from its one
+    process; every other strategy one device per rank."""
+    if strategy == "dp" and device.type == "cuda":
+        return torch.cuda.device_count()
+    return 1
+
+
 def make_precision(precision: str, strategy: str, device: torch.device) -> Precision:
     """How a step of this strategy runs at this --precision: FSDP casts through its mixed
     precision policy (fsdp_utils); every unsharded model (DDP, DP, single) needs autocast."""

@@ -34,6 +34,7 @@ from checkpoint import Position
 from config import Config
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv, barrier
+from mfu import ModelFlops, implausible
 from stopping import StopRequest
 from utils import format_metric, is_rank_zero, log0, metric_order
 
@@ -393,6 +394,7 @@ class Trainer:
     clip_grad: float | None = None
     calibration: "ComputeCalibration | None" = None  # for t_compute (see time_breakdown)
     profiler: StepProfiler | None = None
+    flops: ModelFlops | None = None  # for tflops and mfu
 
     @functools.cached_property
     def data_timer(self) -> StageTimer:
@@ -424,6 +426,8 @@ class Trainer:
                 )
             history.append(metric_order({**measured, **self.labels}))
             log0(format_metric(history[-1]))
+            if warning := implausible(history[-1]):
+                log0(warning)
             position = Position(epoch=position.epoch + 1)
             save(position)
             if stopping and position.epoch <= epochs:
@@ -455,6 +459,7 @@ class Trainer:
             dist.ReduceOp.MAX,
         )
         train_loss = reached.loss_sum / max(reached.seen, 1)
+        throughput = reached.seen / reached.time
         return reached, {
             "epoch": reached.epoch,
             "time": reached.time,
@@ -463,12 +468,13 @@ class Trainer:
             "peak_mem": round(peak / 2**20),
             "train_loss": train_loss,
             "val_time": val["val_time"],
-            "throughput": reached.seen / reached.time,
+            "throughput": throughput,
             "data_wait": reached.data_wait,
             "state_mem": int(state),
             "data_mem": round(self.loaders.device_bytes() / 2**20),
             "reserved_mem": round(reserved / 2**20),
             **breakdown,
+            **(self.flops.fields(throughput) if self.flops else {}),
         }
 
     def train_epoch(

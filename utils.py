@@ -57,7 +57,9 @@ METRIC_FIELDS = (
     "t_compute",
     "t_data",
     "t_comm",
-    "t_wait",  # measured since
+    "t_wait",
+    "tflops",
+    "mfu",  # measured since
     "sharding",
     "train_images",  # labels added since (e.g. the sharding FSDP really used)
 )

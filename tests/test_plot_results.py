@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_rgb
 
 import collect_results
 import plot_results
@@ -426,3 +427,35 @@ def test_every_legend_entry_of_the_breakdown_stands_clear_of_its_label():
         assert math.isfinite(drawn.x0) and drawn.x1 < text.get_window_extent(renderer).x0, (
             text.get_text()
         )
+
+
+def test_the_models_own_messages_sit_on_the_bandwidth_curves():
+    """Each of the model's messages measured at a world size above 1 is a star on its
+    collective's panel, at its size and measured bandwidth, in the colour of its world size's
+    curve; the whole-gradient all-reduce (no message either strategy sends) and a single rank's
+    messages are not drawn."""
+    own = [
+        ("all_reduce", "bucket0", 2_000_000, 2, 0.4),
+        ("all_reduce", "grad", 2_214_056, 2, 0.45),
+        ("all_gather", "unit_conv1", 1_792, 2, 0.01),
+        ("reduce_scatter", "unit_conv1", 1_792, 2, 0.02),
+        ("all_reduce", "bucket0", 2_000_000, 1, 0.0),
+    ]
+    rows = [
+        {"op": op, "label": label, "bytes": size, "world_size": n, "busbw_gbps": bw}
+        for op, label, size, n, bw in own
+    ]
+    comm = pd.concat([comm_frame(), pd.DataFrame(rows).assign(sweep="s")], ignore_index=True)
+    fig = plot_results.plot_comm_bandwidth(comm)
+    stars = {
+        ax.get_title(): [tuple(p) for c in ax.collections for p in c.get_offsets()]
+        for ax in fig.axes
+    }
+    assert stars == {
+        "all_gather": [(1792, 0.01)],
+        "all_reduce": [(2_000_000, 0.4)],
+        "reduce_scatter": [(1792, 0.02)],
+    }
+    for ax in fig.axes:
+        (curve,) = ax.lines
+        assert (ax.collections[0].get_facecolor()[0][:3] == to_rgb(curve.get_color())).all()
