@@ -5,7 +5,11 @@
    preloaded tensors, no wrapper, no metrics);
 3. the share of step time spent waiting for data (tensor path), and the operations torch
    dispatches per training step (each one a kernel launch on a GPU);
-4. DDP and FSDP at world sizes 1, 2 and 4, one GPU each, as many as there are GPUs (1 and 2
+4. the scaling study's floor: the step time of one rank at the local batch each rank gets in
+   the default strong-scaling sweep (global batch / N for N = 1, 2, 4, 8 GPUs), eager and, on
+   a GPU, as one CUDA graph (--cuda-graphs), and the epoch time that implies: the best each
+   sweep point can do before any communication;
+5. DDP and FSDP at world sizes 1, 2 and 4, one GPU each, as many as there are GPUs (1 and 2
    on a CPU), launched by torchrun as users do: images/s and scaling efficiency.
 
 Every number comes from the project's own code paths (data.py, train.py, session.py), so a
@@ -18,7 +22,9 @@ regression in them shows here. Warm-up (first batches, first epoch) is never tim
 
 import argparse
 import collections
+import dataclasses
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -181,7 +187,80 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     }
 
 
-def scaling_run(strategy: str, world_size: int, batch: int, samples: int, epochs: int) -> dict:
+SWEEP_GPUS = (1, 2, 4, 8)  # run_benchmarks.py's default GPU counts
+EPOCH_IMAGES = 50_000  # a CIFAR-10 epoch
+
+
+def seconds_per_step(cfg: Config, env, rounds: int = 3) -> tuple[float, float]:
+    """One rank's training step at cfg's batch, alone (world size 1, DDP: what each rank of a
+    sweep point computes, without the others): the median over `rounds` epochs after a warm-up
+    epoch (which, with --cuda-graphs, holds the eager steps and the capture), and the
+    operations it dispatches (eager only: a graph's replay dispatches none of them)."""
+    trainer, _ = build_trainer(cfg, env)
+    steps = len(trainer.loaders.train)
+    operations = math.nan
+    if not cfg.cuda_graphs:
+        operations = sum(operations_per_step(trainer, steps=steps // 2).values())
+    trainer.train_epoch(Position(1))
+    times = [trainer.train_epoch(Position(epoch))[0].time for epoch in range(2, rounds + 2)]
+    return statistics.median(times) / steps, operations
+
+
+def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tuple]:
+    """Rows of the floor table: per GPU count N of the sweep, the local batch global_batch / N,
+    its operations and step time, eager and (on a GPU) graphed, and the CIFAR-10 epoch time
+    those steps imply."""
+    epoch_steps = EPOCH_IMAGES // global_batch  # strong scaling: the same at every N
+    rows = [
+        (
+            "GPUs",
+            "local batch",
+            "operations per step",
+            "step, eager (ms)",
+            "epoch, eager (s)",
+            "step, CUDA graph (ms)",
+            "epoch, CUDA graph (s)",
+        )
+    ]
+    env = distributed_utils.setup()
+    try:
+        for n in SWEEP_GPUS:
+            local = global_batch // n
+            cfg = Config(
+                dataset="synthetic",
+                train_samples=local * steps,
+                val_samples=local,
+                batch_size=local,
+                epochs=1,
+                checkpoint=False,
+                augment=True,
+                print_every=10**9,
+            )
+            eager, operations = seconds_per_step(cfg, env)
+            graphed = (
+                seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)[0]
+                if device.type == "cuda"
+                else math.nan
+            )
+            rows.append(
+                (
+                    n,
+                    local,
+                    f"{operations:.0f}",
+                    f"{1000 * eager:.2f}",
+                    f"{eager * epoch_steps:.2f}",
+                    "no GPU" if math.isnan(graphed) else f"{1000 * graphed:.2f}",
+                    "no GPU" if math.isnan(graphed) else f"{graphed * epoch_steps:.2f}",
+                )
+            )
+    finally:
+        distributed_utils.cleanup()
+    return rows
+
+
+def scaling_run(
+    strategy: str, world_size: int, batch: int, samples: int, epochs: int, extra: tuple = ()
+) -> dict:
     """main.py under torchrun; the last epoch's [METRIC] line (earlier ones carry warm-up)."""
     cmd = [
         sys.executable,
@@ -205,8 +284,9 @@ def scaling_run(strategy: str, world_size: int, batch: int, samples: int, epochs
         "--print-every",
         str(10**9),
         "--no-checkpoint",
-        "--augment",
-    ]  # crop and flip, as CIFAR-10 runs do
+        "--augment",  # crop and flip, as CIFAR-10 runs do
+        *extra,
+    ]
     # One thread per rank at every world size, so efficiency compares like with like.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -274,6 +354,21 @@ def main(argv=None) -> None:
     ]
     print(table(rows) + "\n", flush=True)
 
+    floor = sweep_floor(b, steps // 2, device)
+    print(
+        f"The sweep's floor: one rank's step at the local batch of each GPU count N (global "
+        f"batch {b}, strong scaling), and the epoch of {EPOCH_IMAGES:,} images "
+        f"({EPOCH_IMAGES // b} steps) it implies, before any communication:\n"
+    )
+    print(table(floor), flush=True)
+    smallest, largest = floor[-1], floor[1]
+    print(
+        f"\nStep at local batch {smallest[1]} / step at {largest[1]}: "
+        f"{float(smallest[3]) / float(largest[3]):.2f} eager (target <= 0.5: room for the "
+        f"{smallest[0]}-GPU point to scale)\n",
+        flush=True,
+    )
+
     rows = [("strategy", "ranks", "images/s", "epoch time (s)", "efficiency", "peak mem (MB)")]
     for strategy in ("ddp", "fsdp"):
         base = None
@@ -296,9 +391,11 @@ def main(argv=None) -> None:
     )
     print(table(rows))
     if gpu:
+        graphed = scaling_run("ddp", 1, b, samples, epochs=2, extra=("--cuda-graphs",))
         print(
             f"\nOne epoch of {samples:,} images at global batch {b} on one GPU: "
-            f"{rows[1][3]} s (target < 0.3 s; the course measured about 7 s)."
+            f"{rows[1][3]} s eager (target < 0.3 s; the course measured about 7 s), "
+            f"{graphed['time']:.2f} s with --cuda-graphs (target <= 0.25 s)."
         )
     else:
         print("\nNo GPU here: the one-GPU epoch-time target (< 0.3 s) was not measured.")

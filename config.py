@@ -165,6 +165,12 @@ class Config:
         "torch.compile the model (the first epoch then includes compiling: about 20 s on a CPU)",
         flag="--compile",
     )
+    cuda_graphs: bool = option(
+        False,
+        "capture the whole training step as one CUDA graph after a few eager steps and replay "
+        "it (single and ddp on a GPU; not yet run on a GPU: docs/performance.md)",
+        flag="--cuda-graphs",
+    )
     seed: int = option(42, "seed for weights, data order and synthetic data", minimum=0)
     deterministic: bool = option(
         False,

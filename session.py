@@ -48,7 +48,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     )
     check_world(cfg, env.world_size, len(train_set))
     check_device_options(cfg, env.device)
-    precision = make_precision(cfg.precision, cfg.strategy, env.device)
+    precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)
     fp32_math = set_fp32_math(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     loaders = data.build_loaders(
@@ -133,6 +133,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         clip_grad=cfg.clip_grad,
         calibration=calibration,
         flops=flops,
+        cuda_graphs=cfg.cuda_graphs,
     )
     return trainer, resolved
 

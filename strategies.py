@@ -6,10 +6,13 @@ The names of the strategies are config.py's; this module only maps them to the c
 them, so that adding a strategy touches config.py (its name) and this file.
 """
 
+import contextlib
+
 import torch
 
 import distributed_utils
 from config import SHARDED, Config
+from cuda_graphs import side_stream
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import get_fsdp2_model, get_fsdp_model, low_precision
 from train import Precision
@@ -32,7 +35,9 @@ def wrap_model(
         ranks_per_node=world_size // nodes,
     )
     if cfg.strategy == "ddp":
-        model = get_ddp_model(model, device)
+        # A step captured as a CUDA graph must find none of DDP's set-up on the default stream.
+        with side_stream(device) if cfg.cuda_graphs else contextlib.nullcontext():
+            model = get_ddp_model(model, device)
     elif cfg.strategy == "fsdp":
         model = get_fsdp_model(model, device, **shard)
     elif cfg.strategy == "fsdp2":
@@ -52,9 +57,13 @@ def devices_per_rank(strategy: str, device: torch.device) -> int:
     return 1
 
 
-def make_precision(precision: str, strategy: str, device: torch.device) -> Precision:
+def make_precision(
+    precision: str, strategy: str, device: torch.device, cuda_graphs: bool = False
+) -> Precision:
     """How a step of this strategy runs at this --precision: FSDP casts through its mixed
-    precision policy (fsdp_utils); every unsharded model (DDP, DP, single) needs autocast."""
+    precision policy (fsdp_utils); every unsharded model (DDP, DP, single) needs autocast,
+    without its cache of cast weights where the step is a CUDA graph (torch's notes: the cache
+    would hold tensors of the capture)."""
     fp16 = precision == "fp16"
     if strategy == "fsdp":  # FSDP1's gradients are flat shards: its scaler sees them all
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -62,7 +71,8 @@ def make_precision(precision: str, strategy: str, device: torch.device) -> Preci
         scaler = ShardedGradScaler(device.type, enabled=fp16)
     else:
         scaler = torch.amp.GradScaler(device.type, enabled=fp16)
-    return Precision(None if strategy in SHARDED else low_precision(precision), scaler)
+    autocast = None if strategy in SHARDED else low_precision(precision)
+    return Precision(autocast, scaler, cache=not cuda_graphs)
 
 
 def check_device_options(cfg: Config, device: torch.device) -> None:
@@ -86,6 +96,34 @@ def check_device_options(cfg: Config, device: torch.device) -> None:
         raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
     if cfg.sync_bn and cfg.strategy != "ddp":
         raise UsageError("--sync-bn is for --strategy ddp")
+    if cfg.cuda_graphs and (why := cuda_graphs_refusal(cfg, device)):
+        raise UsageError(f"--cuda-graphs: {why}")
+
+
+def cuda_graphs_refusal(cfg: Config, device: torch.device) -> str | None:
+    """Why the step of this run cannot be one CUDA graph, and what to do; None where it can.
+    A graph replays the same kernels on the same addresses: nothing may be decided on the host
+    between them."""
+    if device.type != "cuda":
+        return "a CUDA graph records GPU kernels: it needs a GPU (leave the option out on a CPU)"
+    if cfg.strategy not in ("single", "ddp"):
+        return (
+            f"--strategy {cfg.strategy} cannot be captured (FSDP gathers and frees each unit "
+            "from hooks run on the host; dp copies the model at every step): use ddp or single"
+        )
+    if cfg.precision == "fp16":
+        return (
+            "fp16's gradient scaler decides on the host at every step whether to skip it: "
+            "use --precision bf16"
+        )
+    if cfg.lr_schedule != "none" or cfg.warmup_epochs:
+        return (
+            "the graph would keep the first step's learning rate: use a constant one "
+            "(--lr-schedule none, --warmup-epochs 0)"
+        )
+    if cfg.compile:
+        return "torch.compile makes CUDA graphs of its own (mode='reduce-overhead'): use one"
+    return None
 
 
 def check_device(cfg: Config) -> tuple[torch.device, str]:

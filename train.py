@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint import Position
 from config import Config
+from cuda_graphs import GraphedStep
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv, barrier
 from mfu import ModelFlops, implausible
@@ -45,11 +46,12 @@ class Precision:
 
     autocast_dtype: torch.dtype | None
     scaler: torch.amp.GradScaler
+    cache: bool = True  # autocast's cache of cast weights (off in a CUDA graph)
 
     def autocast(self, device: torch.device):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype)
+        return torch.autocast(device.type, dtype=self.autocast_dtype, cache_enabled=self.cache)
 
 
 def set_fp32_math(precision: str) -> str:
@@ -86,6 +88,8 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     optimizer, options = (
         (torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else (torch.optim.Adam, {})
     )
+    if cfg.cuda_graphs and optimizer is torch.optim.Adam:
+        options["capturable"] = True  # its step count on the device, advanced by the graph
     params = list(model.parameters())
     if not any(isinstance(p, DTensor) for p in params):
         try:
@@ -395,6 +399,18 @@ class Trainer:
     calibration: "ComputeCalibration | None" = None  # for t_compute (see time_breakdown)
     profiler: StepProfiler | None = None
     flops: ModelFlops | None = None  # for tflops and mfu
+    cuda_graphs: bool = False  # train_step as one CUDA graph (cuda_graphs.py)
+
+    @functools.cached_property
+    def loss_sum(self) -> torch.Tensor:
+        """Where the steps add their mean losses: one tensor for the whole run (zeroed every
+        epoch), so that a CUDA graph of the step adds to the same memory every time."""
+        return torch.zeros((), device=self.env.device)
+
+    @functools.cached_property
+    def train_step(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """What trains one batch: `step`, or `step` captured as a CUDA graph."""
+        return GraphedStep(self.step, self.env.device) if self.cuda_graphs else self.step
 
     @functools.cached_property
     def data_timer(self) -> StageTimer:
@@ -487,7 +503,7 @@ class Trainer:
         """
         self.model.train()
         device = self.env.device
-        mean_loss_sum = torch.zeros((), device=device)  # of the steps' mean losses
+        mean_loss_sum = self.loss_sum.zero_()  # of the steps' mean losses
         seen = 0  # images: known on the host, no device work per step
         self.loaders.set_position(start.epoch, start.step)
         total = len(self.loaders.train)
@@ -503,7 +519,7 @@ class Trainer:
             with data_wait.measure():
                 images, labels = next(batches)
 
-            self.step(images, labels, mean_loss_sum)
+            self.train_step(images, labels, mean_loss_sum)
             if self.profiler:
                 self.profiler.profiler.step()
             seen += len(labels)

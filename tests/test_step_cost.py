@@ -4,12 +4,15 @@ counts them. The budget fails when per-step work comes back: per-batch augmentat
 for-loop optimizer, a list of micro-batches, a detach or division per step."""
 
 import collections
+import json
+import sys
 
 import pytest
 
 from benchmark import operations_per_step
 from checkpoint import Position
 from config import Config
+from conftest import run
 from dist_harness import spawn
 from session import build_trainer
 
@@ -50,3 +53,26 @@ def test_a_ddp_step_dispatches_at_most_100_operations():
     # slice of the epoch's augmented images normalized by one multiply-add.
     assert ops.get("aten._fused_adam_") == 1 and ops.get("aten.addcmul") == 1, ops
     assert not {"aten.gather", "aten.randint", "aten.index_select", "aten.slice"} & set(ops)
+
+
+@pytest.mark.timeout(300)
+def test_the_sweeps_floor_table_times_each_local_batch_of_strong_scaling():
+    """benchmark.py's floor: one row per GPU count of the sweep, at global batch / N images a
+    step, whose epoch time is its step time x the CIFAR-10 epoch's steps; no graphed column
+    without a GPU (never a number that did not run)."""
+    done = run(
+        [
+            sys.executable,
+            "-c",
+            "import benchmark, torch, json; "
+            "print(json.dumps(benchmark.sweep_floor(64, 4, torch.device('cpu'))))",
+        ],
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    header, *rows = json.loads(done.stdout.splitlines()[-1])
+    assert [(n, local) for n, local, *_ in rows] == [(1, 64), (2, 32), (4, 16), (8, 8)]
+    for _, _, operations, step_ms, epoch_s, graph_step, graph_epoch in rows:
+        assert float(operations) <= BUDGET
+        assert float(epoch_s) == pytest.approx(float(step_ms) / 1000 * (50_000 // 64), abs=0.01)
+        assert graph_step == graph_epoch == "no GPU"

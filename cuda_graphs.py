@@ -1,0 +1,83 @@
+"""--cuda-graphs: the whole training step as one CUDA graph, replayed once per step.
+
+A small model's step is host-bound on a GPU: its forward, backward, gradient all-reduce and
+optimizer launch about a hundred kernels, each microseconds of GPU work that the Python
+interpreter and the launch path take longer to issue. A CUDA graph records the kernels of one
+step once; each later step is a single launch. What the step reads and writes must then stay
+at the same addresses, so the step reads its batch from static buffers (one copy a step) and
+adds its loss to one accumulator the trainer keeps for the whole run.
+
+Following torch's notes on CUDA graphs (torch.cuda.graph; "Usage with
+DistributedDataParallel"): DDP is built on a side stream, the first WARMUP_STEPS steps run
+eagerly on a side stream (DDP's lazy buckets, the optimizer's state, cuDNN's algorithm choice),
+and the optimizer keeps its step count on the device (`capturable=True`). These warm-up steps
+are real training steps, so a graphed run trains the same steps as an eager one.
+
+Not yet run on a GPU: see docs/performance.md. Where it cannot apply, config checks refuse it.
+"""
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+# torch's notes: DDP needs at least 11 eager iterations before its backward can be captured.
+WARMUP_STEPS = 11
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device):
+    """Run the block on a fresh CUDA stream, which the current stream then waits for (capture
+    must not find the work of warm-up or construction pending on the default stream). On a CPU:
+    the block as it is."""
+    if device.type != "cuda":
+        yield
+        return
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)
+
+
+class GraphedStep:
+    """A training step `step(images, labels, loss_sum)` fed from static buffers: eager for the
+    first `warmup` steps, then captured once and replayed for every step after. With
+    capture=False it stays eager (the static-buffer step alone: on a CPU, where the tests
+    compare it with the plain step)."""
+
+    def __init__(
+        self,
+        step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        device: torch.device,
+        warmup: int = WARMUP_STEPS,
+        capture: bool = True,
+    ):
+        self.step, self.device, self.warmup, self.capture = step, device, warmup, capture
+        self.images = self.labels = self.loss_sum = None  # static, made at the first step
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.eager_steps = 0
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor):
+        if self.images is None:
+            self.images, self.labels = torch.empty_like(images), torch.empty_like(labels)
+            self.loss_sum = loss_sum
+        # The graph adds to the accumulator it was captured with: it must be that one.
+        assert loss_sum is self.loss_sum, "the loss accumulator must be the run's one tensor"
+        self.images.copy_(images)
+        self.labels.copy_(labels)
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.capture and self.eager_steps >= self.warmup:
+            self._capture()
+            self.graph.replay()  # capturing records the step without running it
+        else:
+            with side_stream(self.device):
+                self.step(self.images, self.labels, self.loss_sum)
+            self.eager_steps += 1
+
+    def _capture(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step(self.images, self.labels, self.loss_sum)
