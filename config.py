@@ -10,6 +10,7 @@ key their tables by these names.
 
 import argparse
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields
 
@@ -26,6 +27,13 @@ DATASETS = ("cifar10", "fashionmnist", "tinyimagenet", "synthetic")
 LOADERS = ("tensor", "classic")
 LR_SCHEDULES = ("none", "step", "cosine")
 DEVICES = ("auto", "cuda", "cpu")
+# Options that set how many ranks there are: the launcher's, not main.py's (--gpus, --nodes,
+# --nproc_per_node, --ntasks-per-node, --world-size, --num-gpus, ...). main.py and the sweep
+# both refuse them, each naming what sets the ranks instead.
+LAUNCHER_OPTION = re.compile(
+    r"--((n|num[-_]?)?(gpus?|nodes?|procs?|tasks|ranks)|(nproc|ntasks|gpus?[-_]per)[\w-]*"
+    r"|world[-_]?size)$"
+)
 
 
 def option(default, help: str, *, choices=None, aliases=(), metavar=None, minimum=None, flag=None):

@@ -14,14 +14,13 @@ resolved configuration, progress, and one `[METRIC]` line per epoch (format in u
 
 import argparse
 import difflib
-import re
 import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import stopping
-from config import Config, add_options, check_world, validate
+from config import LAUNCHER_OPTION, Config, add_options, check_world, validate
 from utils import CheckpointError, UsageError, log0, read_ranks
 
 if TYPE_CHECKING:  # only named here: session.py loads torch
@@ -41,12 +40,6 @@ EXIT_STATUS = {
 # ----------------------------------------------------------------------------- parse
 
 USAGE = "usage: python main.py [OPTION ...]  (python main.py --help describes every option)"
-# Options that set how many ranks there are: the launcher's, not main.py's (--gpus, --nodes,
-# --nproc_per_node, --ntasks-per-node, --world-size, --num-gpus, ...).
-LAUNCHER_OPTION = re.compile(
-    r"--((n|num[-_]?)?(gpus?|nodes?|procs?|tasks|ranks)|(nproc|ntasks|gpus?[-_]per)[\w-]*"
-    r"|world[-_]?size)$"
-)
 
 
 class OptionError(UsageError):

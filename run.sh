@@ -74,10 +74,10 @@ find_repo() {
 TASK_SETUP='cd "$1" && shift && exec "$@"'
 
 # What the GPUs and the training processes did while the job ran, sampled on each node every
-# SAMPLE_EVERY seconds until it is sent SIGTERM: gpu_<tag>_<host>.csv (nvidia-smi, where there
-# is one) and cpu_<tag>_<host>.csv (CPU seconds and resident memory of this run's ranks, found
-# by the SAMPLE_TAG=<tag> in their environment, from /proc). collect_results.py summarises them.
-# Appends: a requeued job goes on. It ends on SAMPLER_STOP (see stop_sampler).
+# SAMPLE_EVERY seconds until it is sent SAMPLER_STOP (see stop_sampler), TERM or INT:
+# gpu_<tag>_<host>.csv (nvidia-smi, where there is one) and cpu_<tag>_<host>.csv (CPU seconds
+# and resident memory of this run's ranks, found by the SAMPLE_TAG=<tag> in their environment,
+# from /proc). collect_results.py summarises them. Appends: a requeued job goes on.
 sample_node() {
     local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program ranks stat ppid rss tick
     host=${SLURMD_NODENAME:-$(hostname -s)}   # SLURM's name: emulated nodes share a host
@@ -115,7 +115,7 @@ sample_node() {
                                    rss / 1024 }' >>"$cpu_csv"
         done
         sleep "$every" &
-        wait $! || true   # a SIGTERM ends the wait at once, not after the sleep
+        wait $! || true   # a stop signal ends the wait at once, not after the sleep
     done
 }
 

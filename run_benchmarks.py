@@ -218,13 +218,27 @@ def main_option(token: str) -> str | None:
     return dests.pop() if len(dests) == 1 else None
 
 
+# The sweep's options that size each job. A launcher's option after `--` (--gpus, --nodes:
+# config.LAUNCHER_OPTION) is no option of main.py: it would fail every job, and main.py's check
+# before submitting, which refuses it, runs only where the jobs' Python has torch.
+GPU_COUNT_OPTIONS = "--gpus and --gpus-per-node"
+
+
+def sweep_option(token: str) -> str | None:
+    """The sweep's own option for what an argument after `--` would choose, or None where the
+    sweep leaves it to main.py."""
+    if config.LAUNCHER_OPTION.match(token.split("=", 1)[0]):
+        return GPU_COUNT_OPTIONS
+    return SWEEP_OPTION.get(main_option(token))
+
+
 def refuse_sweep_options(tokens: list[str], where: str) -> None:
-    """One error line for a main.py option that the sweep chooses itself."""
+    """One error line for an option that the sweep chooses itself."""
     for token in tokens:
-        if (dest := main_option(token)) in SWEEP_OPTION:
+        if ours := sweep_option(token):
             fail(
                 f"{token.split('=', 1)[0]} {where} is the sweep's choice: use "
-                f"run_benchmarks.py {SWEEP_OPTION[dest]} instead"
+                f"run_benchmarks.py {ours} instead"
             )
 
 
@@ -233,8 +247,8 @@ def parse_args(ours: list[str]) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(ours)
     if unknown:
-        refuse_sweep_options(unknown[:1], "is an option of main.py that")
         if main_option(unknown[0]):
+            refuse_sweep_options(unknown[:1], "is an option of main.py that")
             fail(
                 f"{unknown[0].split('=', 1)[0]} is an option of main.py: put main.py's options "
                 f"after --, e.g. python run_benchmarks.py [options] -- {shlex.join(unknown)}"

@@ -1,8 +1,9 @@
 """The docs hold together: every relative link and `#anchor` resolves, README.md stays a short
-door (at most 10 KB, no test count), and the docs name code rather than its line numbers.
+door (at most 10 KB, no test count), the docs name code rather than its line numbers, and their
+copy-paste blocks work as written (no sudo, no bare python outside the activated .venv).
 
-The checker is tested on documents written here, so that a checker which finds nothing cannot
-pass for docs without broken links.
+Each checker is tested on documents written here, so that a checker which finds nothing cannot
+pass for docs without faults.
 """
 
 import re
@@ -24,6 +25,13 @@ LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 TEST_COUNT = re.compile(r"\b\d[\d,]*\s+(?:tests?|passed|failed|skipped|errors?)\b", re.I)
 LINE_REFERENCE = re.compile(r"\b[\w./-]+\.(?:py|sh):\d+\b")
+# Where a command of a code block starts: a line's start or after ;, &, |, (, past variable
+# assignments (LOGS=x python ...). Comments are left out: they may say "prefix sudo".
+COMMAND_START = r"(?:^|[;&|(])\s*(?:\w+=\S*\s+)*"
+SUDO = re.compile(COMMAND_START + r"sudo\b")
+BARE_PYTHON = re.compile(COMMAND_START + r"python3?\b")
+COMMENT = re.compile(r"(?:^|\s)#.*")
+ACTIVATE = "source .venv/bin/activate"
 
 
 def documents() -> list[Path]:
@@ -129,3 +137,55 @@ def test_docs_name_code_rather_than_line_numbers():
         for reference in LINE_REFERENCE.findall(doc.read_text())
     ]
     assert not bad, "refer to code by file and name: " + ", ".join(bad)
+
+
+def copy_paste_problems(path: Path, root: Path = REPO) -> list[str]:
+    """The commands of a document's code blocks that fail as written: sudo (a root container
+    may have none: exit 127), and a bare python (perhaps one without the project's packages)
+    unless the same block activated the .venv first; a reader may copy one block alone."""
+    bad = []
+    name = path.relative_to(root)
+    for block in FENCE.finditer(path.read_text()):
+        lines = [COMMENT.sub("", line) for line in block.group(0).splitlines()]
+        for number, command in enumerate(lines):
+            activated = any(ACTIVATE in line for line in lines[:number])
+            if SUDO.search(command) or (BARE_PYTHON.search(command) and not activated):
+                bad.append(f"{name}: {command.strip()}")
+    return bad
+
+
+def test_copy_paste_blocks_work_as_written():
+    bad = [problem for doc in documents() for problem in copy_paste_problems(doc)]
+    assert not bad, (
+        'say "as root (prefix sudo if you are not root)", and run .venv/bin/python or '
+        "source .venv/bin/activate first (CONTRIBUTING.md):\n" + "\n".join(bad)
+    )
+
+
+def test_the_checker_finds_commands_that_fail_as_written(tmp_path):
+    (tmp_path / "a.md").write_text(
+        "As root (prefix `sudo` if you are not root), `python main.py`:\n\n"
+        "```bash\n"
+        "sudo .ci/slurm/start.sh\n"
+        ".ci/slurm/start.sh    # as root: prefix sudo if you are not\n"
+        "make install && sudo make run\n"
+        "python run_benchmarks.py --gpus 1\n"
+        "LOGS=logs python3 collect_results.py\n"
+        ".venv/bin/python main.py --check 1 2\n"
+        "source .venv/bin/activate\n"
+        "python main.py --check 1 2\n"
+        "```\n\n"
+        "```bash\n"
+        "PYTHON=python ./plot_results.sh\n"
+        "python main.py\n"
+        "```\n"
+    )
+    assert [
+        problem.split(": ", 1)[1] for problem in copy_paste_problems(tmp_path / "a.md", tmp_path)
+    ] == [
+        "sudo .ci/slurm/start.sh",
+        "make install && sudo make run",
+        "python run_benchmarks.py --gpus 1",
+        "LOGS=logs python3 collect_results.py",
+        "python main.py",
+    ]

@@ -531,6 +531,16 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
             "--batch after -- is the sweep's choice: use run_benchmarks.py --batch-size",
         ),
         (
+            ["--gpus", "1", "--", "--gpus", "4"],
+            "--gpus after -- is the sweep's choice: use run_benchmarks.py --gpus and "
+            "--gpus-per-node",
+        ),
+        (
+            ["--gpus", "1", "--", "--nodes=2"],
+            "--nodes after -- is the sweep's choice: use run_benchmarks.py --gpus and "
+            "--gpus-per-node",
+        ),
+        (
             ["--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3"],
             "main.py --strategy ddp: each rank's 128 images per step do not split into "
             "--grad-accum 3",

@@ -1,11 +1,12 @@
 #!/bin/bash
 # start.sh -- the project's own SLURM cluster on this machine's loopback, for the integration
 # tests (tests/test_slurm.py) and for trying run.sh / run_benchmarks.py without a real cluster.
+# As root (prefix sudo if you are not root; a container may have no sudo):
 #
-#     sudo .ci/slurm/start.sh                   # install if needed, configure, start
+#     .ci/slurm/start.sh                        # install if needed, configure, start
 #     export SLURM_CONF=/tmp/project-slurm/etc/slurm.conf
 #     sbatch --wait --nodes=2 --ntasks-per-node=2 --cpus-per-task=1 run.sh --dataset synthetic
-#     sudo .ci/slurm/stop.sh [--purge]
+#     .ci/slurm/stop.sh [--purge]
 #
 # Debian 12's SLURM 22.05 (slurmctld, slurmd, slurm-client, munge), run as root without systemd:
 # one controller and one slurmd per emulated node (node1, node2), all on 127.0.0.1, each node

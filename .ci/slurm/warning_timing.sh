@@ -6,7 +6,7 @@
 # limit - warning - 30 s, so the answer depends on that check's phase, not only on the warning.
 # docs/performance.md and tests/test_slurm.py's requeue test rely on these numbers.
 #
-#     sudo .ci/slurm/start.sh && export SLURM_CONF=/tmp/project-slurm/etc/slurm.conf
+#     .ci/slurm/start.sh && export SLURM_CONF=/tmp/project-slurm/etc/slurm.conf   # as root
 #     .ci/slurm/warning_timing.sh [SECONDS ...]
 set -euo pipefail
 [ $# -gt 0 ] || set -- 20 40 55
