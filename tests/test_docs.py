@@ -15,15 +15,14 @@ pytestmark = pytest.mark.fast  # make test-fast
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 README_MAX_BYTES = 10_240
-# docs/concepts.md quotes code lines on purpose; tests/test_concepts.py checks them.
-LINE_REFERENCES_ALLOWED = {REPO / "docs" / "concepts.md"}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 INLINE_CODE = re.compile(r"`+[^`\n]*`+")
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 TEST_COUNT = re.compile(r"\b\d[\d,]*\s+(?:tests?|passed|failed|skipped|errors?)\b", re.I)
-LINE_REFERENCE = re.compile(r"\b[\w./-]+\.(?:py|sh):\d+\b")
+# `train.py:531`, "line 531", "lines 40-60", a GitHub `#L531` anchor.
+LINE_REFERENCE = re.compile(r"\b[\w./-]+\.(?:py|sh):\d+\b|\blines?\s+\d+|#L\d+\b", re.I)
 
 
 def documents() -> list[Path]:
@@ -125,7 +124,20 @@ def test_docs_name_code_rather_than_line_numbers():
     bad = [
         f"{doc.relative_to(REPO)}: {reference}"
         for doc in documents()
-        if doc not in LINE_REFERENCES_ALLOWED
         for reference in LINE_REFERENCE.findall(doc.read_text())
     ]
     assert not bad, "refer to code by file and name: " + ", ".join(bad)
+
+
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("see `train.py:531` (code: `x`)", ["train.py:531"]),
+        ("in tests/test_cli.py:12 and run.sh:40", ["tests/test_cli.py:12", "run.sh:40"]),
+        ("at line 531 of train.py, lines 40-60", ["line 531", "lines 40"]),
+        ("[here](../train.py#L531)", ["#L531"]),
+        ("`train.py`'s `Trainer.fit`, `train.py:Trainer.step`, 10 lines, 3 s", []),
+    ],
+)
+def test_the_line_reference_checker(text, found):
+    assert LINE_REFERENCE.findall(text) == found
