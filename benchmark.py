@@ -162,7 +162,7 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     env = distributed_utils.setup()
     try:
         trainer, _ = build_trainer(cfg, env)
-        operations = sum(operations_per_step(trainer).values())
+        operations = sum(operations_per_step(trainer, steps=steps // 2).values())
         torch.manual_seed(0)
         bare = build_model(cfg.model).to(device)
         bare_opt = make_optimizer(cfg, bare)

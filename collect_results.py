@@ -461,6 +461,7 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
             {
                 **dict(zip(RUN_COLUMNS, key)),
                 "epochs": final["epoch"],
+                "epochs_logged": len(run),  # the course's CSV keeps only the last
                 "val_loss": final["val_loss"],
                 "acc": final["acc"],
                 "time": median_after_first(run, "time"),
@@ -538,6 +539,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
         runs=("epochs", "size"),
         epochs=("epochs", "max"),
+        epochs_logged=("epochs_logged", "min"),
         val_loss=("val_loss", "median"),
         acc=("acc", "median"),
         time=("time", "median"),

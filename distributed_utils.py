@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from utils import UsageError, env_int, read_ranks
+from utils import UsageError, env_int, is_rank_zero, read_ranks, time_stamp
 
 DEFAULT_PORT = 29500  # torchrun's, where no job gives one
 # The ports derived from job ids: below Linux's default range of ports for outgoing connections
@@ -287,7 +287,7 @@ def on_rank0(fn, *args):
     wait up to HANDSHAKE_TIMEOUT_S, not --pg-timeout: a download takes minutes.
     """
     outcome = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if not dist.is_initialized() or is_rank_zero():
         try:
             outcome = [("ok", fn(*args))]
         except UsageError as e:
@@ -365,4 +365,4 @@ def run_name(env=os.environ) -> str:
     """A name for this run's files: the SLURM job id (a requeued job keeps it, and so finds its
     own files), else local-<start time>. Ask on one rank (on_rank0) so that all use the same."""
     job = job_id(env)
-    return job if job != "local" else time.strftime("local-%Y%m%d-%H%M%S")
+    return job if job != "local" else "local-" + time_stamp()

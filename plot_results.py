@@ -212,12 +212,24 @@ def context(results: pd.DataFrame) -> str:
     return " · ".join(parts)
 
 
+def steady(summary: pd.DataFrame) -> str:
+    """How the points' epoch times were taken (collect_results.median_after_first): the median
+    of the epochs after the first, or a run's only epoch where it logged one (the course's CSV
+    keeps only the last)."""
+    logged = summary["epochs_logged"]
+    if (logged > 1).all():
+        return "median after epoch 1"
+    if (logged == 1).all():
+        return "the only epoch logged"
+    return "median after epoch 1, or the only epoch logged"
+
+
 def plot_epoch_time(summary: pd.DataFrame) -> Figure:
     fig, (ax,) = figure()
     plot_lines(ax, summary, "time", "time per epoch (s), log scale")
     plot_ideal_scaling(ax, summary, "time", -1)
     log10_y_axis(ax)
-    ax.set_title("Training time per epoch (median after epoch 1) vs ideal 1/N")
+    ax.set_title(f"Training time per epoch ({steady(summary)}) vs ideal 1/N")
     ax.legend()
     return fig
 
@@ -297,7 +309,7 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     fig, axes = figure(2 if has_tflops else 1)
     plot_lines(axes[0], summary, "throughput", "throughput (images/s, all GPUs)")
     plot_ideal_scaling(axes[0], summary, "throughput", 1)
-    axes[0].set_title("Training throughput (median after epoch 1) vs ideal N x")
+    axes[0].set_title(f"Training throughput ({steady(summary)}) vs ideal N x")
     if has_tflops:
         rows = plot_lines(axes[1], summary, "tflops", "model TFLOP/s per GPU (mfu.py)")
         for _, row in rows.dropna(subset=["mfu"]).iterrows():
@@ -354,7 +366,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
         **IDEAL_STYLE,
     )
     ax.set_xticks(list(x), [f"{s}\n{g:.0f} GPU" for s, g in zip(rows["strategy"], rows["gpus"])])
-    ax.set_ylabel("seconds per epoch (median after epoch 1)")
+    ax.set_ylabel(f"seconds per epoch ({steady(summary)})")
     ax.set_title("Where an epoch's time goes (negative parts drawn as 0)")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig

@@ -35,7 +35,7 @@
 # (sbatch --signal=B:USR2@120). SIGTERM (scancel, the time limit) reaches the tasks as a
 # SIGTERM, never through srun (which would SIGKILL them): they save a checkpoint and exit, and
 # the job ends, not requeued. Without SLURM, SIGUSR1, SIGUSR2 and SIGTERM to this script reach
-# every rank: each stops with a checkpoint (exit status 3). See docs/reliability.md.
+# every rank: each stops with a checkpoint (exit status 3). See docs/checkpoints.md.
 #
 # Variables (sbatch passes the submitting shell's environment on to the job):
 #   EDF       run every task in this container, with CSCS's Container Engine

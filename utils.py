@@ -188,10 +188,15 @@ def parse_config(line: str) -> dict | None:
 SWEEP_PREFIX = "sweep-"
 
 
+def time_stamp() -> str:
+    """The time now as every time-stamped name of the project writes it: 20261122-141500."""
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
 def time_stamped(folder: Path, prefix: str, suffix: str = "") -> Path:
     """folder/<prefix><date-time>[-n]<suffix>: named by the time now, and by n = 2, 3, ... where
     that name is taken, so never an earlier file or folder (nothing is made here)."""
-    stem = prefix + time.strftime("%Y%m%d-%H%M%S")
+    stem = prefix + time_stamp()
     path, n = folder / f"{stem}{suffix}", 1
     while path.exists():
         n += 1

@@ -2,8 +2,8 @@
 
 Each test runs what one answer claims: in this process where one rank is enough, on 2 real
 gloo ranks (dist_harness.spawn) where the claim is about several. The last tests check the
-document itself: every question has its heading, every `file.py:LINE` points to a line that
-exists, every `file.py:name` to a function or class that exists.
+document itself: every question has its heading, every `file.py:name` names a function or
+class that exists, and every line the page quotes, `(code: ...)`, is still in the one named.
 """
 
 import ast
@@ -243,44 +243,70 @@ def test_every_question_of_the_course_has_a_heading():
     assert not missing, missing
 
 
-def defined_names(path: Path) -> set[str]:
-    """'f', 'Class' and 'Class.method' for every function and class of a module."""
-    names = set()
-    for node in ast.parse(path.read_text()).body:
+def definitions(path: Path) -> dict[str, str]:
+    """The source, decorators included, of every function and class of a module, under the
+    names the page uses: 'f', 'Class' and 'Class.method'."""
+    text = path.read_text()
+    lines = text.splitlines()
+
+    def source(node: ast.AST) -> str:
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        return "\n".join(lines[first - 1 : node.end_lineno])
+
+    found = {}
+    for node in ast.parse(text).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
+            found[node.name] = source(node)
         if isinstance(node, ast.ClassDef):
-            names |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, ast.FunctionDef)}
-    return names
+            for member in node.body:
+                if isinstance(member, ast.FunctionDef):
+                    found[f"{node.name}.{member.name}"] = source(member)
+    return found
 
 
+# `file.py:name`, where name is a function, class or method of that file.
 REFERENCE = re.compile(r"`([\w/]+\.(?:py|sh)):([\w.]+)`")
+# `file.py:name` (code: `a line of it`): the line the answer quotes.
+QUOTE = re.compile(r"`([\w/]+\.py):([\w.]+)`\s+\(code: `([^`\n]+)`\)")
 
 
-def test_every_code_reference_points_to_a_line_or_definition_that_exists():
-    references = REFERENCE.findall(CONCEPTS.read_text())
-    assert len(references) >= 15
+def bad_references(text: str, root: Path = REPO) -> list[str]:
+    """What is wrong with each code reference of a page: a file, a name or a quoted line that
+    is not there (a line number is no name: the page names code, never its lines)."""
     bad = []
-    for file, where in references:
-        path = REPO / file
+    for file, name in REFERENCE.findall(text):
+        path = root / file
         if not path.is_file():
             bad.append(f"{file}: no such file")
-        elif where.isdigit():
-            lines = path.read_text().splitlines()
-            if not 1 <= int(where) <= len(lines) or not lines[int(where) - 1].strip():
-                bad.append(f"{file}:{where}: no such line, or a blank one")
-        elif where not in defined_names(path):
-            bad.append(f"{file}:{where}: no such function or class")
-    assert not bad, bad
+        elif name not in definitions(path):
+            bad.append(f"{file}:{name}: no such function or class")
+    for file, name, code in QUOTE.findall(text):
+        path = root / file
+        source = definitions(path).get(name) if path.is_file() else None
+        if source is not None and code not in source:  # else already named above
+            bad.append(f"{file}:{name}: does not hold `{code}`")
+    return bad
 
 
-def test_every_line_reference_shows_the_code_the_text_quotes():
-    """A `file.py:LINE` is followed by the code it means, `(code: ...)`: edits that move the
-    line are caught here rather than by a reader."""
+def test_every_code_reference_names_a_definition_that_holds_the_code_quoted():
     text = CONCEPTS.read_text()
-    pairs = re.findall(r"`([\w/]+\.py):(\d+)`\s+\(code: `([^`\n]+)`\)", text)
-    assert len(pairs) == len(re.findall(r"`[\w/]+\.py:\d+`", text))
-    for file, line, code in pairs:
-        lines = (REPO / file).read_text().splitlines()
-        now = [str(n) for n, text in enumerate(lines, 1) if code in text]
-        assert code in lines[int(line) - 1], f"{file}:{line} should be {file}:{' or '.join(now)}"
+    assert len(REFERENCE.findall(text)) >= 15
+    # Every quoted line follows the name of the code that holds it, so it is checked too.
+    assert len(QUOTE.findall(text)) == text.count("(code: `")
+    assert not bad_references(text)
+
+
+def test_the_reference_checker_finds_bad_references(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "class A:\n    @staticmethod\n    def f():\n        return 1\n\n\ndef g():\n    pass\n"
+    )
+    page = (
+        "`m.py:A.f` (code: `@staticmethod`) `m.py:g` (code: `pass`) `m.py:A`\n"
+        "`m.py:3` `m.py:h` `n.py:g` `m.py:g` (code: `return 1`)\n"
+    )
+    assert bad_references(page, tmp_path) == [
+        "m.py:3: no such function or class",
+        "m.py:h: no such function or class",
+        "n.py: no such file",
+        "m.py:g: does not hold `return 1`",
+    ]

@@ -11,20 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from utils import METRIC_FIELDS, parse_metric
+
 pytestmark = pytest.mark.fast  # make test-fast
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 README_MAX_BYTES = 10_240
-# docs/concepts.md quotes code lines on purpose; tests/test_concepts.py checks them.
-LINE_REFERENCES_ALLOWED = {REPO / "docs" / "concepts.md"}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 INLINE_CODE = re.compile(r"`+[^`\n]*`+")
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 TEST_COUNT = re.compile(r"\b\d[\d,]*\s+(?:tests?|passed|failed|skipped|errors?)\b", re.I)
-LINE_REFERENCE = re.compile(r"\b[\w./-]+\.(?:py|sh):\d+\b")
 # Where a command of a code block starts: a line's start or after ;, &, |, (, past variable
 # assignments (LOGS=x python ...). Comments are left out: they may say "prefix sudo".
 COMMAND_START = r"(?:^|[;&|(])\s*(?:\w+=\S*\s+)*"
@@ -32,6 +31,20 @@ SUDO = re.compile(COMMAND_START + r"sudo\b")
 BARE_PYTHON = re.compile(COMMAND_START + r"python3?\b")
 COMMENT = re.compile(r"(?:^|\s)#.*")
 ACTIVATE = "source .venv/bin/activate"
+DURATION = re.compile(r"\b\d[\d.]*\s*(?:s|secs?|seconds?|min|minutes?|h|hours?)\b", re.I)
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+# The issue's quickstart, within the README's first lines: install, a run that needs no
+# internet, then one job, the sweep and the plots on a cluster.
+QUICKSTART = (
+    "make install",
+    "--dataset synthetic",
+    "sbatch -A ACCOUNT run.sh",
+    "python run_benchmarks.py --account ACCOUNT",
+    "./plot_results.sh",
+)
+QUICKSTART_LINES = 60
+# `train.py:531`, "line 531", "lines 40-60", a GitHub `#L531` anchor.
+LINE_REFERENCE = re.compile(r"\b[\w./-]+\.(?:py|sh):\d+\b|\blines?\s+\d+|#L\d+\b", re.I)
 
 
 def documents() -> list[Path]:
@@ -127,13 +140,29 @@ def test_readme_is_a_short_door():
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes; move detail into docs/"
     counts = TEST_COUNT.findall(README.read_text())
     assert not counts, f"README.md names a test count: {counts}; it changes with every test"
+    durations = DURATION.findall(README.read_text())
+    assert not durations, f"README.md names a duration: {durations}; it goes in performance.md"
+
+
+def test_readme_opens_with_the_quickstart():
+    head = "\n".join(README.read_text().splitlines()[:QUICKSTART_LINES])
+    missing = [command for command in QUICKSTART if command not in head]
+    assert not missing, f"not in README.md's first {QUICKSTART_LINES} lines: {missing}"
+
+
+def test_readme_shows_one_metric_line_in_the_format_and_one_figure_from_docs():
+    text = README.read_text()
+    metrics = [line for line in text.splitlines() if line.startswith("[METRIC]")]
+    assert len(metrics) == 1, metrics
+    assert list(parse_metric(metrics[0])) == list(METRIC_FIELDS)  # utils.py's fields, in order
+    (figure,) = IMAGE.findall(text)
+    assert figure.startswith("docs/") and figure.endswith(".png"), figure
 
 
 def test_docs_name_code_rather_than_line_numbers():
     bad = [
         f"{doc.relative_to(REPO)}: {reference}"
         for doc in documents()
-        if doc not in LINE_REFERENCES_ALLOWED
         for reference in LINE_REFERENCE.findall(doc.read_text())
     ]
     assert not bad, "refer to code by file and name: " + ", ".join(bad)
@@ -189,3 +218,17 @@ def test_the_checker_finds_commands_that_fail_as_written(tmp_path):
         "LOGS=logs python3 collect_results.py",
         "python main.py",
     ]
+
+
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("see `train.py:531` (code: `x`)", ["train.py:531"]),
+        ("in tests/test_cli.py:12 and run.sh:40", ["tests/test_cli.py:12", "run.sh:40"]),
+        ("at line 531 of train.py, lines 40-60", ["line 531", "lines 40"]),
+        ("[here](../train.py#L531)", ["#L531"]),
+        ("`train.py`'s `Trainer.fit`, `train.py:Trainer.step`, 10 lines, 3 s", []),
+    ],
+)
+def test_the_line_reference_checker(text, found):
+    assert LINE_REFERENCE.findall(text) == found

@@ -1,6 +1,6 @@
 """Nothing lost under faults: damaged checkpoints, failed saves and loads on any rank, every
 stop signal (SIGUSR1, SIGUSR2, SIGTERM) through main.py and run.sh, and the fault-injection
-runs whose figures docs/reliability.md quotes (marked slow)."""
+runs whose figures docs/performance.md quotes (marked slow)."""
 
 import hashlib
 import os

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -177,6 +178,30 @@ def test_course_results_csv(tmp_path, capsys):
     summary = plot_results.summarize(plot_results.read_results(course_csv))
     ddp8 = summary.set_index(["strategy", "gpus"]).loc[("ddp", 8)]
     assert ddp8["speedup"] == pytest.approx(7.08 / 1.35)  # ddp,1,10,7.08 and ddp,8,10,1.35
+    (ax,) = plot_results.plot_epoch_time(summary).axes  # epoch 10's time: not a median
+    assert ax.get_title() == "Training time per epoch (the only epoch logged) vs ideal 1/N"
+
+
+@pytest.mark.parametrize(
+    "times, steady",
+    [
+        ({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}, "median after epoch 1"),
+        ({("ddp", 1): [9.0], ("ddp", 2): [5.0]}, "the only epoch logged"),
+        (
+            {("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0]},
+            "median after epoch 1, or the only epoch logged",
+        ),
+    ],
+)
+def test_time_figures_say_how_an_epoch_time_was_taken(times, steady):
+    summary = plot_results.summarize(runs_frame(times))
+    epoch_time, throughput = (
+        plot_results.plot_epoch_time(summary),
+        plot_results.plot_throughput(summary),
+    )
+    assert epoch_time.axes[0].get_title() == f"Training time per epoch ({steady}) vs ideal 1/N"
+    assert throughput.axes[0].get_title() == f"Training throughput ({steady}) vs ideal N x"
+    plt.close("all")
 
 
 @pytest.mark.parametrize(

@@ -219,8 +219,11 @@ def test_a_trainer_is_built_with_keywords():
 
 def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
     """One function names the sweeps' folders and the local sweep's logs: the time, then -2,
-    -3, ... where a run started in the same second took the name (before any suffix)."""
+    -3, ... where a run started in the same second took the name (before any suffix). A local
+    run's checkpoints and traces are named by the same time stamp."""
     monkeypatch.setattr(utils.time, "strftime", lambda fmt: "20260101-120000")
+    assert du.run_name({}) == "local-20260101-120000"
+    assert du.run_name({"SLURM_JOB_ID": "42"}) == "42"
     log = utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log")
     assert log.name == "ddp_2gpu_local-20260101-120000.log"
     log.touch()
