@@ -113,8 +113,8 @@ def cuda_graphs_refusal(cfg: Config, device: torch.device) -> str | None:
         )
     if cfg.precision == "fp16":
         return (
-            "fp16's gradient scaler decides on the host at every step whether to skip it: "
-            "use --precision bf16"
+            "fp16's gradient scaler has not been shown to work inside a captured step: use "
+            "--precision bf16 (no scaler)"
         )
     if cfg.lr_schedule != "none" or cfg.warmup_epochs:
         return (

@@ -12,6 +12,7 @@ from conftest import TINY, assert_one_line_error, run_main
 from cuda_graphs import GraphedStep
 from dist_harness import EQUAL_CFG, spawn
 from session import build_trainer
+from strategies import cuda_graphs_refusal
 
 pytestmark = pytest.mark.fast  # make test-fast
 
@@ -21,26 +22,29 @@ CHECK = [*TINY, "--cuda-graphs", "--device", "cuda", "--check", "1"]
 @pytest.mark.parametrize(
     "options, reason",
     [
-        (["--strategy", "fsdp"], "--strategy fsdp cannot be captured"),
-        (["--strategy", "fsdp2"], "--strategy fsdp2 cannot be captured"),
-        (["--strategy", "dp"], "--strategy dp cannot be captured"),
-        (["--precision", "fp16"], "use --precision bf16"),
-        (["--lr-schedule", "cosine"], "--lr-schedule none"),
-        (["--warmup-epochs", "1"], "--warmup-epochs 0"),
-        (["--compile"], "torch.compile makes CUDA graphs of its own"),
+        ({"strategy": "fsdp"}, "--strategy fsdp cannot be captured"),
+        ({"strategy": "fsdp2"}, "--strategy fsdp2 cannot be captured"),
+        ({"strategy": "dp"}, "--strategy dp cannot be captured"),
+        ({"precision": "fp16"}, "use --precision bf16"),
+        ({"lr_schedule": "cosine"}, "--lr-schedule none"),
+        ({"warmup_epochs": 1}, "--warmup-epochs 0"),
+        ({"compile": True}, "torch.compile makes CUDA graphs of its own"),
+        ({}, None),
+        ({"strategy": "single", "precision": "bf16", "clip_grad": 1.0, "grad_accum": 2}, None),
     ],
 )
-def test_what_cannot_be_one_graph_is_refused_by_check(options, reason):
-    assert_one_line_error(run_main([*CHECK, *options], timeout=120), "--cuda-graphs: ", reason)
+def test_what_cannot_be_one_graph_is_refused_with_the_reason(options, reason):
+    why = cuda_graphs_refusal(Config(cuda_graphs=True, **options), torch.device("cuda"))
+    assert why == reason or reason in why, why
 
 
-def test_a_cpu_run_is_refused_and_the_graphable_ones_pass_the_check():
-    assert_one_line_error(
-        run_main([*TINY, "--cuda-graphs", "--epochs", "1"], timeout=120), "it needs a GPU"
-    )
-    for options in ([], ["--strategy", "single", "--precision", "bf16", "--clip-grad", "1"]):
-        done = run_main([*CHECK, *options], timeout=120)
-        assert done.returncode == 0 and "check: ok" in done.stdout, done.stderr
+def test_refusals_are_one_line_also_from_check_and_on_a_cpu():
+    done = run_main([*CHECK, "--strategy", "fsdp"], timeout=120)
+    assert_one_line_error(done, "--cuda-graphs: --strategy fsdp cannot be captured")
+    done = run_main([*TINY, "--cuda-graphs", "--epochs", "1"], timeout=120)
+    assert_one_line_error(done, "--cuda-graphs: ", "it needs a GPU")
+    done = run_main(CHECK, timeout=120)
+    assert done.returncode == 0 and "check: ok" in done.stdout, done.stderr
 
 
 def train_two_epochs(env, static_buffers: bool):

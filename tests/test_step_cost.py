@@ -24,16 +24,18 @@ pytestmark = pytest.mark.fast  # make test-fast
 # output), DDP's copy of each gradient into its bucket, the profiler markers of DDP's forward
 # and of the optimizer.
 BUDGET = 100
+HOST_SYNC = "aten._local_scalar_dense"  # .item(), a bool of a tensor: the host waits
 
 
-def count_step(env, strategy: str) -> dict:
+def count_step(env, strategy: str, precision: str = "fp32", batch: int = 256) -> dict:
     cfg = Config(
         strategy=strategy,
+        precision=precision,
         dataset="synthetic",
         augment=True,
-        batch_size=256,
-        train_samples=256 * 12,
-        val_samples=256,
+        batch_size=batch,
+        train_samples=batch * 12,
+        val_samples=batch,
         epochs=1,
         checkpoint=False,
         print_every=10**9,
@@ -53,6 +55,21 @@ def test_a_ddp_step_dispatches_at_most_100_operations():
     # slice of the epoch's augmented images normalized by one multiply-add.
     assert ops.get("aten._fused_adam_") == 1 and ops.get("aten.addcmul") == 1, ops
     assert not {"aten.gather", "aten.randint", "aten.index_select", "aten.slice"} & set(ops)
+    assert HOST_SYNC not in ops, ops[HOST_SYNC]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "strategy, precision, synchronises",
+    [("ddp", "fp16", False), ("fsdp2", "fp16", True)],
+)
+def test_where_a_step_makes_the_host_wait(strategy, precision, synchronises):
+    """No step waits for the device: with fp16 the fused optimizer takes the gradient scaler's
+    inf check as a tensor (torch's _step_supports_amp_scaling). FSDP2's DTensor parameters
+    have only the foreach optimizer, and the scaler reads its inf checks on the host."""
+    (ops,) = spawn(count_step, 1, strategy, precision, 32)
+    print(f"{strategy} {precision}: {ops.get(HOST_SYNC, 0):.1f} host synchronisations per step")
+    assert (ops.get(HOST_SYNC, 0) > 0) == synchronises, ops.get(HOST_SYNC)
 
 
 @pytest.mark.timeout(300)
