@@ -136,6 +136,21 @@ def operations_per_step(trainer, epoch: int = 2, steps: int = 10) -> collections
     return collections.Counter({op: n / (total - steps) for op, n in more.items()})
 
 
+def one_rank_config(batch: int, steps: int) -> Config:
+    """`steps` steps of `batch` synthetic images with crop and flip, no checkpoints, no
+    progress lines: the training one rank of this benchmark times."""
+    return Config(
+        dataset="synthetic",
+        train_samples=batch * steps,
+        val_samples=batch,
+        batch_size=batch,
+        epochs=1,
+        checkpoint=False,
+        augment=True,
+        print_every=10**9,
+    )
+
+
 def bare_loop(model, optimizer, batches) -> None:
     for images, labels in batches:
         optimizer.zero_grad(set_to_none=True)
@@ -149,16 +164,7 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     The two alternate, round after round, and the ratio is the median of the rounds' ratios:
     a shared or virtual machine's speed drifts by tens of percent over a minute.
     """
-    cfg = Config(
-        dataset="synthetic",
-        train_samples=batch * steps,
-        val_samples=batch,
-        batch_size=batch,
-        epochs=1,
-        checkpoint=False,
-        augment=True,
-        print_every=10**9,
-    )  # no progress lines
+    cfg = one_rank_config(batch, steps)
     env = distributed_utils.setup()
     try:
         trainer, _ = build_trainer(cfg, env)
@@ -226,16 +232,7 @@ def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tup
     try:
         for n in SWEEP_GPUS:
             local = global_batch // n
-            cfg = Config(
-                dataset="synthetic",
-                train_samples=local * steps,
-                val_samples=local,
-                batch_size=local,
-                epochs=1,
-                checkpoint=False,
-                augment=True,
-                print_every=10**9,
-            )
+            cfg = one_rank_config(local, steps)
             eager, operations = seconds_per_step(cfg, env)
             graphed = (
                 seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)[0]

@@ -5,6 +5,7 @@ marked `slurm`."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,32 @@ def call_main(main, capsys, *args) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def stop_at_first_progress(
+    args: list, cwd, timeout: float = 60, sig=signal.SIGUSR1
+) -> subprocess.CompletedProcess:
+    """main.py with `args` (one process, as a user starts it), sent `sig` once its first progress
+    line of epoch 1 is out; it runs to its end."""
+    proc = subprocess.Popen(
+        [sys.executable, "main.py", *map(str, args)],
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_environment(),
+    )
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("epoch 1 step"):
+                proc.send_signal(sig)
+                break
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(seen) + out, err)
 
 
 def metrics_in(text: str) -> list[dict]:

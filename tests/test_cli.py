@@ -20,6 +20,7 @@ from conftest import (
     metrics_in,
     run_main,
     start_ranks,
+    stop_at_first_progress,
 )
 from utils import COURSE_METRIC_RE, METRIC_FIELDS, format_metric, parse_config, parse_metric
 
@@ -363,23 +364,9 @@ def test_help_explains_every_option():
 
 def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     """SIGUSR1 from outside: checkpoint, exit status 3, and a continue command that works."""
-    proc = subprocess.Popen(
-        [sys.executable, "main.py", *LONG_RUN],
-        cwd=repo_copy,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=clean_environment(),
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("epoch 1 step"):
-                proc.send_signal(signal.SIGUSR1)
-                break
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 3, err[-2000:]
+    stopped = stop_at_first_progress(LONG_RUN, repo_copy)
+    out, err = stopped.stdout, stopped.stderr
+    assert stopped.returncode == 3, err[-2000:]
     stop = next(line for line in out.splitlines() if "stopped on SIGUSR1" in line)
     command = stop.split("continue with: ", 1)[1]
     assert command.startswith("main.py ") and "--resume checkpoints/local-" in command

@@ -5,7 +5,6 @@ every run here is one process, as on one GPU of a cluster node.
 """
 
 import json
-import signal
 import subprocess
 import sys
 
@@ -273,26 +272,12 @@ def test_a_graphed_run_resumes_exactly(tmp_path):
 
 
 def test_a_graphed_run_stops_at_a_step_on_sigusr1_and_finishes_after_resume(repo_copy):
-    from conftest import LONG_RUN, clean_environment
+    from conftest import LONG_RUN, stop_at_first_progress
 
-    proc = subprocess.Popen(
-        [sys.executable, "main.py", *LONG_RUN, "--cuda-graphs", "--print-every", "40"],
-        cwd=repo_copy,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=clean_environment(),
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("epoch 1 step"):  # step 40: past the capture, replaying
-                proc.send_signal(signal.SIGUSR1)
-                break
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 3, err[-2000:]
-    stop = next(line for line in out.splitlines() if "stopped on SIGUSR1" in line)
+    # Progress at step 40: past the capture (after step 11), replaying.
+    stopped = stop_at_first_progress([*LONG_RUN, "--cuda-graphs", "--print-every", "40"], repo_copy)
+    assert stopped.returncode == 3, stopped.stderr[-2000:]
+    stop = next(line for line in stopped.stdout.splitlines() if "stopped on SIGUSR1" in line)
     assert "at epoch 1 step" in stop
     command = stop.split("continue with: ", 1)[1].split()
     resumed = run([sys.executable, *command], cwd=repo_copy, timeout=300)
