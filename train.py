@@ -329,6 +329,13 @@ class Segment:
     steps: int
 
 
+def every_rank(value: float, device: torch.device) -> list[float]:
+    """Each rank's value, in rank order, on every rank (one all-reduce of a vector)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return all_reduce([value if r == rank else 0.0 for r in range(world)], device)
+
+
 def time_breakdown(segment: Segment, step_seconds: float, device: torch.device) -> dict:
     """Where the epoch's time went, in seconds, each the mean over ranks; they add up to the
     segment's time by construction:
@@ -339,14 +346,21 @@ def time_breakdown(segment: Segment, step_seconds: float, device: torch.device) 
     t_wait     waiting for the slowest rank: the busiest rank's compute + data, minus this
                rank's own
     t_comm     the rest: communication and the wrapper's work not hidden behind compute
+
+    and the straggler: which rank was the busiest (slowest_rank), and by how many seconds the
+    busiest and the least busy differ (rank_time_spread).
     """
     compute, data = step_seconds * segment.steps, segment.data
-    slowest = all_reduce([compute + data], device, dist.ReduceOp.MAX)[0]
+    busy = every_rank(compute + data, device)
+    slowest = max(busy)
     wait = slowest - (compute + data)
     comm = segment.elapsed - compute - data - wait
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    means = [v / world for v in all_reduce([compute, data, comm, wait], device)]
-    return dict(zip(("t_compute", "t_data", "t_comm", "t_wait"), means))
+    means = [v / len(busy) for v in all_reduce([compute, data, comm, wait], device)]
+    return {
+        **dict(zip(("t_compute", "t_data", "t_comm", "t_wait"), means)),
+        "slowest_rank": busy.index(slowest),
+        "rank_time_spread": slowest - min(busy),
+    }
 
 
 class Diverged(Exception):

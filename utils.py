@@ -59,7 +59,9 @@ METRIC_FIELDS = (
     "t_comm",
     "t_wait",
     "tflops",
-    "mfu",  # measured since
+    "mfu",
+    "slowest_rank",
+    "rank_time_spread",  # measured since
     "sharding",
     "train_images",  # labels added since (e.g. the sharding FSDP really used)
 )

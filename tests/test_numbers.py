@@ -260,6 +260,34 @@ def test_time_breakdown_accounts_for_the_epoch():
         assert m["t_compute"] > 0 and m["t_data"] >= 0 and m["t_wait"] >= 0
 
 
+def slowed_rank_metrics(env, cfg, slowed: int, seconds_per_batch: float):
+    """One rank fetches every batch `seconds_per_batch` later than the others (a slow node)."""
+    import time
+
+    import data
+
+    if env.rank == slowed:
+        normalize = data.Normalize.__call__
+
+        def slow_normalize(self, images):
+            time.sleep(seconds_per_batch)
+            return normalize(self, images)
+
+        data.Normalize.__call__ = slow_normalize
+    return run(cfg, env).history
+
+
+@pytest.mark.parametrize("slowed", [0, 1])
+def test_the_slowest_rank_and_the_spread_name_a_straggler(slowed):
+    """A rank whose batches come 50 ms late is named in every epoch, and the spread is about
+    its lateness (8 steps: 0.4 s); the busy times compared are compute + data_wait, as t_wait's."""
+    cfg = Config(**{**CFG, "epochs": 2})
+    history = spawn(slowed_rank_metrics, 2, cfg, slowed, 0.05)[0]
+    for m in history:
+        assert m["slowest_rank"] == slowed, m
+        assert 0.25 < m["rank_time_spread"] < 2.0, m
+
+
 def training_result(env, cfg, calibrate):
     import session
 

@@ -31,6 +31,10 @@ MACHINE_FIELDS = {
     "t_data",
     "t_comm",
     "t_wait",
+    "tflops",
+    "mfu",
+    "slowest_rank",
+    "rank_time_spread",
 }
 
 
