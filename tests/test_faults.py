@@ -301,14 +301,16 @@ def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strat
 
 
 @pytest.mark.timeout(300)
-def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_path):
-    """--resume PATH whose file rank 1 alone cannot read: not rank 1 failing while rank 0
-    trains on and waits for it, but both ending at once, status 5, one line."""
+@pytest.mark.parametrize("strategy,file", [("ddp", "rng_rank1.pt"), ("fsdp", checkpoint.META_FILE)])
+def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_path, strategy, file):
+    """--resume PATH of a file rank 1 alone cannot read: not rank 1 failing while rank 0 goes
+    on (to train and wait for it, or to DCP's collective load, which rank 1 would meet with
+    another collective), but both ending at once, status 5, one line."""
     folder = tmp_path / "ck"
-    train_epochs(folder, 1, nproc=2)  # at the world size that resumes: rank 1 reads its file
+    train_epochs(folder, 1, strategy, nproc=2)  # at the world size that resumes
     path = folder / "ckpt_e0002_s000000"
-    args = [*ARGS, "--checkpoint-dir", folder, "--epochs", 2, "--resume", path]
-    statuses, outputs, spread = run_ranks(args, "1:load:rng_rank1.pt", tmp_path)
+    args = [*ARGS, "--strategy", strategy, "--checkpoint-dir", folder, "--epochs", 2]
+    statuses, outputs, spread = run_ranks([*args, "--resume", path], f"1:load:{file}", tmp_path)
     assert statuses == [STATUS_CHECKPOINT] * 2, outputs
     done = subprocess.CompletedProcess([], statuses[0], *outputs[0])
     assert_one_line_error(
