@@ -1,5 +1,6 @@
 """The docs hold together: every relative link and `#anchor` resolves, README.md stays a short
-door (at most 10 KB, no test count), and the docs name code rather than its line numbers.
+door (at most 10 KB, no test count), the docs name code rather than its line numbers, and the
+one table of exit statuses is main.py's.
 
 The checker is tested on documents written here, so that a checker which finds nothing cannot
 pass for docs without broken links.
@@ -129,3 +130,14 @@ def test_docs_name_code_rather_than_line_numbers():
         for reference in LINE_REFERENCE.findall(doc.read_text())
     ]
     assert not bad, "refer to code by file and name: " + ", ".join(bad)
+
+
+def test_the_exit_status_table_is_main_pys():
+    """docs/troubleshooting.md's table, the one every doc links to, lists each status main.py
+    ends with (`main.EXIT_STATUS`) and no other."""
+    from main import EXIT_STATUS
+
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    table = text.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
+    listed = [int(status) for status in re.findall(r"^\| (\d+) \|", table, re.M)]
+    assert sorted(listed) == sorted(EXIT_STATUS.values())
