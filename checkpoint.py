@@ -484,6 +484,25 @@ def load(
     return position
 
 
+def load_chosen(
+    path: Path,
+    identity: Identity,
+    model,
+    optimizer,
+    generator: torch.Generator | None,
+    scheduler=None,
+) -> Position:
+    """`--resume PATH`: `load`. A checkpoint that cannot be read ends the run (the user chose
+    it: no guessing at another), saying that nothing was touched and how to go on."""
+    try:
+        return load(path, identity, model, optimizer, generator, scheduler)
+    except Unreadable as e:
+        raise Unreadable(
+            f"{e}; nothing was written and every checkpoint is as it was: repair it, or go on "
+            f"from the newest readable one with --resume auto --checkpoint-dir {path.parent}"
+        ) from None
+
+
 def candidates(directory: Path) -> list[Path]:
     """Every checkpoint in `directory`, oldest first: the finished ones and those named as one
     but without their meta file (damaged: a finished checkpoint always has it)."""

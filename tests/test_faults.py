@@ -316,6 +316,8 @@ def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_pat
     assert_one_line_error(
         done,
         f"cannot read checkpoint {path} (rank 1: OSError: [Errno 5] Input/output error",
+        "nothing was written",
+        f"--resume auto --checkpoint-dir {folder}",
         status=5,
     )
     assert spread < 10, spread
