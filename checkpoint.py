@@ -133,7 +133,7 @@ def save(
     A failure on any rank (the file system, torch's serialization) raises the same
     CheckpointError on every rank, once the others have finished their part: it names the
     checkpoint, the cause and the newest checkpoint left intact; the half-written folder is
-    removed."""
+    removed (where the file system refuses that too, the line says so)."""
     directory = Path(directory)
     final = directory / position.name
     tmp = directory / (position.name + ".tmp")
@@ -145,11 +145,15 @@ def save(
     if not error:
         _, error = _together(_move_into_place, tmp, final, alone=True)
     if error:
-        if is_rank_zero():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _, left = _together(_discard, tmp, alone=True)
+        kept = (
+            f"its unfinished {tmp.name} could not be removed ({left}): no run takes it for a "
+            "checkpoint, and the next save removes it"
+            if left
+            else f"nothing of it was kept (no {tmp.name} left behind)"
+        )
         raise CheckpointError(
-            f"cannot save checkpoint {final}: {error}; nothing of it was kept "
-            f"(no {tmp.name} left behind), and {_intact(directory)}"
+            f"cannot save checkpoint {final}: {error}; {kept}, and {_intact(directory)}"
         )
     if is_rank_zero():
         _remove_leftovers(directory)
@@ -161,6 +165,14 @@ def _make_empty(directory: Path, tmp: Path) -> None:
     if tmp.exists():  # our own leftover from a crash mid-write: never a finished checkpoint
         shutil.rmtree(tmp)
     tmp.mkdir()
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a save's unfinished folder, if it was made. The ranks agree on how it went, so
+    that the line on the failed save says whether it was left behind (a read-only file system
+    refuses this too)."""
+    if tmp.exists():
+        shutil.rmtree(tmp)
 
 
 def _write(

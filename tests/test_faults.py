@@ -2,6 +2,7 @@
 stop signal (SIGUSR1, SIGUSR2, SIGTERM) through main.py and run.sh, and the fault-injection
 runs whose figures docs/reliability.md quotes (marked slow)."""
 
+import errno
 import hashlib
 import os
 import random
@@ -298,6 +299,30 @@ def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strat
     resumed = run_main([*args, "--resume", "auto"], nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [2, 3]
+
+
+def test_a_failed_save_whose_folder_cannot_be_removed_says_so(tmp_path, monkeypatch):
+    """A read-only file system refuses the clean-up too: the line must not claim that nothing
+    was left behind, but name what was."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", read_only)
+    at, fits = checkpoint.Position(epoch=2), checkpoint.Identity("ddp", "cnn", 6, 16)
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save(tmp_path, at, fits, model, optimizer, None)
+    line = str(raised.value)
+    assert line.startswith(f"cannot save checkpoint {tmp_path / at.name}: OSError: [Errno 28]")
+    assert f"{at.name}.tmp could not be removed (OSError: [Errno 30] Read-only" in line
+    assert "nothing of it was kept" not in line and f"{tmp_path} holds no earlier" in line
+    assert (tmp_path / f"{at.name}.tmp").is_dir()
 
 
 @pytest.mark.timeout(300)
