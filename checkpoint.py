@@ -133,23 +133,27 @@ def save(
     A failure on any rank (the file system, torch's serialization) raises the same
     CheckpointError on every rank, once the others have finished their part: it names the
     checkpoint, the cause and the newest checkpoint left intact; the half-written folder is
-    removed."""
+    removed (where the file system refuses that too, the line says so)."""
     directory = Path(directory)
     final = directory / position.name
     tmp = directory / (position.name + ".tmp")
-    error = _attempt(_make_empty, directory, tmp) if is_rank_zero() else None
-    if not (error := _agree(error)):
-        error = _agree(
-            _attempt(_write, tmp, position, identity, model, optimizer, generator, scheduler)
+    _, error = _together(_make_empty, directory, tmp, alone=True)
+    if not error:
+        _, error = _together(
+            _write, tmp, position, identity, model, optimizer, generator, scheduler
         )
     if not error:
-        error = _agree(_attempt(_move_into_place, tmp, final) if is_rank_zero() else None)
+        _, error = _together(_move_into_place, tmp, final, alone=True)
     if error:
-        if is_rank_zero():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _, left = _together(_discard, tmp, alone=True)
+        kept = (
+            f"its unfinished {tmp.name} could not be removed ({left}): no run takes it for a "
+            "checkpoint, and the next save removes it"
+            if left
+            else f"nothing of it was kept (no {tmp.name} left behind)"
+        )
         raise CheckpointError(
-            f"cannot save checkpoint {final}: {error}; nothing of it was kept "
-            f"(no {tmp.name} left behind), and {_intact(directory)}"
+            f"cannot save checkpoint {final}: {error}; {kept}, and {_intact(directory)}"
         )
     if is_rank_zero():
         _remove_leftovers(directory)
@@ -161,6 +165,14 @@ def _make_empty(directory: Path, tmp: Path) -> None:
     if tmp.exists():  # our own leftover from a crash mid-write: never a finished checkpoint
         shutil.rmtree(tmp)
     tmp.mkdir()
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a save's unfinished folder, if it was made. The ranks agree on how it went, so
+    that the line on the failed save says whether it was left behind (a read-only file system
+    refuses this too)."""
+    if tmp.exists():
+        shutil.rmtree(tmp)
 
 
 def _write(
@@ -266,16 +278,23 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def _attempt(fn, *args) -> str | None:
-    """Run fn: None if it worked, else why not (a peer's death is no checkpoint fault: it goes
-    on up, to end the run as one)."""
-    try:
-        fn(*args)
-        return None
-    except (Exception, CheckpointException) as e:
-        if isinstance(e, Exception) and is_peer_failure(e):
-            raise
-        return _cause(e)
+def _together(fn, *args, alone: bool = False) -> tuple[object, str | None]:
+    """fn on every rank (alone: on rank 0 only), after which the ranks agree on how it went:
+    (fn's result, None) where it worked everywhere, else (None, the first failure) on every
+    rank. Each step of a save or a load goes through here, so that a rank that failed goes on
+    to the same next collective as the others, never to another (a mismatch, or a hang until
+    --pg-timeout). A peer's death is no checkpoint fault: it goes on up, to end the run as
+    one."""
+    value, error = None, None
+    if not alone or is_rank_zero():
+        try:
+            value = fn(*args)
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            if isinstance(e, Exception) and is_peer_failure(e):
+                raise
+            error = _cause(e)
+    error = _agree(error)
+    return (None, error) if error else (value, None)
 
 
 def _agree(error: str | None) -> str | None:
@@ -392,14 +411,31 @@ class Unreadable(CheckpointError):
     """A checkpoint whose files cannot be read (a disk fault, a file cut short)."""
 
 
-@contextlib.contextmanager
-def _reading(path: Path):
-    try:
-        yield
-    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        if isinstance(e, Exception) and is_peer_failure(e):
-            raise
-        raise Unreadable(f"cannot read checkpoint {path} ({_cause(e)})") from None
+def _read(path: Path, fn, *args):
+    """fn(*args), a read of checkpoint `path` on every rank, which then agree: what any rank
+    cannot read is Unreadable on all of them, at the same step (rather than one rank failing
+    while the others go on to a collective and wait for it)."""
+    value, error = _together(fn, *args)
+    if error:
+        raise Unreadable(f"cannot read checkpoint {path} ({error})")
+    return value
+
+
+def _load_torch(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _load_streams(path: Path) -> dict | None:
+    """This rank's random streams, if saved (at the same world size, every rank's are)."""
+    return _load_torch(path) if path.is_file() else None
+
+
+def _load_shards(path: Path, model, optimizer) -> dict:
+    """FSDP's sharded state, read through DCP into this rank's shapes (collective)."""
+    model_state, optim_state = get_state_dict(model, optimizer)  # shapes to fill
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    return state
 
 
 def load(
@@ -410,10 +446,10 @@ def load(
     generator: torch.Generator | None,
     scheduler=None,
 ) -> Position:
-    """Restore model, optimizer, scheduler and (at the same world size) every rank's random
-    streams."""
-    with _reading(path):
-        meta = torch.load(path / META_FILE, weights_only=False)
+    """Every rank calls this. Restore model, optimizer, scheduler and (at the same world size)
+    every rank's random streams. A file that any rank cannot read raises the same Unreadable
+    on every rank."""
+    meta = _read(path, _load_torch, path / META_FILE)
     theirs = Identity(**meta["identity"])
     if (theirs.strategy, theirs.model, theirs.parameters) != (
         identity.strategy,
@@ -435,13 +471,10 @@ def load(
         )
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
-        with _reading(path):
-            if full:
-                state = torch.load(path / DDP_FILE, map_location="cpu", weights_only=False)
-            else:
-                model_state, optim_state = get_state_dict(model, optimizer)  # shapes to fill
-                state = {"model": model_state, "optim": optim_state}
-                dcp.load(state, checkpoint_id=path)
+        if full:
+            state = _read(path, _load_torch, path / DDP_FILE)
+        else:
+            state = _read(path, _load_shards, path, model, optimizer)
         set_state_dict(
             model,
             optimizer,
@@ -451,22 +484,19 @@ def load(
         )
     if scheduler is not None and meta.get("scheduler"):
         scheduler.load_state_dict(meta["scheduler"])
-    rng = path / f"rng_rank{_rank()}.pt"
     # At another world size the ranks' streams do not map onto the new ranks: keep fresh ones.
     if meta["world_size"] != _world():
         log0(
             f"[CHECKPOINT] written at world size {meta['world_size']}, resumed at {_world()}: "
             "the random streams start afresh"
         )
-    elif rng.is_file():
-        with _reading(path):
-            streams = torch.load(rng, weights_only=False)
+    elif streams := _read(path, _load_streams, path / f"rng_rank{_rank()}.pt"):
         if not _set_rng_state(streams, generator):
             log0("[CHECKPOINT] written on another device type: the random streams start afresh")
     return position
 
 
-def load_everywhere(
+def load_chosen(
     path: Path,
     identity: Identity,
     model,
@@ -474,16 +504,15 @@ def load_everywhere(
     generator: torch.Generator | None,
     scheduler=None,
 ) -> Position:
-    """`load` on every rank, which then agree: a checkpoint that any rank cannot read raises
-    the same Unreadable on all of them (rather than one rank failing while the others train
-    on and wait for it)."""
+    """`--resume PATH`: `load`. A checkpoint that cannot be read ends the run (the user chose
+    it: no guessing at another), saying that nothing was touched and how to go on."""
     try:
-        position, error = load(path, identity, model, optimizer, generator, scheduler), None
+        return load(path, identity, model, optimizer, generator, scheduler)
     except Unreadable as e:
-        position, error = None, str(e).removeprefix(f"cannot read checkpoint {path} (")[:-1]
-    if error := _agree(error):
-        raise Unreadable(f"cannot read checkpoint {path} ({error})")
-    return position
+        raise Unreadable(
+            f"{e}; nothing was written and every checkpoint is as it was: repair it, or go on "
+            f"from the newest readable one with --resume auto --checkpoint-dir {path.parent}"
+        ) from None
 
 
 def candidates(directory: Path) -> list[Path]:
@@ -517,14 +546,14 @@ def load_newest_readable(
     found, damaged = candidates(directory), []
     for path in reversed(found):
         try:
-            position = load_everywhere(path, identity, model, optimizer, generator, scheduler)
+            position = load(path, identity, model, optimizer, generator, scheduler)
         except Unreadable as e:
             damaged.append((path, str(e)))
             if path != found[0]:
                 log0(f"[CHECKPOINT] {e}: trying an older one")
             continue
-        error = _attempt(_set_aside, damaged) if is_rank_zero() else None
-        if error := _agree(error):
+        _, error = _together(_set_aside, damaged, alone=True)
+        if error:
             raise CheckpointError(
                 f"cannot set aside the unreadable checkpoint(s) "
                 f"{', '.join(str(p) for p, _ in damaged)}: {error}; nothing "

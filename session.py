@@ -200,7 +200,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         source, position = checkpoint.load_newest_readable(folder or Path("."), fits, *resumable)
     elif cfg.resume:
         source = checkpoint.resolve(cfg.resume, folder or Path("."))
-        position = checkpoint.load_everywhere(source, fits, *resumable)
+        position = checkpoint.load_chosen(source, fits, *resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
     if warning := distributed_utils.network_warning(resolved["nodes"], env.backend):
         log0(warning)

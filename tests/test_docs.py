@@ -1,6 +1,7 @@
 """The docs hold together: every relative link and `#anchor` resolves, README.md stays a short
-door (at most 10 KB, no test count), the docs name code rather than its line numbers, and their
-copy-paste blocks work as written (no sudo, no bare python outside the activated .venv).
+door (at most 10 KB, no test count), the docs name code rather than its line numbers, their
+copy-paste blocks work as written (no sudo, no bare python outside the activated .venv), and
+the one table of exit statuses is main.py's.
 
 Each checker is tested on documents written here, so that a checker which finds nothing cannot
 pass for docs without faults.
@@ -232,3 +233,14 @@ def test_the_checker_finds_commands_that_fail_as_written(tmp_path):
 )
 def test_the_line_reference_checker(text, found):
     assert LINE_REFERENCE.findall(text) == found
+
+
+def test_the_exit_status_table_is_main_pys():
+    """docs/troubleshooting.md's table, the one every doc links to, lists each status main.py
+    ends with (`main.EXIT_STATUS`) and no other."""
+    from main import EXIT_STATUS
+
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    table = text.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
+    listed = [int(status) for status in re.findall(r"^\| (\d+) \|", table, re.M)]
+    assert sorted(listed) == sorted(EXIT_STATUS.values())

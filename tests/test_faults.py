@@ -2,6 +2,7 @@
 stop signal (SIGUSR1, SIGUSR2, SIGTERM) through main.py and run.sh, and the fault-injection
 runs whose figures docs/performance.md quotes (marked slow)."""
 
+import errno
 import hashlib
 import os
 import random
@@ -300,20 +301,48 @@ def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strat
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [2, 3]
 
 
+def test_a_failed_save_whose_folder_cannot_be_removed_says_so(tmp_path, monkeypatch):
+    """A read-only file system refuses the clean-up too: the line must not claim that nothing
+    was left behind, but name what was."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", read_only)
+    at, fits = checkpoint.Position(epoch=2), checkpoint.Identity("ddp", "cnn", 6, 16)
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save(tmp_path, at, fits, model, optimizer, None)
+    line = str(raised.value)
+    assert line.startswith(f"cannot save checkpoint {tmp_path / at.name}: OSError: [Errno 28]")
+    assert f"{at.name}.tmp could not be removed (OSError: [Errno 30] Read-only" in line
+    assert "nothing of it was kept" not in line and f"{tmp_path} holds no earlier" in line
+    assert (tmp_path / f"{at.name}.tmp").is_dir()
+
+
 @pytest.mark.timeout(300)
-def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_path):
-    """--resume PATH whose file rank 1 alone cannot read: not rank 1 failing while rank 0
-    trains on and waits for it, but both ending at once, status 5, one line."""
+@pytest.mark.parametrize("strategy,file", [("ddp", "rng_rank1.pt"), ("fsdp", checkpoint.META_FILE)])
+def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_path, strategy, file):
+    """--resume PATH of a file rank 1 alone cannot read: not rank 1 failing while rank 0 goes
+    on (to train and wait for it, or to DCP's collective load, which rank 1 would meet with
+    another collective), but both ending at once, status 5, one line."""
     folder = tmp_path / "ck"
-    train_epochs(folder, 1, nproc=2)  # at the world size that resumes: rank 1 reads its file
+    train_epochs(folder, 1, strategy, nproc=2)  # at the world size that resumes
     path = folder / "ckpt_e0002_s000000"
-    args = [*ARGS, "--checkpoint-dir", folder, "--epochs", 2, "--resume", path]
-    statuses, outputs, spread = run_ranks(args, "1:load:rng_rank1.pt", tmp_path)
+    args = [*ARGS, "--strategy", strategy, "--checkpoint-dir", folder, "--epochs", 2]
+    statuses, outputs, spread = run_ranks([*args, "--resume", path], f"1:load:{file}", tmp_path)
     assert statuses == [STATUS_CHECKPOINT] * 2, outputs
     done = subprocess.CompletedProcess([], statuses[0], *outputs[0])
     assert_one_line_error(
         done,
         f"cannot read checkpoint {path} (rank 1: OSError: [Errno 5] Input/output error",
+        "nothing was written",
+        f"--resume auto --checkpoint-dir {folder}",
         status=5,
     )
     assert spread < 10, spread
