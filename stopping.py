@@ -44,9 +44,10 @@ def stop_signal() -> str | None:
 
 
 # Steps between two agreements on a stop. One agreement (a gloo all-reduce, started in one step
-# and read in a later one) cost about 0.5 ms per step between two ranks on a 2-core machine:
-# as much as a whole training step of this model on a GPU. A stop then comes at most this many
-# steps later, well within SLURM's warning time.
+# and read in a later one) cost about 0.5 ms per step between two ranks on a 2-core machine: a
+# sixth of a whole training step of this model on an H100 (3-4 ms, docs/performance.md), paid
+# once every this many steps. A stop then comes at most this many steps later, well within
+# SLURM's warning time.
 STOP_POLL_EVERY = 10
 
 

@@ -61,8 +61,9 @@ def test_one_gpu_memory_format_and_compile(flag):
 
 
 def test_sync_batchnorm_trains_a_resnet():
-    """--sync-bn runs only on GPUs: SyncBatchNorm's CUDA kernels gather the batch statistics
-    of every rank (here one) in forward and backward."""
+    """--sync-bn converts the ResNet's BatchNorm layers and trains on a GPU. Not proved here: the
+    gathering of statistics over ranks, since at world size 1 torch's SyncBatchNorm runs as a
+    plain BatchNorm; that needs two GPUs."""
     config, metrics = run_gpu(
         [*QUICK, "--model", "resnet18", "--sync-bn", "--epochs", "3", "--train-samples", "2048"]
     )
@@ -73,8 +74,10 @@ def test_sync_batchnorm_trains_a_resnet():
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 @pytest.mark.parametrize("extra", [["--clip-grad", "1"], ["--precision", "fp16"]])
 def test_cpu_offload_with_clipping_and_fp16(strategy, extra):
-    """Offloaded gradients are CPU tensors: their norm and fp16's inf check are collectives on
-    the CPU, which the process group must be able to run (gloo beside NCCL)."""
+    """Offloaded shards with clipping and with fp16 train on a GPU. Not proved here: the gloo
+    collectives on CPU tensors (the global norm, fp16's inf check) that the `cpu:gloo` half of
+    the process group exists for, since at world size 1 FSDP reduces nothing; that needs two
+    GPUs."""
     _, metrics = run_gpu([*QUICK, "--strategy", strategy, "--cpu-offload", *extra, "--epochs", "1"])
     assert metrics[-1]["device"] == "cuda"
 
@@ -116,13 +119,48 @@ def test_peak_memory_counts_training_not_the_data_set():
     assert large[-1]["reserved_mem"] >= large[-1]["peak_mem"]
 
 
+def fetch_with_device_work(env, cycles: int) -> tuple[float, int]:
+    """An epoch whose every fetch also keeps the GPU busy for `cycles` clock cycles, work that
+    the host only launches: (the last epoch's data_wait, its steps)."""
+    import data
+    from config import Config
+    from session import run as run_session
+
+    normalize = data.Normalize.__call__
+
+    def busy_normalize(self, images):
+        torch.cuda._sleep(cycles)
+        return normalize(self, images)
+
+    data.Normalize.__call__ = busy_normalize
+    cfg = Config(
+        dataset="synthetic",
+        train_samples=64 * 32,
+        val_samples=64,
+        batch_size=64,
+        epochs=2,
+        checkpoint=False,
+        print_every=10**9,
+    )
+    return run_session(cfg, env).history[-1]["data_wait"], 32
+
+
 def test_data_wait_is_device_time():
-    """With CUDA events around the fetch, data_wait includes the augmentation kernels: it is a
-    real share of the epoch, not the microseconds of launching them."""
-    _, metrics = run_gpu([*QUICK, "--epochs", "2", "--train-samples", "8192", "--augment"])
-    last = metrics[-1]
-    assert 0 < last["data_wait"] < last["time"]
-    print(f"data_wait {last['data_wait']:.4f} s of {last['time']:.4f} s")
+    """A fetch that launches a kernel spinning the GPU for a few ms: data_wait (CUDA events
+    around the fetch) holds every one of them, where a host clock would see only their launch
+    (microseconds)."""
+    from dist_harness import spawn
+
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    per_fetch = start.elapsed_time(end) / 1000
+    ((data_wait, steps),) = spawn(fetch_with_device_work, 1, cycles)
+    print(f"data_wait {data_wait:.4f} s; the GPU was kept busy {steps * per_fetch:.4f} s")
+    assert data_wait >= 0.9 * steps * per_fetch
 
 
 def test_checkpoint_and_resume_on_cuda_and_across_devices(tmp_path):
@@ -134,6 +172,20 @@ def test_checkpoint_and_resume_on_cuda_and_across_devices(tmp_path):
     done = run_main([*args, "--epochs", "3", "--resume", "auto"], CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "written on another device type" in done.stdout
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_cpu_checkpoint_resumes_on_cuda(tmp_path, strategy):
+    """The other direction, for DDP's one file and FSDP's shards: written on the CPU (no GPU
+    visible), resumed on the GPU, with fresh random streams."""
+    args = [*TINY, "--batch-size", "64", "--strategy", strategy, "--checkpoint-dir", str(tmp_path)]
+    done = run_main([*args, "--epochs", "1"], CUDA_VISIBLE_DEVICES="")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_main([*args, "--epochs", "2", "--resume", "auto"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "written on another device type" in done.stdout
+    metrics = metrics_in(done.stdout)
+    assert [m["epoch"] for m in metrics] == [2] and metrics[0]["device"] == "cuda"
 
 
 def test_comm_benchmark_times_nccl_on_the_gpu():
