@@ -21,6 +21,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -202,6 +203,28 @@ _handshake_group = None
 _timeout = datetime.timedelta(seconds=300)  # the run's --pg-timeout, for every group we make
 
 
+# NCCL's flight recorder (torch's TORCH_NCCL_* settings): every rank keeps its last collectives
+# in a ring buffer and, when one times out, writes them to FLIGHT_RECORDER_DIR/<job>_rank<N>,
+# so that a hang's dump says which collective each rank had entered. torch's trace analyzer
+# reads them (python -m torch.distributed.flight_recorder.fr_trace FOLDER).
+FLIGHT_RECORDER_DIR = Path("logs") / "nccl-trace"
+
+
+def flight_recorder_env(job: str, folder: Path = FLIGHT_RECORDER_DIR) -> dict[str, str]:
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder.resolve() / f"{job}_rank"),
+    }
+
+
+def turn_on_flight_recorder(folder: Path = FLIGHT_RECORDER_DIR) -> None:
+    """Before NCCL starts: the flight recorder's settings, where the job has not set its own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, value in flight_recorder_env(job_id(), folder).items():
+        os.environ.setdefault(name, value)
+
+
 def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     """Join (or, alone, create) the process group and bind this process to its device.
 
@@ -215,6 +238,7 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     device, backend = pick_device(local_rank, wanted=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        turn_on_flight_recorder()
     timeout = _timeout = datetime.timedelta(seconds=timeout_s)
     if world_size == 1:
         _store = dist.HashStore()
@@ -339,11 +363,30 @@ def silent_ranks(grace_s: float = 3.0) -> list[int]:
         time.sleep(0.1)
 
 
+def say_where(text: str) -> None:
+    """Leave at the rendezvous store where this rank is now (e.g. "epoch 2 step 40, in DDP's
+    gradient all-reduces"), for the line that names it if it dies or hangs after this. One small
+    write; the training loop makes one every stopping.STOP_POLL_EVERY steps."""
+    if _store is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.PrefixStore("where", _store).set(str(dist.get_rank()), text)
+
+
+def last_seen() -> str:
+    """Where each rank last said it was (say_where), in rank order."""
+    store = dist.PrefixStore("where", _store)
+    ranks = range(dist.get_world_size())
+    return "; ".join(
+        f"rank {r} {store.get(str(r)).decode() if store.check([str(r)]) else 'nowhere yet'}"
+        for r in ranks
+    )
+
+
 def describe_peer_failure(error: BaseException) -> str:
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     try:
         missing = silent_ranks()
         who = f"rank(s) {', '.join(map(str, missing))} died or hung" if missing else "a peer failed"
+        who += f"; last seen: {last_seen()}"
     except Exception:  # the store lives in rank 0 (or torchrun's agent): it may be gone too
         who = "the rendezvous store is gone too: rank 0 (or its launcher) died"
     return f"rank {dist.get_rank()}: {who}; stopping ({first_line[:200]})"

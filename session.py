@@ -21,7 +21,13 @@ from comm_bench import run_comm_benchmark
 from config import SHARDED, Config, check_world
 from fsdp_utils import effective_sharding, low_precision
 from model import build_model, count_parameters
-from strategies import check_device_options, devices_per_rank, make_precision, wrap_model
+from strategies import (
+    STEP_COLLECTIVES,
+    check_device_options,
+    devices_per_rank,
+    make_precision,
+    wrap_model,
+)
 from train import (
     PROFILE_SCHEDULE,
     ComputeCalibration,
@@ -134,6 +140,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         calibration=calibration,
         flops=flops,
         cuda_graphs=cfg.cuda_graphs,
+        step_collectives=STEP_COLLECTIVES[cfg.strategy],
     )
     return trainer, resolved
 
@@ -214,6 +221,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     def save(at: checkpoint.Position) -> None:
         if not folder or (source and source.resolve() == (folder / at.name).resolve()):
             return  # nothing trained since resuming (a stop during start-up): saved already
+        distributed_utils.say_where(f"saving checkpoint {at.name}")
         log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, *resumable)}")
         if is_rank_zero():
             for old in checkpoint.prune(folder, cfg.keep_last, protect=source):

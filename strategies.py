@@ -18,6 +18,16 @@ from fsdp_utils import get_fsdp2_model, get_fsdp_model, low_precision
 from train import Precision
 from utils import UsageError
 
+# What a training step of each strategy waits on its peers in: a rank's last words (say_where)
+# before it died or hung name it.
+STEP_COLLECTIVES = {
+    "ddp": "DDP's gradient all-reduces",
+    "fsdp": "FSDP's all-gathers and reduce-scatters",
+    "fsdp2": "FSDP2's all-gathers and reduce-scatters",
+    "dp": "a step of one process",
+    "single": "a step of one process",
+}
+
 
 def wrap_model(
     cfg: Config, model: torch.nn.Module, device: torch.device, world_size: int, nodes: int

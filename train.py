@@ -34,9 +34,9 @@ from checkpoint import Position
 from config import Config
 from cuda_graphs import GraphedStep
 from data import Loaders, validation_weights
-from distributed_utils import DistEnv, barrier
+from distributed_utils import DistEnv, barrier, say_where
 from mfu import ModelFlops, implausible
-from stopping import StopRequest
+from stopping import STOP_POLL_EVERY, StopRequest
 from utils import format_metric, is_rank_zero, log0, metric_order
 
 
@@ -414,6 +414,7 @@ class Trainer:
     profiler: StepProfiler | None = None
     flops: ModelFlops | None = None  # for tflops and mfu
     cuda_graphs: bool = False  # train_step as one CUDA graph (cuda_graphs.py)
+    step_collectives: str = "the step's collectives"  # strategies.STEP_COLLECTIVES, for say_where
 
     @functools.cached_property
     def loss_sum(self) -> torch.Tensor:
@@ -530,6 +531,8 @@ class Trainer:
         batches = iter(self.loaders.train)
         step = start.step
         while step < total and not (stop and stop.poll()):
+            if step % STOP_POLL_EVERY == 0:
+                say_where(f"at epoch {start.epoch} step {step} in {self.step_collectives}")
             with data_wait.measure():
                 images, labels = next(batches)
 
@@ -543,6 +546,7 @@ class Trainer:
         elapsed = time.perf_counter() - t_start
 
         own_data = data_wait.total()
+        say_where(f"at the end of epoch {start.epoch}'s training, in its all-reduces")
         # Every step takes a full local batch: the images' loss sum, once per epoch.
         loss_sum, seen = all_reduce([mean_loss_sum * self.loaders.train.batch_size, seen], device)
         # The epoch lasts until its slowest rank is done: every rank takes that time, so that
@@ -600,6 +604,7 @@ class Trainer:
         correct = torch.zeros((), device=device)
         count = torch.zeros((), device=device)
         offset = 0
+        say_where("in validation")
         synchronize(device)
         start = time.perf_counter()
         for images, labels in loaders.val:

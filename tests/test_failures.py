@@ -3,6 +3,7 @@
 The two ranks are started directly, as srun starts its tasks: under torchrun its agent would
 kill rank 0 itself on seeing rank 1 die, and rank 0's own reaction would never be seen."""
 
+import re
 import signal
 import time
 
@@ -19,8 +20,11 @@ from helpers import ARGS, DEAD_S, HUNG_S, end_rank1_during_training
 )
 def test_a_dead_or_hung_peer_ends_rank_0_with_one_line_and_status_1(failure, signal_sent, bound):
     error, status, elapsed = end_rank1_during_training([*ARGS, "--device", "cpu"], signal_sent)
-    print(f"rank 1 {failure}: rank 0 said so after {elapsed:.1f} s")
-    assert error.startswith("error: rank 0: rank(s) 1 died or hung"), error
+    print(f"rank 1 {failure}: rank 0 said so after {elapsed:.1f} s: {error}")
+    assert error.startswith("error: rank 0: rank(s) 1 died or hung; last seen: "), error
+    # Where each rank last said it was: both in epoch 1's training, in DDP's step collectives.
+    seen = re.findall(r"rank (\d) at epoch 1 step \d+ in DDP's gradient all-reduces", error)
+    assert seen == ["0", "1"], error
     assert status == 1
     assert elapsed < bound, elapsed
 

@@ -1,5 +1,7 @@
 """Launcher variables, rendezvous, device choice and model shapes: no processes needed."""
 
+import os
+
 import pytest
 import torch
 
@@ -257,3 +259,17 @@ def test_no_test_file_imports_another():
                 f"{path.name}: {name}" for name in names if name.split(".")[0].startswith("test_")
             ]
     assert not imports, imports
+
+
+def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypatch):
+    """On GPUs each rank's last collectives are dumped on a timeout, named by job and rank; a
+    setting the job made itself is kept."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
+    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    du.turn_on_flight_recorder(tmp_path / "nccl-trace")
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl-trace" / "77_rank")
+    assert (tmp_path / "nccl-trace").is_dir()
