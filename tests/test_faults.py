@@ -606,8 +606,10 @@ KILL_ARGS = [
     "1000",
     "--device",
     "cpu",
+    # A killed rank's sockets close at once, so the survivor needs no timeout to notice; a
+    # short one only turned a slow fsync on a loaded machine into a "hung peer" (seen once).
     "--pg-timeout",
-    "10",
+    "60",
     "--keep-last",
     "2",
     "--seed",
@@ -689,13 +691,13 @@ def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tm
                 time.sleep(delay)
             delay = time.monotonic() - start
             ranks[victim].kill()
-            for rank in ranks:
-                rank.communicate(timeout=60)
+            errors = [rank.communicate(timeout=60)[1] for rank in ranks]
         finally:
             for rank in ranks:
                 rank.kill()
         statuses = [rank.returncode for rank in ranks]
-        assert statuses[victim] == -signal.SIGKILL, statuses  # it had not finished already
+        # It had not finished, or failed, already.
+        assert statuses[victim] == -signal.SIGKILL, (statuses, [e[-2000:] for e in errors])
         left += bool(list(folder.glob("*.tmp")))
         newest = (checkpoint.candidates(folder) or [None])[-1]  # none before epoch 1 ends
         if newest and (why := unreadable(newest)):
