@@ -90,6 +90,31 @@ def spawn_outcomes(
     return [results[r] for r in range(world_size)]
 
 
+def _alone(fn, queue, args):
+    try:
+        queue.put(("ok", _to_bytes(fn(*args))))
+    except BaseException as e:
+        queue.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def in_fresh_process(fn, *args, timeout: float = 180):
+    """fn(*args) in a new process of its own (no process group made for it: fn makes what it
+    needs, e.g. torch's fake one, which a process can make only once); returns its result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_alone, args=(fn, queue, args))
+    proc.start()
+    try:
+        status, value = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raise AssertionError(value)
+    return torch.load(io.BytesIO(value), weights_only=False)
+
+
 # ----------------------------------------------------------------------------- rank functions
 
 # 240 images = 10 global batches of 24, divisible by world sizes 1, 2 and 3. fp32, no
