@@ -201,6 +201,9 @@ _store = None
 HANDSHAKE_TIMEOUT_S = 3600.0
 _handshake_group = None
 _timeout = datetime.timedelta(seconds=300)  # the run's --pg-timeout, for every group we make
+# Tests only (tests/dist_harness.py sets it in its spawned ranks; no option or variable does):
+# ranks on one GPU, with gloo carrying the CUDA tensors that NCCL would refuse to share.
+SHARE_ONE_GPU = False
 
 
 # NCCL's flight recorder (torch's TORCH_NCCL_* settings): every rank keeps its last collectives
@@ -249,11 +252,13 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
                 f"tcp://{addr}:{port}", rank=rank, world_size=world_size, timeout=timeout
             )
         )
-        if device.type == "cuda":
+        if device.type == "cuda" and not SHARE_ONE_GPU:
             refuse_shared_gpus(_store, rank, world_size, device)
+    if SHARE_ONE_GPU:
+        backend = "gloo"
     # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
     # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
-    groups_backend = GPU_GROUP_BACKEND if device.type == "cuda" else backend
+    groups_backend = GPU_GROUP_BACKEND if device.type == "cuda" and not SHARE_ONE_GPU else backend
     dist.init_process_group(
         groups_backend,
         store=dist.PrefixStore("default_pg", _store),

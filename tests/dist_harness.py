@@ -10,7 +10,9 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -33,7 +35,8 @@ def _to_bytes(value) -> bytes:
     return buffer.getvalue()
 
 
-def _worker(fn, rank, world_size, port, queue, args, pg_timeout_s):
+def _worker(fn, rank, world_size, port, queue, args, pg_timeout_s, share_gpu=False):
+    distributed_utils.SHARE_ONE_GPU = share_gpu
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -53,9 +56,20 @@ def _worker(fn, rank, world_size, port, queue, args, pg_timeout_s):
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 180, pg_timeout_s: float = 60) -> list:
-    """fn(env, *args) on every rank; returns the results by rank. Raises if any rank fails."""
-    outcomes = spawn_outcomes(fn, world_size, *args, timeout=timeout, pg_timeout_s=pg_timeout_s)
+def spawn(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 180,
+    pg_timeout_s: float = 60,
+    share_gpu: bool = False,
+) -> list:
+    """fn(env, *args) on every rank; returns the results by rank. Raises if any rank fails.
+    share_gpu: every rank on GPU 0, gloo carrying its CUDA tensors (distributed_utils'
+    SHARE_ONE_GPU), for GPU tests of more ranks than the machine has GPUs."""
+    outcomes = spawn_outcomes(
+        fn, world_size, *args, timeout=timeout, pg_timeout_s=pg_timeout_s, share_gpu=share_gpu
+    )
     errors = [f"rank {r}: {value}" for r, (status, value) in enumerate(outcomes) if status != "ok"]
     if errors:
         raise AssertionError("\n".join(errors))
@@ -63,22 +77,34 @@ def spawn(fn, world_size: int, *args, timeout: float = 180, pg_timeout_s: float 
 
 
 def spawn_outcomes(
-    fn, world_size: int, *args, timeout: float = 180, pg_timeout_s: float = 60
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 180,
+    pg_timeout_s: float = 60,
+    share_gpu: bool = False,
 ) -> list[tuple[str, object]]:
     """(status, value) for every rank: ('ok', result) or ('error', message)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, pg_timeout_s))
+        ctx.Process(
+            target=_worker, args=(fn, r, world_size, port, queue, args, pg_timeout_s, share_gpu)
+        )
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    results = {}
+    results, deadline = {}, time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=1)
+            except Empty:  # a rank that died says nothing: stop waiting once none is left
+                if all(not p.is_alive() for r, p in enumerate(procs) if r not in results):
+                    break
+                continue
             if status == "ok":
                 value = torch.load(io.BytesIO(value), weights_only=False)
             results[rank] = (status, value)
@@ -87,7 +113,8 @@ def spawn_outcomes(
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world_size)]
+    # ("died", its exit status) for a rank that ended without a word; None: still running
+    return [results.get(r, ("died", procs[r].exitcode)) for r in range(world_size)]
 
 
 def _alone(fn, queue, args):

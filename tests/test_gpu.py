@@ -5,6 +5,8 @@ every run here is one process, as on one GPU of a cluster node.
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -335,3 +337,85 @@ def test_a_graphed_run_stops_at_a_step_on_sigusr1_and_finishes_after_resume(repo
     resumed = run([sys.executable, *command], cwd=repo_copy, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- two ranks, one GPU
+# Both ranks on GPU 0, gloo carrying the CUDA tensors (dist_harness's share_gpu: a switch only
+# tests set; NCCL refuses two ranks on one GPU). What these prove: the metric all-reduces,
+# barriers, the stop agreement, the checkpoints and the peer-failure path with CUDA tensors at
+# world size 2. What they do not: NCCL itself (its kernels, its bandwidth, its failure path),
+# and anything across GPUs or nodes.
+
+
+def most_different(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_two_ranks_on_one_gpu_train_as_one_process_and_report_global_numbers():
+    """DDP at world size 2 ends with one process's parameters (IEEE fp32; cuDNN's kernels may
+    sum in another order: 1e-4 allowed) and reports the same global losses and accuracy."""
+    from config import Config
+    from dist_harness import EQUAL_CFG, spawn, train_and_gather
+
+    cfg = Config(**EQUAL_CFG, strategy="ddp", deterministic=True)
+    one_state, one_history = spawn(train_and_gather, 1, cfg)[0]
+    two_state, two_history = spawn(train_and_gather, 2, cfg, share_gpu=True)[0]
+    difference = most_different(one_state, two_state)
+    print(f"two ranks on one GPU vs one process: largest parameter difference {difference:.3g}")
+    assert difference <= 1e-4
+    for one, two in zip(one_history, two_history, strict=True):
+        assert two["world_size"] == 2 and two["device"] == "cuda"
+        assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
+        assert two["acc"] == pytest.approx(one["acc"], abs=1e-6)
+
+
+def test_a_signal_to_one_rank_on_the_gpu_stops_both_and_the_resume_continues(tmp_path):
+    """SIGUSR1 to rank 1 alone: both stop at one step with a checkpoint; resumed, the run ends
+    as an uninterrupted one (1e-4, as above)."""
+    import checkpoint
+    from config import Config
+    from dist_harness import EQUAL_CFG, signal_rank_then_train, spawn, train_and_gather
+
+    common = {**EQUAL_CFG, "strategy": "ddp", "deterministic": True, "epochs": 2}
+    straight, _ = spawn(train_and_gather, 2, Config(**common), share_gpu=True)[0]
+    saved = {**common, "checkpoint": True, "checkpoint_dir": str(tmp_path)}
+    spawn(signal_rank_then_train, 2, Config(**saved), 7, share_gpu=True)
+    assert not checkpoint.latest(tmp_path).name.endswith("_s000000")  # a mid-epoch stop
+    resumed, _ = spawn(train_and_gather, 2, Config(**saved, resume="auto"), share_gpu=True)[0]
+    assert most_different(straight, resumed) <= 1e-4
+
+
+def kill_rank1_mid_training(env, cfg) -> str | None:
+    """Rank 1 dies at its 5th step; rank 0 returns the line it would end with."""
+    import distributed_utils
+    import stopping
+    from session import run as run_session
+
+    if env.rank == 1:
+        poll, calls = stopping.StopRequest.poll, []
+
+        def poll_then_die(self):
+            calls.append(1)
+            if len(calls) == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return poll(self)
+
+        stopping.StopRequest.poll = poll_then_die
+    try:
+        run_session(cfg, env)
+    except Exception as e:
+        if distributed_utils.is_peer_failure(e):
+            return distributed_utils.describe_peer_failure(e)
+        raise
+    return None
+
+
+def test_a_rank_killed_on_the_gpu_ends_the_other_with_its_line():
+    from config import Config
+    from dist_harness import EQUAL_CFG, spawn_outcomes
+
+    cfg = Config(**EQUAL_CFG, strategy="ddp")
+    outcomes = spawn_outcomes(kill_rank1_mid_training, 2, cfg, pg_timeout_s=30, share_gpu=True)
+    status, line = outcomes[0]
+    assert status == "ok" and line.startswith("rank 0: rank(s) 1 died or hung"), outcomes[0]
+    assert outcomes[1] == ("died", -signal.SIGKILL), outcomes[1]
