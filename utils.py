@@ -59,9 +59,12 @@ METRIC_FIELDS = (
     "t_comm",
     "t_wait",
     "tflops",
-    "mfu",  # measured since
+    "mfu",
+    "bubble",
+    "bubble_ideal",  # measured since
     "sharding",
-    "train_images",  # labels added since (e.g. the sharding FSDP really used)
+    "train_images",
+    "microbatches",  # labels added since (e.g. the sharding FSDP really used)
 )
 
 METRIC_TAG = "[METRIC]"
