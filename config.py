@@ -346,16 +346,26 @@ def microbatches(cfg: Config, stages: int) -> int:
     return cfg.microbatches or 2 * stages
 
 
+def pipeline_world_sizes(model: str) -> list[int]:
+    """The world sizes a pipeline of this model runs on: at least 2 stages, each the same
+    number of the model's units."""
+    units = MODEL_UNITS[model]
+    return [n for n in range(2, units + 1) if units % n == 0]
+
+
+def pipeline_cut(model: str) -> str:
+    """How a pipeline cuts the model, in words, for the messages that refuse a world size."""
+    sizes = " or ".join(map(str, pipeline_world_sizes(model)))
+    return (
+        f"--strategy pipeline cuts --model {model}'s {MODEL_UNITS[model]} units into one "
+        f"stage per rank, the same number each: world size {sizes}"
+    )
+
+
 def pipeline_refusal(cfg: Config, world_size: int) -> str | None:
     """Why --strategy pipeline cannot run this way on world_size ranks, or None."""
-    units = MODEL_UNITS[cfg.model]
-    stages = [n for n in range(2, units + 1) if units % n == 0]
-    if world_size not in stages:
-        return (
-            f"--strategy pipeline cuts --model {cfg.model}'s {units} units into one stage per "
-            f"rank, the same number each: world size {' or '.join(map(str, stages))}, "
-            f"not {world_size}"
-        )
+    if world_size not in pipeline_world_sizes(cfg.model):
+        return f"{pipeline_cut(cfg.model)}, not {world_size}"
     m = microbatches(cfg, world_size)
     if cfg.batch_size % m:
         return f"global batch size {cfg.batch_size} does not split into {m} equal micro-batches"
