@@ -22,7 +22,7 @@ stages make larger.
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -50,7 +50,9 @@ class TimedStage(PipelineStage):
     """A PipelineStage that adds up the seconds it computes: its forwards and backwards. On a
     GPU it synchronizes around each, so that it times the device's work, not its launch."""
 
-    busy = 0.0
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.busy = 0.0  # seconds
 
     @contextlib.contextmanager
     def _timed(self):
@@ -75,11 +77,12 @@ def _mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepClock:
-    """This stage's steps in an epoch: their wall time, and the part of it spent computing."""
+    """This stage's steps in an epoch: how many, their wall time, and where the stage's compute
+    clock (TimedStage.busy) stood when the epoch began."""
 
     steps: int = 0
     seconds: float = 0.0
-    busy_at_start: float = field(default=0.0, repr=False)
+    busy_at_start: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -87,7 +90,7 @@ class PipelineTrainer(Trainer):
     """A Trainer whose step and validation run through the pipeline's schedule."""
 
     microbatches: int
-    schedule_name: str = "1f1b"
+    schedule_name: str  # config.SCHEDULES'
 
     def __post_init__(self):
         env = self.env
