@@ -77,12 +77,12 @@ def _mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepClock:
-    """This stage's steps in an epoch: how many, their wall time, and where the stage's compute
-    clock (TimedStage.busy) stood when the epoch began."""
+    """This stage's training steps in an epoch: how many, their wall time, and the part of it
+    the stage computed (its forwards and backwards; validation's forwards not counted)."""
 
     steps: int = 0
     seconds: float = 0.0
-    busy_at_start: float = 0.0
+    busy: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -114,8 +114,10 @@ class PipelineTrainer(Trainer):
         return (images,) if self.first else ()
 
     def train_epoch(self, start, stop=None):
-        self.clock = StepClock(busy_at_start=self.stage.busy)
-        return super().train_epoch(start, stop)
+        self.clock, busy_before = StepClock(), self.stage.busy
+        trained = super().train_epoch(start, stop)
+        self.clock.busy = self.stage.busy - busy_before
+        return trained
 
     def step(self, images: torch.Tensor, labels: torch.Tensor, mean_loss_sum: torch.Tensor) -> None:
         """One optimizer step of this stage: the schedule runs the global batch's micro-batches
@@ -141,14 +143,12 @@ class PipelineTrainer(Trainer):
 
     def compute_seconds_per_step(self) -> float:
         """Measured, not calibrated: this stage's own forwards and backwards, per step."""
-        busy = self.stage.busy - self.clock.busy_at_start
-        return busy / max(self.clock.steps, 1)
+        return self.clock.busy / max(self.clock.steps, 1)
 
     def strategy_fields(self) -> dict:
         """bubble: the share of a step the stages waited (the mean over stages) this epoch;
         bubble_ideal: the textbook's for this many stages and micro-batches."""
-        busy = self.compute_seconds_per_step() * self.clock.steps
-        waited = 1 - busy / self.clock.seconds if self.clock.seconds else 0.0
+        waited = 1 - self.clock.busy / self.clock.seconds if self.clock.seconds else 0.0
         (total,) = all_reduce([waited], self.env.device)
         stages = self.env.world_size
         return {
@@ -162,6 +162,7 @@ class PipelineTrainer(Trainer):
         with zeros, and the padding's logits are dropped."""
         n, full = len(images), self.loaders.train.batch_size
         padded = torch.cat([images, images.new_zeros(full - n, *images.shape[1:])])
+        # The schedule computes its loss in eval too, so the last stage needs labels: any will do.
         dummy_labels = torch.zeros(full, dtype=torch.long, device=images.device)
         logits = self.schedule.eval(*self._feed(padded), target=dummy_labels if self.last else None)
         return logits[:n] if self.last else None

@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parent
 JOBS_DIR = REPO / "jobs"
 LOGS_DIR = REPO / "logs"
 
-# The course's sweep; config.STRATEGIES has more (fsdp2, and the one-process dp and single).
+# The course's sweep; config.STRATEGIES has more (fsdp2, pipeline, and the one-process model,
+# dp and single).
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
 
 # squeue states after which a job no longer runs (COMPLETED is the only good one).

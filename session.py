@@ -52,13 +52,13 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)
     fp32_math = set_fp32_math(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    shards = data_world(cfg.strategy, env.world_size)
+    shards = data_world(cfg.strategy, env.world_size)  # a pipeline's stages: one, the whole set
     loaders = data.build_loaders(
         train_set,
         val_set,
         spec,
         kind=cfg.loader,
-        rank=env.rank if shards > 1 else 0,
+        rank=env.rank if shards == env.world_size else 0,
         world_size=shards,
         global_batch=cfg.batch_size,
         seed=cfg.seed,
@@ -72,6 +72,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     # Before the baseline: the calibration's own model and optimizer are not the training's.
     # A pipeline's stage measures its own compute as it trains (pipeline_utils.TimedStage).
     staged = cfg.strategy in STAGED
+    stage_microbatches = microbatches(cfg, env.world_size) if staged else None
     calibration = None if staged else calibrate_compute(cfg, env, spec, memory_format)
     memory = MemoryMeter(env.device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -106,7 +107,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         if cfg.strategy in LAYER_SPLIT
         else effective_sharding(model, cfg.sharding),
         "train_images": len(loaders.train) * cfg.batch_size,
-        "microbatches": microbatches(cfg, env.world_size) if staged else mfu.UNKNOWN,
+        "microbatches": stage_microbatches or mfu.UNKNOWN,
     }
     resolved = {
         **asdict(cfg),
@@ -121,17 +122,13 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **sizes,
         "steps_per_epoch": len(loaders.train),
         "parameters": parameters,
-        **({"microbatches": microbatches(cfg, env.world_size)} if staged else {}),
+        "microbatches": stage_microbatches,
         "flops_per_image": flops.per_image,
         "peak_tflops": flops.peak_tflops or mfu.UNKNOWN,
         "torch": torch.__version__,
         **setting,
     }
-    pipeline = (
-        dict(microbatches=microbatches(cfg, env.world_size), schedule_name=cfg.schedule)
-        if staged
-        else {}
-    )
+    pipeline = dict(microbatches=stage_microbatches, schedule_name=cfg.schedule) if staged else {}
     trainer = (PipelineTrainer if staged else Trainer)(
         **pipeline,
         model=model,

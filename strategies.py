@@ -124,7 +124,8 @@ def cuda_graphs_refusal(cfg: Config, device: torch.device) -> str | None:
     if cfg.strategy not in ("single", "ddp"):
         return (
             f"--strategy {cfg.strategy} cannot be captured (FSDP gathers and frees each unit "
-            "from hooks run on the host; dp copies the model at every step): use ddp or single"
+            "from hooks run on the host; dp copies the model at every step; a pipeline's "
+            "schedule and model parallelism's moves are decided on the host): use ddp or single"
         )
     if cfg.precision == "fp16":
         return (

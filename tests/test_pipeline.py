@@ -89,6 +89,43 @@ def test_a_pipeline_stage_holds_only_its_own_layers():
     assert results[0][2][0]["state_mem"] == 3 * 4 * max(counts)
 
 
+SLOW_FORWARD_S = 0.02
+
+
+def waits_behind_a_slow_last_stage(env, cfg):
+    """The last stage's forwards made 20 ms longer: each stage's own share of the epoch's steps
+    spent waiting, and its compute time."""
+    import time
+
+    from model import Part
+
+    if env.rank == env.world_size - 1:
+        forward = Part.forward
+
+        def slow_forward(self, x):
+            time.sleep(SLOW_FORWARD_S)
+            return forward(self, x)
+
+        Part.forward = slow_forward
+    clock = run(cfg, env).trainer.clock
+    return 1 - clock.busy / clock.seconds, clock.busy, clock.steps
+
+
+def test_the_bubble_is_the_time_a_stage_waits_for_a_slow_neighbour():
+    """With the last of 2 stages slowed, the first waits for it most of each step and the last
+    hardly waits: the measured bubble counts waiting, not computing. The last stage's compute
+    clock holds every slowed forward of training (10 steps x 4 micro-batches x 20 ms) and none
+    of validation's (it would then exceed the steps' time: a negative wait)."""
+    cfg = Config(**{**CFG, "epochs": 1}, strategy="pipeline", microbatches=4)
+    (first_wait, _, steps), (last_wait, last_busy, _) = spawn(
+        waits_behind_a_slow_last_stage, 2, cfg
+    )
+    print(f"waited: first stage {first_wait:.2f}, last stage {last_wait:.2f}")
+    assert steps == 10
+    assert last_busy >= steps * 4 * SLOW_FORWARD_S
+    assert first_wait > 0.5 > last_wait >= 0
+
+
 def test_naive_model_parallel_ends_where_one_process_ends(one_process):
     ref_state, _ = one_process
     state, _ = spawn(train_and_gather, 1, Config(**CFG, strategy="model"))[0]
@@ -109,6 +146,17 @@ def test_model_parallel_places_consecutive_parts_and_computes_the_model():
     assert [tuple(dict(part.named_children())) for part in parallel.parts] == STAGES[4]
     assert torch.equal(parallel(x), expected)
     assert parallel.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("visible,used", [(1, 1), (2, 2), (3, 2), (4, 4), (8, 4)])
+def test_model_parallel_takes_as_many_gpus_as_divide_the_units(monkeypatch, visible, used):
+    """The CNN's 4 units: 2 of 3 visible GPUs, 4 of 8 (no GPU is needed to ask)."""
+    from model_parallel import usable_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    devices = usable_devices("cnn", torch.device("cuda", 0))
+    assert devices == [torch.device("cuda", i) for i in range(used)]
+    assert usable_devices("cnn", torch.device("cpu")) == [torch.device("cpu")]
 
 
 def test_model_parallel_on_one_device_says_so():
