@@ -373,7 +373,6 @@ def pipeline_refusal(cfg: Config, world_size: int) -> str | None:
         return f"--schedule 1f1b needs at least one micro-batch per stage: {m} < {world_size}"
     unsupported = {
         "--grad-accum": cfg.grad_accum > 1 and "use --microbatches",
-        "--clip-grad": cfg.clip_grad is not None and "not implemented across stages",
         "--precision": cfg.precision in ("bf16", "fp16") and "fp32 or tf32 only",
         "--compile": cfg.compile and "not with pipeline stages",
     }

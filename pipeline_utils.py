@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -69,6 +70,15 @@ class TimedStage(PipelineStage):
     def backward_one_chunk(self, *args, **kwargs):
         with self._timed():
             return super().backward_one_chunk(*args, **kwargs)
+
+
+def clip_across_stages(stage: nn.Module, max_norm: float) -> None:
+    """Scale the gradients so that their norm over every stage's is at most max_norm: each
+    stage's squared norm, summed over the stages, is the whole model's."""
+    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    squared = torch.nn.utils.get_total_norm(grads).pow(2)
+    dist.all_reduce(squared)
+    torch.nn.utils.clip_grads_with_norm_(stage.parameters(), max_norm, squared.sqrt())
 
 
 def _mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -137,6 +147,8 @@ class PipelineTrainer(Trainer):
         if self.last:  # equal micro-batches: the mean of their means is the batch's
             with torch.no_grad():
                 mean_loss_sum += torch.stack(losses).mean()
+        if self.clip_grad is not None:
+            clip_across_stages(self.model, self.clip_grad)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

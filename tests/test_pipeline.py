@@ -79,6 +79,17 @@ def test_pipeline_ends_where_one_process_ends(one_process, stages, schedule):
             assert {**mine, "val_time": 0} == {**first, "val_time": 0}
 
 
+def test_clipping_takes_the_norm_over_every_stage():
+    """Clipped hard (every step is scaled), 2 stages end where one process ends: the norm was
+    the whole model's, not a stage's."""
+    clipped = dict(CFG, clip_grad=0.05, epochs=1)
+    single, _ = spawn(train_and_gather, 1, Config(**clipped, strategy="single"))[0]
+    unclipped, _ = spawn(train_and_gather, 1, Config(**{**CFG, "epochs": 1}, strategy="single"))[0]
+    assert max_diff(single, unclipped) > 1e-3, "clipping must change the run"
+    results = spawn(stage_state, 2, Config(**clipped, strategy="pipeline"))
+    assert max_diff(merged(results), single) <= TOLERANCE
+
+
 def test_a_pipeline_stage_holds_only_its_own_layers():
     """At 4 stages the classifier's stage holds nearly all of the state, the first stage a
     conv block's: state_mem is the max over stages, the classifier's."""
