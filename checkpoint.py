@@ -2,8 +2,9 @@
 
 DDP: every rank holds the same weights, so rank 0 alone writes one file (a full state dict).
 FSDP: each rank writes its own shard through torch.distributed.checkpoint (DCP), which reshards
-on load, so a run may resume at another world size. Both go through `get_state_dict` /
-`set_state_dict`, which understand either wrapper.
+on load, so a run may resume at another world size. A pipeline: each rank writes its stage's
+file, resumed by the same number of stages. All go through `get_state_dict` /
+`set_state_dict`, which understand every wrapper.
 
 A checkpoint is a folder `ckpt_e{epoch}_s{step}`: where training continues. Everything is
 written into `<name>.tmp/` first and rank 0 renames it once every rank has finished, so a crash
@@ -32,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from config import SHARDED
+from config import SHARDED, STAGED
 from distributed_utils import is_peer_failure, run_name
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
 
@@ -40,6 +41,7 @@ NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
 DAMAGED_SUFFIX = ".damaged"  # an unreadable checkpoint set aside, never deleted by us
 META_FILE = "meta.pt"
 DDP_FILE = "state.pt"
+STAGE_FILE = "stage{rank}.pt"  # a pipeline stage's parameters and optimizer state
 
 
 @dataclass
@@ -115,8 +117,13 @@ def _set_rng_state(state: dict, generator: torch.Generator | None) -> bool:
 
 
 def _whole(identity: "Identity") -> bool:
-    """Whether every rank holds the whole model (one file from rank 0), or a shard (DCP)."""
-    return identity.strategy not in SHARDED
+    """Whether every rank holds the whole model (one file from rank 0), or a part of it: a
+    shard (DCP) or a pipeline stage (a file per rank)."""
+    return identity.strategy not in (*SHARDED, *STAGED)
+
+
+def _stage_file(tmp: Path) -> Path:
+    return tmp / STAGE_FILE.format(rank=_rank())
 
 
 def save(
@@ -194,6 +201,8 @@ def _write(
         if full:
             if is_rank_zero():
                 torch.save({"model": model_state, "optim": optim_state}, tmp / DDP_FILE)
+        elif identity.strategy in STAGED:
+            torch.save({"model": model_state, "optim": optim_state}, _stage_file(tmp))
         else:
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     torch.save(_rng_state(generator), tmp / f"rng_rank{_rank()}.pt")
@@ -469,10 +478,17 @@ def load(
             f"{theirs.global_batch}; resume it with --batch-size "
             f"{theirs.global_batch}, or from an end-of-epoch checkpoint"
         )
+    if identity.strategy in STAGED and meta["world_size"] != _world():
+        raise UsageError(
+            f"checkpoint {path} holds {meta['world_size']} pipeline stages: resume it on "
+            f"{meta['world_size']} ranks, not {_world()}"
+        )
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         if full:
             state = _read(path, _load_torch, path / DDP_FILE)
+        elif identity.strategy in STAGED:
+            state = _read(path, _load_torch, _stage_file(path))
         else:
             state = _read(path, _load_shards, path, model, optimizer)
         set_state_dict(

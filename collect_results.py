@@ -400,7 +400,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
                 }
             )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
-    for column in UTILISATION:  # `na` (no known peak) becomes an empty cell
+    for column in (*UTILISATION, *BUBBLE, "microbatches"):  # `na` becomes an empty cell
         if column in frame:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
     leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
@@ -468,7 +468,8 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "throughput": median_after_first(run, "throughput"),
                 "peak_mem": run["peak_mem"].max(),
                 "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
-                **{t: median_after_first(run, t) for t in (*TIME_PARTS, *UTILISATION)},
+                **{t: median_after_first(run, t) for t in (*TIME_PARTS, *UTILISATION, *BUBBLE)},
+                "microbatches": final.get("microbatches", math.nan),
                 "steps": final.get("train_images", math.nan) / final.get("global_batch", math.nan),
                 "sharding": final.get("sharding", pd.NA),
                 "threads_per_core": final.get("threads_per_core", math.nan),
@@ -483,6 +484,9 @@ TIME_PARTS = ("t_compute", "t_data", "t_comm", "t_wait")
 # How close to the hardware (mfu.py): model TFLOP/s per device, and MFU in percent (empty where
 # the run knew no peak for its device).
 UTILISATION = ("tflops", "mfu")
+# A pipeline's bubble (pipeline_utils.py): measured, and the textbook's (p - 1) / (m + p - 1);
+# empty for the other strategies.
+BUBBLE = ("bubble", "bubble_ideal")
 
 
 def message_seconds(comm: pd.DataFrame, op: str, label_prefix: str) -> float:
@@ -532,8 +536,9 @@ def with_comm_model(runs: pd.DataFrame, comm: pd.DataFrame | None) -> pd.DataFra
 def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per strategy and GPU count (medians over runs when it ran more than once, with their
     minimum and maximum), with speedup and efficiency against the same strategy's 1-GPU steady
-    epoch time; where the runs' [COMM] lines are given, the communication time their messages
-    would take at the measured bandwidth (comm_model) beside the measured t_comm."""
+    epoch time (a pipeline has no 1-GPU run: against DDP's, the model on one GPU); where the
+    runs' [COMM] lines are given, the communication time their messages would take at the
+    measured bandwidth (comm_model) beside the measured t_comm."""
     runs = with_comm_model(run_summaries(results), comm)
     table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
         nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
@@ -551,14 +556,40 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         throughput_max=("throughput", "max"),
         peak_mem=("peak_mem", "max"),
         state_mem=("state_mem", "max"),
-        **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, "comm_model")},
+        **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, *BUBBLE, "comm_model")},
         threads_per_core=("threads_per_core", "max"),
         device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
     )
     one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
-    table["speedup"] = table["strategy"].map(one_gpu) / table["time"]
+    baseline = table["strategy"].map(one_gpu)
+    if "ddp" in one_gpu:
+        baseline = baseline.where(table["strategy"] != "pipeline", one_gpu["ddp"])
+    table["speedup"] = baseline / table["time"]
     table["efficiency"] = 100 * table["speedup"] / table["gpus"]
     return table.sort_values(["strategy", "gpus"], ignore_index=True)
+
+
+def bubble_table(results: pd.DataFrame) -> pd.DataFrame:
+    """The pipeline's runs by stages (GPUs) and micro-batches: the measured bubble (the median
+    over runs of each run's median after epoch 1) beside the textbook's."""
+    runs = run_summaries(results)
+    if "bubble" not in runs:
+        return pd.DataFrame(columns=["gpus", "microbatches", "runs", *BUBBLE])
+    runs = runs.dropna(subset=["bubble"])
+    return runs.groupby(["gpus", "microbatches"], as_index=False).agg(
+        runs=("bubble", "size"), bubble=("bubble", "median"), bubble_ideal=("bubble_ideal", "max")
+    )
+
+
+def bubble_markdown(table: pd.DataFrame) -> str:
+    lines = ["| stages (GPUs) | micro-batches | runs | bubble measured | textbook (p-1)/(m+p-1) |"]
+    lines.append("|--:|--:|--:|--:|--:|")
+    for _, row in table.iterrows():
+        lines.append(
+            f"| {row['gpus']:.0f} | {row['microbatches']:.0f} | {row['runs']:.0f} | "
+            f"{row['bubble']:.3f} | {row['bubble_ideal']:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def scaling(results: pd.DataFrame) -> str | None:
@@ -591,6 +622,7 @@ TABLE_COLUMNS = (
     ("efficiency", "efficiency", "{:.0f}%"),
     ("tflops", "TFLOP/s per GPU", "{:.3g}"),
     ("mfu", "MFU %", "{:.1f}"),
+    ("bubble", "bubble", "{:.2f}"),  # a pipeline's (pipeline_utils.py)
     # Communication per epoch: not hidden behind compute (measured), and what the model's
     # messages would take at the bandwidth the job measured (--comm-benchmark).
     ("t_comm", "t_comm s", "{:.3f}"),
@@ -757,6 +789,8 @@ def main(argv=None) -> int:
     except OSError as e:
         fail(f"cannot write {args.out}: {e.strerror or e}")
     print(markdown_table(summarize(results, comm)))
+    if not (bubbles := bubble_table(results)).empty:
+        print("\n" + bubble_markdown(bubbles))
     if study := scaling(results):
         note(study)
     if warning := cores_outnumbered(results):

@@ -16,9 +16,15 @@ from dataclasses import dataclass, field, fields
 
 from utils import UsageError
 
-STRATEGIES = ("ddp", "fsdp", "fsdp2", "dp", "single")
+STRATEGIES = ("ddp", "fsdp", "fsdp2", "pipeline", "model", "dp", "single")
 SHARDED = ("fsdp", "fsdp2")  # strategies whose ranks each hold a shard (checkpoints per rank)
-ONE_PROCESS = ("dp", "single")  # baselines that drive every device from one process
+STAGED = ("pipeline",)  # each rank holds consecutive layers: a stage (checkpoints per stage)
+LAYER_SPLIT = ("pipeline", "model")  # strategies that split the model's layers over devices
+ONE_PROCESS = ("model", "dp", "single")  # baselines that drive every device from one process
+SCHEDULES = ("gpipe", "1f1b")
+# The units each model is cut at (len(model.shard_units()), which tests/test_units.py checks):
+# here, without torch, so that --check and the sweep know which world sizes a pipeline takes.
+MODEL_UNITS = {"cnn": 4, "cnn-wide": 4, "resnet18": 4, "resnet50": 4}
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 SHARDINGS = ("full", "grad_op", "hybrid")
 OPTIMIZERS = ("adam", "sgd")
@@ -56,7 +62,9 @@ class Config:
     strategy: str = option(
         "ddp",
         "ddp replicates the model on every rank; fsdp (FSDP1, the "
-        "course's) and fsdp2 (fully_shard) shard it; dp (DataParallel: one "
+        "course's) and fsdp2 (fully_shard) shard it; pipeline gives each rank consecutive "
+        "layers (a stage) fed with micro-batches; model (naive model parallel: one process "
+        "places consecutive layers on the visible GPUs), dp (DataParallel: one "
         "process drives every visible GPU) and single (one device, no "
         "wrapper) are one-process baselines",
         choices=STRATEGIES,
@@ -85,6 +93,20 @@ class Config:
         "the last (--batch-size stays the global batch of one step)",
         minimum=1,
         metavar="K",
+    )
+    microbatches: int | None = option(
+        None,
+        "pipeline: micro-batches per step, each global batch split into M equal ones "
+        "(default: twice the number of stages)",
+        minimum=1,
+        metavar="M",
+    )
+    schedule: str = option(
+        "1f1b",
+        "pipeline: the order of forwards and backwards: gpipe (all forwards, then all "
+        "backwards) or 1f1b (one forward, one backward once the pipeline is full: fewer "
+        "activations held)",
+        choices=SCHEDULES,
     )
     clip_grad: float | None = option(
         None,
@@ -312,6 +334,51 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def data_world(strategy: str, world_size: int) -> int:
+    """The ranks the data is sharded over: every stage of a pipeline takes the whole global
+    batch (the first its images, the last its labels)."""
+    return 1 if strategy in STAGED else world_size
+
+
+def microbatches(cfg: Config, stages: int) -> int:
+    """--microbatches, or twice the stages: at m = 2p the textbook's idle share of a step,
+    (p - 1) / (m + p - 1), is below a third at any p."""
+    return cfg.microbatches or 2 * stages
+
+
+def pipeline_world_sizes(model: str) -> list[int]:
+    """The world sizes a pipeline of this model runs on: at least 2 stages, each the same
+    number of the model's units."""
+    units = MODEL_UNITS[model]
+    return [n for n in range(2, units + 1) if units % n == 0]
+
+
+def pipeline_cut(model: str) -> str:
+    """How a pipeline cuts the model, in words, for the messages that refuse a world size."""
+    sizes = " or ".join(map(str, pipeline_world_sizes(model)))
+    return (
+        f"--strategy pipeline cuts --model {model}'s {MODEL_UNITS[model]} units into one "
+        f"stage per rank, the same number each: world size {sizes}"
+    )
+
+
+def pipeline_refusal(cfg: Config, world_size: int) -> str | None:
+    """Why --strategy pipeline cannot run this way on world_size ranks, or None."""
+    if world_size not in pipeline_world_sizes(cfg.model):
+        return f"{pipeline_cut(cfg.model)}, not {world_size}"
+    m = microbatches(cfg, world_size)
+    if cfg.batch_size % m:
+        return f"global batch size {cfg.batch_size} does not split into {m} equal micro-batches"
+    if cfg.schedule == "1f1b" and m < world_size:
+        return f"--schedule 1f1b needs at least one micro-batch per stage: {m} < {world_size}"
+    unsupported = {
+        "--grad-accum": cfg.grad_accum > 1 and "use --microbatches",
+        "--precision": cfg.precision in ("bf16", "fp16") and "fp32 or tf32 only",
+        "--compile": cfg.compile and "not with pipeline stages",
+    }
+    return next((f"--strategy pipeline: {k}: {why}" for k, why in unsupported.items() if why), None)
+
+
 def check_world(cfg: Config, world_size: int, train_size: int) -> None:
     """Whether this configuration can run on world_size ranks with train_size training images:
     the checks that need the launcher's world size and the data, not torch."""
@@ -320,6 +387,11 @@ def check_world(cfg: Config, world_size: int, train_size: int) -> None:
             f"--strategy {cfg.strategy} drives every device from one process; "
             f"start one process (python main.py), not {world_size}"
         )
+    if cfg.strategy == "pipeline" and (why := pipeline_refusal(cfg, world_size)):
+        raise UsageError(why)
+    if cfg.microbatches and cfg.strategy != "pipeline":
+        raise UsageError("--microbatches is for --strategy pipeline")
+    world_size = data_world(cfg.strategy, world_size)
     if cfg.batch_size < world_size or cfg.batch_size % world_size:
         raise UsageError(
             f"global batch size {cfg.batch_size} must be a multiple of the world "

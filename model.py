@@ -3,8 +3,12 @@
 Nothing here knows about distribution: DDP and FSDP wrap these models unchanged. Each model
 names its sharding units (`shard_units()`): the course CNN's conv blocks and classifier, a
 ResNet's four residual stages. FSDP (fsdp_utils.py) gathers each unit's parameters just before
-it runs and frees them right after.
+it runs and frees them right after. Each model also lists its forward as named pieces
+(`forward_pieces()`), so that `cut` can split it at those units into consecutive parts: a
+pipeline's stages (pipeline_utils.py) or the devices of naive model parallelism.
 """
+
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -79,6 +83,9 @@ class CNN(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         return [self.conv1, self.conv2, self.conv3, self.classifier]
 
+    def forward_pieces(self) -> list[tuple[str, nn.Module]]:
+        return [(name, getattr(self, name)) for name in ("conv1", "conv2", "conv3", "classifier")]
+
 
 class SmallImageResNet(ResNet):
     """torchvision's ResNet for 32x32 and 64x64 images: a 3x3 stride-1 stem and no max-pool
@@ -92,6 +99,11 @@ class SmallImageResNet(ResNet):
 
     def shard_units(self) -> list[nn.Module]:
         return [self.layer1, self.layer2, self.layer3, self.layer4]
+
+    def forward_pieces(self) -> list[tuple[str, nn.Module]]:
+        names = ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
+        head = [("avgpool", self.avgpool), ("flatten", nn.Flatten(1)), ("fc", self.fc)]
+        return [*((name, getattr(self, name)) for name in names), *head]
 
 
 # Model choices by name (config.MODELS), each given the data set's number of classes and image
@@ -109,6 +121,28 @@ def build_model(
     name: str, num_classes: int = NUM_CLASSES, image_shape: tuple[int, int, int] = IMAGE_SHAPE
 ) -> nn.Module:
     return MODELS[name](num_classes, tuple(image_shape))
+
+
+class Part(nn.Sequential):
+    """Consecutive pieces of a model's forward, each under its name in the model: a part's
+    state-dict keys are the whole model's, so that the parts' state dicts together are the
+    model's."""
+
+    def __init__(self, pieces: list[tuple[str, nn.Module]]):
+        super().__init__(OrderedDict(pieces))
+
+
+def cut(model: nn.Module, parts: int) -> list[Part]:
+    """The model's forward cut into `parts` consecutive parts at its units (`shard_units()`),
+    the same number of units each (parts must divide them); what comes before the first unit
+    (a ResNet's stem) goes with it, what comes after the last (the head) with the last."""
+    pieces, units = model.forward_pieces(), model.shard_units()
+    if len(units) % parts:
+        raise ValueError(f"{len(units)} units do not cut into {parts} equal parts")
+    starts = [i for i, (_, piece) in enumerate(pieces) if any(piece is u for u in units)]
+    per_part = len(units) // parts
+    bounds = [0, *(starts[k * per_part] for k in range(1, parts)), len(pieces)]
+    return [Part(pieces[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -28,12 +28,15 @@ from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
 from collect_results import (  # noqa: E402
+    BUBBLE,
     COMM_CSV,
     COURSE_COLUMNS,
     DEFAULT_OUT,
     GPU_TIMELINE_CSV,
     TIME_PARTS,
     UTILISATION,
+    bubble_markdown,
+    bubble_table,
     cores_outnumbered,
     markdown_table,
     note,
@@ -47,7 +50,8 @@ from utils import UsageError, fail  # noqa: E402
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
 REQUIRED = ("strategy", "gpus", *COURSE_COLUMNS)
 NUMERIC = ("gpus", *COURSE_COLUMNS)
-MAY_BE_EMPTY = ("throughput", *UTILISATION)  # numbers where known (the course's CSV has none)
+# Numbers where known (the course's CSV has none; `na` where a run has no such number).
+MAY_BE_EMPTY = ("throughput", *UTILISATION, *BUBBLE, "microbatches")
 IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
 
 
@@ -464,6 +468,39 @@ def plot_gpu_timeline(timeline: pd.DataFrame | None) -> Figure:
     return fig
 
 
+def plot_bubble(results: pd.DataFrame) -> Figure:
+    """The pipeline's measured bubble against its micro-batches, one line per stage count,
+    each beside the textbook's (p - 1) / (m + p - 1)."""
+    table = bubble_table(results)
+    if table.empty:
+        raise NotPlottable("no pipeline runs (bubble)")
+    fig, (ax,) = figure()
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (stages, points) in enumerate(table.groupby("gpus")):
+        color = cycle[i % len(cycle)]
+        ax.plot(
+            points["microbatches"],
+            points["bubble"],
+            marker="o",
+            color=color,
+            label=f"{stages:.0f} stages, measured",
+        )
+        ax.plot(
+            points["microbatches"],
+            points["bubble_ideal"],
+            color=color,
+            label=f"{stages:.0f} stages, textbook",
+            **IDEAL_STYLE,
+        )
+    log2_axis(ax, "x", table["microbatches"])
+    ax.set_xlabel("micro-batches per step (m)")
+    ax.set_ylabel("share of a step a stage waits")
+    ax.set_ylim(0, 1)
+    ax.set_title("Pipeline bubble vs textbook (p - 1) / (m + p - 1)")
+    ax.legend()
+    return fig
+
+
 FIGURES = {
     "epoch_time.png": plot_epoch_time,
     "val_loss_acc.png": plot_quality,
@@ -473,10 +510,14 @@ FIGURES = {
     "time_breakdown.png": plot_time_breakdown,
     "comm_bandwidth.png": plot_comm_bandwidth,
     "gpu_timeline.png": plot_gpu_timeline,
+    "pipeline_bubble.png": plot_bubble,
 }
 # Figures drawn from a CSV that collect_results.py writes beside the results; the others are
 # drawn from the summary.
 BESIDE = {"comm_bandwidth.png": COMM_CSV, "gpu_timeline.png": GPU_TIMELINE_CSV}
+# Figures drawn from the results' rows: the summary's one row per strategy and GPU count merges
+# a pipeline's runs at different micro-batches.
+FROM_RESULTS = {"pipeline_bubble.png"}
 
 
 SUBTITLE_SIZE = "small"
@@ -515,7 +556,10 @@ def plot_all(
     written = []
     for name, draw in FIGURES.items():
         try:
-            fig = draw(beside.get(BESIDE[name])) if name in BESIDE else draw(summary)
+            if name in BESIDE:
+                fig = draw(beside.get(BESIDE[name]))
+            else:
+                fig = draw(results if name in FROM_RESULTS else summary)
         except NotPlottable as e:
             plt.close("all")
             # A figure of that name from an earlier run would pass for this run's (the report
@@ -581,6 +625,14 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
     return sentences or ["- The CSV has no t_compute, t_data, t_comm, t_wait: no breakdown."]
 
 
+def pipeline_section(results: pd.DataFrame) -> list[str]:
+    """The pipeline's bubble by stages and micro-batches, where the CSV has pipeline runs."""
+    table = bubble_table(results)
+    if table.empty:
+        return []
+    return ["## Pipeline bubble", "", bubble_markdown(table), ""]
+
+
 def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path]) -> str:
     summary = summarize(results, comm)
     return "\n".join(
@@ -595,6 +647,7 @@ def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[
             "",
             *largest_costs(summary),
             "",
+            *pipeline_section(results),
             "## Figures",
             "",
             *(f"![{p.stem}]({p.name})\n" for p in written),

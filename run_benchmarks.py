@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parent
 JOBS_DIR = REPO / "jobs"
 LOGS_DIR = REPO / "logs"
 
-# The course's sweep; config.STRATEGIES has more (fsdp2, and the one-process dp and single).
+# The course's sweep; config.STRATEGIES has more (fsdp2, pipeline, and the one-process model,
+# dp and single).
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
 
 # squeue states after which a job no longer runs (COMPLETED is the only good one).
@@ -116,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=STRATEGIES,
         default=list(DEFAULT_STRATEGIES),
-        help="default: ddp fsdp (dp and single run one process: --gpus 1 only)",
+        help="default: ddp fsdp (model, dp and single run one process: --gpus 1 only; "
+        "pipeline runs only at the GPU counts the model cuts into, the others skipped)",
     )
     p.add_argument("--gpus-per-node", type=int, default=4, help="default: %(default)s")
     p.add_argument("--epochs", type=int, default=5, help="default: %(default)s")
@@ -314,6 +316,33 @@ def plan(args) -> list[Configuration]:
         for g in gpu_counts
         for s in dict.fromkeys(args.strategies)
     ]
+
+
+def model_of(extra: list[str]) -> str:
+    """The --model that main.py's arguments choose (a bad one is main.py's check to refuse)."""
+    parser = config.add_options(argparse.ArgumentParser(add_help=False, exit_on_error=False))
+    try:
+        return parser.parse_known_args(extra)[0].model
+    except argparse.ArgumentError:
+        return config.Config.model
+
+
+def without_uncuttable(runs: list[Configuration], model: str) -> list[Configuration]:
+    """The runs without the pipeline's at GPU counts the model does not cut into (said once):
+    those counts are no failure of the sweep, the other strategies still run there."""
+    fits = config.pipeline_world_sizes(model)
+    skipped = sorted({r.gpus for r in runs if r.strategy == "pipeline" and r.gpus not in fits})
+    if skipped:
+        print(
+            f"note: pipeline skipped at GPU counts {', '.join(map(str, skipped))}: "
+            f"{config.pipeline_cut(model)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    kept = [r for r in runs if r.strategy != "pipeline" or r.gpus in fits]
+    if not kept:
+        fail(f"nothing to run: {config.pipeline_cut(model)}")
+    return kept
 
 
 def sweep_choices(run: Configuration, args) -> dict:
@@ -700,7 +729,7 @@ def main(argv=None) -> int:
     args = parse_args(ours)
     refuse_sweep_options(extra, "after --")
     check_args(args)
-    runs = plan(args)
+    runs = without_uncuttable(plan(args), model_of(extra))
     if not (args.local or args.dry_run):  # before the checks: without SLURM they are in vain
         require("sbatch", *(["squeue"] if args.wait else []))
     check_configurations(runs, args, extra)

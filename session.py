@@ -18,9 +18,10 @@ import distributed_utils
 import mfu
 import stopping
 from comm_bench import run_comm_benchmark
-from config import SHARDED, Config, check_world
+from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world, microbatches
 from fsdp_utils import effective_sharding, low_precision
 from model import build_model, count_parameters
+from pipeline_utils import PipelineTrainer
 from strategies import (
     STEP_COLLECTIVES,
     check_device_options,
@@ -57,13 +58,14 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)
     fp32_math = set_fp32_math(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    shards = data_world(cfg.strategy, env.world_size)  # a pipeline's stages: one, the whole set
     loaders = data.build_loaders(
         train_set,
         val_set,
         spec,
         kind=cfg.loader,
-        rank=env.rank,
-        world_size=env.world_size,
+        rank=env.rank if shards == env.world_size else 0,
+        world_size=shards,
         global_batch=cfg.batch_size,
         seed=cfg.seed,
         augment=augment,
@@ -74,16 +76,19 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     sizes = {"train_size": len(train_set), "val_size": len(val_set)}
     del train_set, val_set  # the loaders hold what they need: the baseline must not count these
     # Before the baseline: the calibration's own model and optimizer are not the training's.
-    calibration = calibrate_compute(cfg, env, spec, memory_format)
+    # A pipeline's stage measures its own compute as it trains (pipeline_utils.TimedStage).
+    staged = cfg.strategy in STAGED
+    stage_microbatches = microbatches(cfg, env.world_size) if staged else None
+    calibration = None if staged else calibrate_compute(cfg, env, spec, memory_format)
     memory = MemoryMeter(env.device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     parameters = count_parameters(model)
-    model = wrap_model(cfg, model, env.device, env.world_size, nodes)
+    model = wrap_model(cfg, model, env.device, env.rank, env.world_size, nodes)
     optimizer = make_optimizer(cfg, model)
     flops = mfu.ModelFlops(
         per_image=mfu.training_flops_per_image(cfg.model, spec.num_classes, spec.image_shape),
-        devices=env.world_size * devices_per_rank(cfg.strategy, env.device),
+        devices=env.world_size * devices_per_rank(cfg.strategy, cfg.model, env.device),
         peak_tflops=cfg.peak_tflops or mfu.device_peak_tflops(env.device, cfg.precision),
     )
 
@@ -94,7 +99,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         "world_size": env.world_size,
         "nodes": nodes,
         "global_batch": cfg.batch_size,
-        "local_batch": cfg.batch_size // env.world_size,
+        "local_batch": cfg.batch_size // shards,
     }
     setting = {
         "precision": cfg.precision,
@@ -104,8 +109,11 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         "job_id": distributed_utils.job_id(),
     }
     built = {
-        "sharding": effective_sharding(model, cfg.sharding),
+        "sharding": "split"
+        if cfg.strategy in LAYER_SPLIT
+        else effective_sharding(model, cfg.sharding),
         "train_images": len(loaders.train) * cfg.batch_size,
+        "microbatches": stage_microbatches or mfu.UNKNOWN,
     }
     resolved = {
         **asdict(cfg),
@@ -120,12 +128,15 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **sizes,
         "steps_per_epoch": len(loaders.train),
         "parameters": parameters,
+        "microbatches": stage_microbatches,
         "flops_per_image": flops.per_image,
         "peak_tflops": flops.peak_tflops or mfu.UNKNOWN,
         "torch": torch.__version__,
         **setting,
     }
-    trainer = Trainer(
+    pipeline = dict(microbatches=stage_microbatches, schedule_name=cfg.schedule) if staged else {}
+    trainer = (PipelineTrainer if staged else Trainer)(
+        **pipeline,
         model=model,
         optimizer=optimizer,
         precision=precision,

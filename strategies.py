@@ -1,6 +1,7 @@
 """How each `--strategy` runs: the wrapper that makes one rank's model data-parallel (DDP or
-DataParallel from ddp_utils.py, FSDP1 or FSDP2 from fsdp_utils.py, or none), how a step of it
-runs at a `--precision`, and what its options need of the device.
+DataParallel from ddp_utils.py, FSDP1 or FSDP2 from fsdp_utils.py, or none) or cuts it into
+parts (a pipeline stage from pipeline_utils.py, or model_parallel.py's parts on consecutive
+GPUs), how a step of it runs at a `--precision`, and what its options need of the device.
 
 The names of the strategies are config.py's; this module only maps them to the code that runs
 them, so that adding a strategy touches config.py (its name) and this file.
@@ -15,6 +16,8 @@ from config import SHARDED, Config
 from cuda_graphs import side_stream
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import get_fsdp2_model, get_fsdp_model, low_precision
+from model_parallel import get_model_parallel, usable_devices
+from pipeline_utils import get_stage_model
 from train import Precision
 from utils import UsageError
 
@@ -24,13 +27,20 @@ STEP_COLLECTIVES = {
     "ddp": "DDP's gradient all-reduces",
     "fsdp": "FSDP's all-gathers and reduce-scatters",
     "fsdp2": "FSDP2's all-gathers and reduce-scatters",
+    "pipeline": "the pipeline's sends and receives of activations and gradients",
+    "model": "a step of one process",
     "dp": "a step of one process",
     "single": "a step of one process",
 }
 
 
 def wrap_model(
-    cfg: Config, model: torch.nn.Module, device: torch.device, world_size: int, nodes: int
+    cfg: Config,
+    model: torch.nn.Module,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    nodes: int,
 ) -> torch.nn.Module:
     """The model as --strategy trains it on this rank: in --channels-last memory format,
     with synchronized BatchNorm (--sync-bn), wrapped, and compiled (--compile)."""
@@ -52,6 +62,10 @@ def wrap_model(
         model = get_fsdp_model(model, device, **shard)
     elif cfg.strategy == "fsdp2":
         model = get_fsdp2_model(model, device, **shard)
+    elif cfg.strategy == "pipeline":
+        model = get_stage_model(model, device, rank, world_size)
+    elif cfg.strategy == "model":
+        model = get_model_parallel(model, cfg.model, device)
     elif cfg.strategy == "dp":
         model = get_dp_model(model, device)
     else:  # single
@@ -59,11 +73,14 @@ def wrap_model(
     return torch.compile(model) if cfg.compile else model
 
 
-def devices_per_rank(strategy: str, device: torch.device) -> int:
+def devices_per_rank(strategy: str, model_name: str, device: torch.device) -> int:
     """The devices one rank computes on: DataParallel drives every visible GPU from its one
-    process; every other strategy one device per rank."""
+    process, model parallelism those its model's parts go to; every other strategy one device
+    per rank."""
     if strategy == "dp" and device.type == "cuda":
         return torch.cuda.device_count()
+    if strategy == "model":
+        return len(usable_devices(model_name, device))
     return 1
 
 
@@ -119,7 +136,8 @@ def cuda_graphs_refusal(cfg: Config, device: torch.device) -> str | None:
     if cfg.strategy not in ("single", "ddp"):
         return (
             f"--strategy {cfg.strategy} cannot be captured (FSDP gathers and frees each unit "
-            "from hooks run on the host; dp copies the model at every step): use ddp or single"
+            "from hooks run on the host; dp copies the model at every step; a pipeline's "
+            "schedule and model parallelism's moves are decided on the host): use ddp or single"
         )
     if cfg.precision == "fp16":
         return (

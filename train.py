@@ -35,7 +35,7 @@ from config import Config
 from cuda_graphs import GraphedStep
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv, barrier, say_where
-from mfu import ModelFlops, implausible
+from mfu import UNKNOWN, ModelFlops, implausible
 from stopping import STOP_POLL_EVERY, StopRequest
 from utils import format_metric, is_rank_zero, log0, metric_order
 
@@ -415,6 +415,19 @@ class Trainer:
     flops: ModelFlops | None = None  # for tflops and mfu
     cuda_graphs: bool = False  # train_step as one CUDA graph (cuda_graphs.py)
     step_collectives: str = "the step's collectives"  # strategies.STEP_COLLECTIVES, for say_where
+    # Whether this rank's images and losses count in the global sums: a pipeline's stages all
+    # take the same batch, and only its last stage computes the loss.
+    reports_sums: bool = True
+
+    @property
+    def shows_progress(self) -> bool:
+        """Whether this rank prints the progress lines: one that knows the loss."""
+        return is_rank_zero()
+
+    @property
+    def data_ranks(self) -> tuple[int, int]:
+        """(rank, world size) of the data's shards: one per rank, in data parallelism."""
+        return self.env.rank, self.env.world_size
 
     @functools.cached_property
     def loss_sum(self) -> torch.Tensor:
@@ -481,8 +494,7 @@ class Trainer:
         # Read before the calibration and validation run: their memory is not training's (the
         # calibration's unsharded model would otherwise hide FSDP's saving).
         own_peak, own_reserved = self.memory.training_peak(), reserved_peak_bytes(device)
-        step_seconds = self.calibration.seconds_per_step() if self.calibration else 0.0
-        breakdown = time_breakdown(segment, step_seconds, device)
+        breakdown = time_breakdown(segment, self.compute_seconds_per_step(), device)
         val = self.evaluate()
         peak, state, reserved = all_reduce(
             [own_peak, state_bytes(self.model, self.optimizer), own_reserved],
@@ -506,7 +518,16 @@ class Trainer:
             "reserved_mem": round(reserved / 2**20),
             **breakdown,
             **(self.flops.fields(throughput) if self.flops else {}),
+            **self.strategy_fields(),
         }
+
+    def compute_seconds_per_step(self) -> float:
+        """One step's compute on this rank, for t_compute (time_breakdown)."""
+        return self.calibration.seconds_per_step() if self.calibration else 0.0
+
+    def strategy_fields(self) -> dict:
+        """The pipeline's measurements (pipeline_utils.PipelineTrainer): no bubble here."""
+        return {"bubble": UNKNOWN, "bubble_ideal": UNKNOWN}
 
     def train_epoch(
         self, start: Position, stop: StopRequest | None = None
@@ -522,7 +543,7 @@ class Trainer:
         seen = 0  # images: known on the host, no device work per step
         self.loaders.set_position(start.epoch, start.step)
         total = len(self.loaders.train)
-        progress = Progress(start.epoch, total, self.print_every, is_rank_zero(), start.step)
+        progress = Progress(start.epoch, total, self.print_every, self.shows_progress, start.step)
         data_wait = self.data_timer
         data_wait.reset()
 
@@ -548,7 +569,10 @@ class Trainer:
         own_data = data_wait.total()
         say_where(f"at the end of epoch {start.epoch}'s training, in its all-reduces")
         # Every step takes a full local batch: the images' loss sum, once per epoch.
-        loss_sum, seen = all_reduce([mean_loss_sum * self.loaders.train.batch_size, seen], device)
+        loss_sum, seen = all_reduce(
+            [mean_loss_sum * self.loaders.train.batch_size, seen if self.reports_sums else 0],
+            device,
+        )
         # The epoch lasts until its slowest rank is done: every rank takes that time, so that
         # `time` does not depend on which rank reports it and the t_* parts add up to it.
         most_data, elapsed = all_reduce([own_data, elapsed], device, dist.ReduceOp.MAX)
@@ -595,11 +619,16 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
 
+    def predict(self, images: torch.Tensor) -> torch.Tensor | None:
+        """The logits of a validation batch."""
+        with self.precision.autocast(images.device):
+            return self.model(images)
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Loss and accuracy over the whole validation set, each image counted exactly once."""
         self.model.eval()
-        env, loaders, device = self.env, self.loaders, self.env.device
+        loaders, device = self.loaders, self.env.device
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device)
         count = torch.zeros((), device=device)
@@ -608,12 +637,13 @@ class Trainer:
         synchronize(device)
         start = time.perf_counter()
         for images, labels in loaders.val:
-            with self.precision.autocast(device):
-                logits = self.model(images)
             weights = validation_weights(
-                offset, len(labels), env.rank, env.world_size, loaders.val_size, device
+                offset, len(labels), *self.data_ranks, loaders.val_size, device
             )
             offset += len(labels)
+            logits = self.predict(images)
+            if logits is None:  # this rank computes no logits: its sums stay zero
+                continue
             losses = F.cross_entropy(logits.float(), labels, reduction="none")
             loss_sum += (losses * weights).sum()
             correct += ((logits.argmax(dim=1) == labels).float() * weights).sum()

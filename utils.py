@@ -61,9 +61,12 @@ METRIC_FIELDS = (
     "tflops",
     "mfu",
     "slowest_rank",
-    "rank_time_spread",  # measured since
+    "rank_time_spread",
+    "bubble",
+    "bubble_ideal",  # measured since
     "sharding",
-    "train_images",  # labels added since (e.g. the sharding FSDP really used)
+    "train_images",
+    "microbatches",  # labels added since (e.g. the sharding FSDP really used)
 )
 
 METRIC_TAG = "[METRIC]"

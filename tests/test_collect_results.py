@@ -508,3 +508,36 @@ def test_ranks_that_outnumber_their_cores_are_said_so(tmp_path, capsys, cpus):
     assert code == 0 and (warning in err.splitlines() if warning else "warning" not in err)
     read_back = pd.read_csv(tmp_path / "r.csv")  # the CSV keeps what the plots need to say so
     assert collect_results.cores_outnumbered(read_back) == warning
+
+
+# ---- a pipeline's runs ----
+
+
+def test_pipeline_runs_scale_against_ddps_one_gpu_and_give_the_bubble_by_microbatches(tmp_path):
+    """A pipeline has no 1-GPU run: its speedup is against DDP's 1-GPU time (the model on one
+    GPU). Its bubble is tabled by stages and micro-batches; the other strategies have none."""
+    na = dict(bubble="na", bubble_ideal="na", microbatches="na")
+    run_log(tmp_path, "ddp_1gpu_1.log", time=8.0, **na)
+    run_log(tmp_path, "ddp_2gpu_2.log", world_size=2, time=5.0, **na)
+    for job, (m, measured, ideal) in enumerate([(4, 0.5, 0.2), (8, 0.25, 1 / 9)], 3):
+        run_log(
+            tmp_path,
+            f"pipeline_2gpu_{job}.log",
+            strategy="pipeline",
+            world_size=2,
+            time=4.0,
+            bubble=measured,
+            bubble_ideal=ideal,
+            microbatches=m,
+        )
+    results, _ = collect(tmp_path)
+    summary = collect_results.summarize(results).set_index(["strategy", "gpus"])
+    assert summary.loc[("pipeline", 2), "speedup"] == 8.0 / 4.0
+    assert summary.loc[("ddp", 2), "speedup"] == 8.0 / 5.0
+    assert pd.isna(summary.loc[("ddp", 2), "bubble"])
+    table = collect_results.bubble_table(results)
+    assert table[["gpus", "microbatches", "runs"]].values.tolist() == [[2, 4, 1], [2, 8, 1]]
+    assert table["bubble"].tolist() == [0.5, 0.25]
+    assert table["bubble_ideal"].tolist() == pytest.approx([0.2, 1 / 9], rel=1e-5)
+    text = collect_results.bubble_markdown(table)
+    assert "| 2 | 8 | 1 | 0.250 | 0.111 |" in text.splitlines()

@@ -234,6 +234,54 @@ QUESTIONS = [
 ]
 
 
+# ----------------------------------------------------------------------------- pipeline schedules
+
+
+def drawn_schedules() -> list[list[list[str]]]:
+    """The schedules concepts.md draws: per drawing, per stage, the slot contents ('' idle)."""
+    blocks = re.findall(r"```\n        time ->\n(.*?)```", CONCEPTS.read_text(), re.S)
+    return [
+        [line.split("|")[1:-1] for line in block.splitlines() if line.startswith("stage ")]
+        for block in blocks
+    ]
+
+
+def in_flight_peak(slots: list[str]) -> int:
+    """The most micro-batches a stage holds activations of: forwarded, not yet backwarded."""
+    held, peak = 0, 0
+    for op in slots:
+        held += (op.startswith("F")) - (op.startswith("B"))
+        peak = max(peak, held)
+    return peak
+
+
+def test_the_drawn_schedules_obey_the_pipeline_and_idle_the_textbook_bubble():
+    """GPipe and 1F1B for 4 stages and 8 micro-batches as drawn: every forward and backward
+    once per stage, each after what it depends on (Fi after the stage before's Fi, Bi after
+    the stage after's Bi and its own Fi), each stage idle pipeline_utils.ideal_bubble of the
+    slots; 1F1B holds at most 4 micro-batches' activations, GPipe's first stage all 8."""
+    from pipeline_utils import ideal_bubble
+
+    stages, micro = 4, 8
+    gpipe, one_f_one_b = drawn_schedules()
+    for drawing in (gpipe, one_f_one_b):
+        assert len(drawing) == stages
+        when = {(s, op.strip()): t for s, row in enumerate(drawing) for t, op in enumerate(row)}
+        for s, row in enumerate(drawing):
+            ops = sorted(op.strip() for op in row if op.strip())
+            assert ops == sorted(f"{k}{i}" for k in "FB" for i in range(micro))
+            idle = sum(not op.strip() for op in row) / len(row)
+            assert idle == pytest.approx(ideal_bubble(stages, micro))
+            for i in range(micro):
+                if s > 0:
+                    assert when[(s, f"F{i}")] > when[(s - 1, f"F{i}")]
+                if s < stages - 1:
+                    assert when[(s, f"B{i}")] > when[(s + 1, f"B{i}")]
+                assert when[(s, f"B{i}")] > when[(s, f"F{i}")]
+    assert in_flight_peak([op.strip() for op in gpipe[0]]) == micro
+    assert max(in_flight_peak([op.strip() for op in row]) for row in one_f_one_b) == stages
+
+
 def headings() -> list[str]:
     return [line for line in CONCEPTS.read_text().splitlines() if line.startswith("#")]
 

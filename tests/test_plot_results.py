@@ -68,16 +68,30 @@ def comm_frame(world_sizes=(1, 2)) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def with_bubble(results: pd.DataFrame) -> pd.DataFrame:
+    """A pipeline's bubble, its textbook value and micro-batches (2 stages, m = 4), empty for
+    the other strategies, as the collector writes them."""
+    pipeline = results["strategy"] == "pipeline"
+    return results.assign(
+        bubble=results["time"].where(pipeline) / 10,
+        bubble_ideal=pd.Series(0.2, index=results.index).where(pipeline),
+        microbatches=pd.Series(4, index=results.index).where(pipeline),
+    )
+
+
 def test_every_png_from_a_small_csv(tmp_path, capsys):
     csv = tmp_path / "results.csv"
-    with_breakdown(
-        runs_frame(
-            {
-                ("ddp", 1): [9.0, 8.0],
-                ("ddp", 2): [5.0, 4.0],
-                ("fsdp", 1): [10.0, 9.0],
-                ("fsdp", 2): [6.0, 5.0],
-            }
+    with_bubble(
+        with_breakdown(
+            runs_frame(
+                {
+                    ("ddp", 1): [9.0, 8.0],
+                    ("ddp", 2): [5.0, 4.0],
+                    ("fsdp", 1): [10.0, 9.0],
+                    ("fsdp", 2): [6.0, 5.0],
+                    ("pipeline", 2): [7.0, 6.0],
+                }
+            )
         )
     ).to_csv(csv, index=False)
     comm_frame().to_csv(tmp_path / "comm.csv", index=False)
@@ -170,9 +184,16 @@ def test_course_results_csv(tmp_path, capsys):
     assert_pngs(
         tmp_path,
         set(plot_results.FIGURES)
-        - {"throughput.png", "time_breakdown.png", "comm_bandwidth.png", "gpu_timeline.png"},
+        - {
+            "throughput.png",
+            "time_breakdown.png",
+            "comm_bandwidth.png",
+            "gpu_timeline.png",
+            "pipeline_bubble.png",
+        },
     )
     assert "not written gpu_timeline.png: no GPU samples" in err
+    assert "not written pipeline_bubble.png: no pipeline runs (bubble)" in err
     assert "not written throughput.png" in err
     assert "not written comm_bandwidth.png: no [COMM] lines" in err
     summary = plot_results.summarize(plot_results.read_results(course_csv))
@@ -253,6 +274,8 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     breakdown = dict(t_compute=1.5, t_data=0.25, t_comm=0.5, t_wait=0.25, train_images=512)
     run_log(logs, "ddp_1gpu_1.log", world_size=1, job_id="1", **breakdown)
     run_log(logs, "ddp_2gpu_2.log", world_size=2, job_id="2", **breakdown)
+    pipeline = dict(strategy="pipeline", bubble=0.375, bubble_ideal=0.2, microbatches=4)
+    run_log(logs, "pipeline_2gpu_3.log", world_size=2, job_id="3", **pipeline, **breakdown)
     with open(logs / "ddp_2gpu_2.log", "a") as log:  # --comm-benchmark's lines
         log.writelines(
             format_comm(row) + "\n"
@@ -266,7 +289,7 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     # Relative paths are the caller's: ../logs from elsewhere/.
     done = run_script(elsewhere, LOGS="../logs", OUT="../results.csv", PLOTS="../plots")
     assert done.returncode == 0, done.stderr
-    assert len(pd.read_csv(tmp_path / "results.csv")) == 6
+    assert len(pd.read_csv(tmp_path / "results.csv")) == 9
     (tmp_path / "plots" / "report.md").rename(tmp_path / "report.md")  # the PNGs, then the rest
     assert_pngs(tmp_path / "plots", plot_results.FIGURES)
     assert "| ddp | 2 |" in done.stdout
@@ -282,6 +305,7 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| ddp | 2 |" in report
     assert all(f"]({name})" in report for name in plot_results.FIGURES)
+    assert "| 2 | 4 | 1 | 0.375 | 0.200 |" in report.split("## Pipeline bubble")[1]
     # The largest part of 2.5 s: compute, 1.5 s.
     assert (
         "- ddp on 2 GPU(s): the largest cost is compute, 1.500 s of 2.50 s per epoch (60%)"

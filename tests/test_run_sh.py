@@ -405,6 +405,31 @@ def test_the_collect_job_runs_the_collector_in_the_container_with_its_sweep(repo
     assert f"LOGS=logs/{sweep} starts: bash plot_results.sh" in ran.stdout, ran.stdout + ran.stderr
 
 
+def test_a_sweep_runs_the_pipeline_where_the_model_cuts_and_says_so_once():
+    """1, 2, 4, 8 GPUs x ddp, pipeline: the CNN's 4 units make 2 or 4 stages, so the pipeline
+    runs at 2 and 4 only; one note names the counts skipped, no error; ddp runs at all four."""
+    done = benchmarks(
+        "--local", "--dry-run", "--strategies", "ddp", "pipeline", "--", "--dataset", "synthetic"
+    )
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stderr.splitlines() if "pipeline" in line]
+    assert notes == [
+        "note: pipeline skipped at GPU counts 1, 8: --strategy pipeline cuts --model cnn's 4 "
+        "units into one stage per rank, the same number each: world size 2 or 4"
+    ]
+    runs = re.findall(r"^NPROC=(\d) bash run.sh --strategy (\w+)", done.stdout, re.M)
+    assert runs == [
+        ("1", "ddp"),
+        ("2", "ddp"),
+        ("2", "pipeline"),
+        ("4", "ddp"),
+        ("4", "pipeline"),
+        ("8", "ddp"),
+    ]
+    alone = benchmarks("--local", "--dry-run", "--strategies", "pipeline", "--gpus", "1", "8")
+    assert_one_line_error(alone, "nothing to run: --strategy pipeline cuts --model cnn's 4 units")
+
+
 def test_local_dry_run_lists_the_torchrun_sweep():
     done = benchmarks("--local", "--dry-run", "--gpus", "1", "2", "--strategies", "ddp")
     assert done.returncode == 0, done.stderr

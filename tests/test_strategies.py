@@ -33,7 +33,7 @@ def test_one_process_baselines_train_like_ddp_on_one_rank(one_process, strategy)
     assert max_diff(state, one_process) <= 1e-6
 
 
-@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("strategy", ["single", "dp", "model"])
 def test_one_process_baselines_refuse_several_processes(strategy):
     done = run_main([*TINY, "--batch-size", "64", "--strategy", strategy], nproc=2)
     assert done.returncode != 0

@@ -209,6 +209,42 @@ def test_course_cnn_size():
     assert set(MODELS) >= {"cnn"}
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_config_knows_every_models_units(name):
+    """config.MODEL_UNITS (torch-free, for --check and the sweep) is what the model names."""
+    from config import MODEL_UNITS
+
+    assert MODEL_UNITS.keys() == MODELS.keys()
+    assert MODEL_UNITS[name] == len(build_model(name).shard_units())
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet18"])
+@pytest.mark.parametrize("parts,first_units", [(1, [0]), (2, [0, 2]), (4, [0, 1, 2, 3])])
+def test_cut_parts_compute_the_model_and_hold_its_units(name, parts, first_units):
+    """Run one after the other, the parts compute the model's output to the bit; each starts
+    at its unit, holds the same number of units, and their state dicts make up the model's
+    with the model's own names."""
+    from model import cut
+
+    torch.manual_seed(0)
+    model = build_model(name).eval()
+    pieces = cut(model, parts)
+    units = model.shard_units()
+    assert len(pieces) == parts
+    for part, first in zip(pieces, first_units):
+        held = [u for u in units if any(u is m for m in part.children())]
+        assert held[0] is units[first] and len(held) == len(units) // parts
+    x = torch.randn(3, 3, 32, 32)
+    y = x
+    for part in pieces:
+        y = part(y)
+    assert torch.equal(y, model(x))
+    keys = [k for part in pieces for k in part.state_dict()]
+    assert sorted(keys) == sorted(model.state_dict())  # no key twice, none missing
+    with pytest.raises(ValueError, match="do not cut into 3 equal parts"):
+        cut(model, 3)
+
+
 def test_a_trainer_is_built_with_keywords():
     """Trainer's fields are named where it is built: no row of positional Nones to miscount."""
     from train import Trainer
