@@ -645,8 +645,10 @@ class RandomCropFlip:
     The two patterns are built once: on a GPU every batch's small kernels are paid in launches.
     """
 
-    # Images per gather: its int64 offsets take 8 bytes a pixel (128 MiB at this many pixels).
-    PIXELS_PER_GATHER = 2**24
+    # Pixels per gather: its int64 offsets take 8 bytes a pixel (16 MiB at this many), its
+    # padded copy and output about 2.6 more; allocated while the epoch is measured, so small
+    # beside training's memory (a CIFAR-10 epoch: about 75 gathers, each a few kernels).
+    PIXELS_PER_GATHER = 2**21
 
     def __init__(self, image_shape: tuple, device: torch.device, padding: int = CROP_PADDING):
         c, h, w = image_shape
@@ -735,7 +737,9 @@ class TensorLoader:
     At the start of an epoch, the rank's shard in the sampler's order (a DistributedSampler) is
     gathered into one uint8 tensor, cropped and flipped as a whole; a step then slices its batch
     and normalizes it. The epoch's copy is the size of the rank's shard (CIFAR-10: 150 MiB at
-    one rank, less at more; Tiny ImageNet: 1.2 GiB), and the gathers are bounded
+    one rank, less at more; Tiny ImageNet: 1.2 GiB): one buffer, made with the loader and
+    refilled every epoch, so that it is data set (data_mem) and never training memory
+    (peak_mem), and no epoch allocates its size anew. The gathers are bounded
     (RandomCropFlip.PIXELS_PER_GATHER).
     """
 
@@ -762,7 +766,10 @@ class TensorLoader:
         self.normalize, self.generator = normalize, generator
         self.seed, self.rank = seed, rank
         self.crop_flip = RandomCropFlip(self.image_shape, device) if augment else None
-        self.epoch_bytes = 0  # of the last epoch's copy, for Loaders.device_bytes
+        # Zeros, not empty: every page is resident now, before the memory baseline is taken.
+        images = steps * batch_size
+        self.epoch_buffer = torch.zeros_like(self.images[:1]).repeat(images, 1)
+        self.epoch_labels = torch.zeros_like(self.labels[:1]).repeat(images)
 
     def __len__(self) -> int:
         return self.steps
@@ -772,12 +779,12 @@ class TensorLoader:
         batches: all of the rank's shard, also when a resumed run skips its first steps."""
         order = self.sampler.epoch_indices()[: self.steps * self.batch_size]
         indices = torch.tensor(order, device=self.images.device)
-        images = self.images.index_select(0, indices).view(-1, *self.image_shape)
+        torch.index_select(self.images, 0, indices, out=self.epoch_buffer)
+        images = self.epoch_buffer.view(-1, *self.image_shape)
         if self.crop_flip:
             self.generator.manual_seed(augmentation_seed(self.seed, self.rank, self.sampler.epoch))
             self.crop_flip.in_place(images, self.generator)
-        labels = self.labels[indices]
-        self.epoch_bytes = images.nbytes + labels.nbytes
+        labels = torch.index_select(self.labels, 0, indices, out=self.epoch_labels)
         return images, labels
 
     def __iter__(self):
@@ -877,10 +884,11 @@ class Loaders:
 
     def device_bytes(self) -> int:
         """Bytes of data set this rank keeps on its training device (the tensor path's)."""
+        loaders = [loader for loader in (self.train, self.val) if isinstance(loader, TensorLoader)]
         return sum(
-            loader.images.nbytes + loader.labels.nbytes + loader.epoch_bytes
-            for loader in (self.train, self.val)
-            if isinstance(loader, TensorLoader)
+            t.nbytes
+            for loader in loaders
+            for t in (loader.images, loader.labels, loader.epoch_buffer, loader.epoch_labels)
         )
 
     def set_position(self, epoch: int, step: int = 0) -> None:
