@@ -400,7 +400,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
                 }
             )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
-    for column in (*UTILISATION, *BUBBLE, "microbatches"):  # `na` becomes an empty cell
+    for column in MAY_BE_UNKNOWN:  # `na` becomes an empty cell
         if column in frame:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
     leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
@@ -487,6 +487,8 @@ UTILISATION = ("tflops", "mfu")
 # A pipeline's bubble (pipeline_utils.py): measured, and the textbook's (p - 1) / (m + p - 1);
 # empty for the other strategies.
 BUBBLE = ("bubble", "bubble_ideal")
+# The [METRIC] numbers a run may not know (`na`): its CSV cells are then empty.
+MAY_BE_UNKNOWN = (*UTILISATION, *BUBBLE, "microbatches")
 
 
 def message_seconds(comm: pd.DataFrame, op: str, label_prefix: str) -> float:

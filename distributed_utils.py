@@ -255,10 +255,11 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
         if device.type == "cuda" and not SHARE_ONE_GPU:
             refuse_shared_gpus(_store, rank, world_size, device)
     if SHARE_ONE_GPU:
-        backend = "gloo"
-    # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
-    # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
-    groups_backend = GPU_GROUP_BACKEND if device.type == "cuda" and not SHARE_ONE_GPU else backend
+        backend = groups_backend = "gloo"
+    else:
+        # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
+        # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
+        groups_backend = GPU_GROUP_BACKEND if device.type == "cuda" else backend
     dist.init_process_group(
         groups_backend,
         store=dist.PrefixStore("default_pg", _store),

@@ -28,13 +28,12 @@ from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
 from collect_results import (  # noqa: E402
-    BUBBLE,
     COMM_CSV,
     COURSE_COLUMNS,
     DEFAULT_OUT,
     GPU_TIMELINE_CSV,
+    MAY_BE_UNKNOWN,
     TIME_PARTS,
-    UTILISATION,
     bubble_markdown,
     bubble_table,
     cores_outnumbered,
@@ -50,8 +49,8 @@ from utils import UsageError, fail  # noqa: E402
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
 REQUIRED = ("strategy", "gpus", *COURSE_COLUMNS)
 NUMERIC = ("gpus", *COURSE_COLUMNS)
-# Numbers where known (the course's CSV has none; `na` where a run has no such number).
-MAY_BE_EMPTY = ("throughput", *UTILISATION, *BUBBLE, "microbatches")
+# Numbers where known (the course's CSV has no throughput; `na` where a run has no such number).
+MAY_BE_EMPTY = ("throughput", *MAY_BE_UNKNOWN)
 IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
 
 

@@ -35,6 +35,23 @@ def _to_bytes(value) -> bytes:
     return buffer.getvalue()
 
 
+def _outcome(fn, *args) -> tuple[str, object]:
+    """('ok', fn's result as bytes) or ('error', what it raised, with its traceback): every
+    failure, including a UsageError, for the test to report."""
+    try:
+        return "ok", _to_bytes(fn(*args))
+    except BaseException as e:
+        return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+def _in_process_group(fn, env_args: tuple, pg_timeout_s: float):
+    env = distributed_utils.setup(timeout_s=pg_timeout_s)
+    try:
+        return fn(env, *env_args)
+    finally:
+        distributed_utils.cleanup()
+
+
 def _worker(fn, rank, world_size, port, queue, args, pg_timeout_s, share_gpu=False):
     distributed_utils.SHARE_ONE_GPU = share_gpu
     os.environ.update(
@@ -46,14 +63,7 @@ def _worker(fn, rank, world_size, port, queue, args, pg_timeout_s, share_gpu=Fal
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)  # as torchrun does: N ranks share 2 cores
-    try:
-        env = distributed_utils.setup(timeout_s=pg_timeout_s)
-        try:
-            queue.put((rank, "ok", _to_bytes(fn(env, *args))))
-        finally:
-            distributed_utils.cleanup()
-    except BaseException as e:  # report every failure, including a UsageError, to the test
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    queue.put((rank, *_outcome(_in_process_group, fn, args, pg_timeout_s)))
 
 
 def spawn(
@@ -118,10 +128,7 @@ def spawn_outcomes(
 
 
 def _alone(fn, queue, args):
-    try:
-        queue.put(("ok", _to_bytes(fn(*args))))
-    except BaseException as e:
-        queue.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    queue.put(_outcome(fn, *args))
 
 
 def in_fresh_process(fn, *args, timeout: float = 180):
