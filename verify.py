@@ -1,0 +1,751 @@
+"""The cluster's acceptance test: what no test on a one-GPU machine can prove, checked in one
+short job on the cluster itself (`python run_benchmarks.py --verify`; `--local` runs it here).
+
+1. equivalence: DDP, FSDP and FSDP2 at the job's world size end an epoch with the parameters of
+   one process trained on the same global batches. The tests prove it on gloo between processes
+   of one machine; here it runs on the cluster's backend, devices and links (NCCL over NVLink,
+   InfiniBand, Slingshot), where a reduction that drops or doubles a rank's share would show.
+2. killed-rank: a rank killed (SIGKILL) mid-epoch ends the run within KILL_BOUND_S with one
+   `error:` line: srun, the network and NCCL's watchdog of this cluster, not a localhost store.
+3. stop-resume: SIGUSR1 to the job's step (what srun passes on at SLURM's time-limit warning)
+   stops every rank at one step with a checkpoint, written by every node to the shared file
+   system (FSDP2: one shard per rank); the resumed run ends with the parameters of an
+   uninterrupted one.
+4. comm: `[COMM]` busbw of each collective at the model's message sizes and at the sweep's
+   largest (256 MiB on GPUs), beside the transport NCCL chose (from NCCL_DEBUG=INFO) and
+   `nvidia-smi topo -m` of the first node; a warning where a multi-node run went over sockets.
+
+Ranks are launched as users launch them: `run.sh` (srun inside the allocation, torchrun
+without; NPROC ranks). This process never signals run.sh itself inside SLURM: run.sh requeues
+its job after a warning signal, and a verify job must never requeue itself. Every run's log is
+written into the report's folder (logs/verify-<job id>/), with report.md: one row per check.
+Exit status 0 only when every check passed; one `error: verify: <check> failed` line each.
+
+    python verify.py [--out DIR] [--checks CHECK ...] [-- main.py options, e.g. --device cpu]
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from run_benchmarks import job_python, main_option, split_argv, without_slurm
+from utils import fail, parse_comm, parse_config, time_stamped
+
+REPO = Path(__file__).resolve().parent
+LOGS_DIR = REPO / "logs"
+PREFIX = "verify-"
+REPORT = "report.md"
+CHECKS = ("equivalence", "killed-rank", "stop-resume", "comm")
+RUN_TIMEOUT_S = 900  # one run of main.py; a hung one is a FAIL, not a job at its time limit
+KILL_BOUND_S = 120  # a dead rank must end the run within this (docs/failures.md: seconds)
+PROGRESS = re.compile(r"^(\d+: )?epoch \d+ step +\d+", re.MULTILINE)  # rank 0's progress line
+STOPPED_STATUS = 3  # main.EXIT_STATUS["stopped"] (main.py is not imported: it loads nothing
+# here, but its name is the ranks' program)
+
+# Tolerance on the largest |parameter difference| after one epoch of 10 SGD steps. On gloo
+# (CPU) the sums differ from one process's only in the order of a few float additions:
+# tests/test_equivalence.py passes at 1e-5. On GPUs NCCL's ring or tree sums in yet another
+# order, and cuDNN and cuBLAS choose kernels by batch size (a rank's share is not the whole
+# batch), each rounding differently: a few ulps per operation, grown over the steps. 1e-4 is
+# still three orders below a rank's share missing or doubled (1e-2 and more: see the planted
+# bug in tests/test_verify.py).
+TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
+
+# main.py's options that verify sets in every run: given after `--`, they would change what is
+# compared (a batch that does not split, augmentation seeded per rank, Adam's eps amplifying
+# last-bit differences) or where the checkpoints go.
+VERIFY_SETS = {
+    "strategy",
+    "epochs",
+    "batch_size",
+    "train_samples",
+    "val_samples",
+    "optimizer",
+    "lr",
+    "lr_schedule",
+    "precision",
+    "seed",
+    "augment",
+    "grad_accum",
+    "print_every",
+    "checkpoint",
+    "checkpoint_dir",
+    "resume",
+    "comm_benchmark",
+}
+DEFAULTS = ["--dataset", "synthetic", "--model", "cnn"]  # the user's options after `--` win
+
+
+def refuse_verify_options(extra: list[str]) -> None:
+    """One error line for an option after `--` that verify chooses in every run."""
+    for token in extra:
+        if main_option(token) in VERIFY_SETS:
+            fail(
+                f"{token.split('=', 1)[0]} after -- is chosen by verify in every run "
+                "(docs/verify.md); leave it out"
+            )
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Row:
+    """One check's outcome: a row of report.md."""
+
+    check: str
+    passed: bool
+    figure: str
+    log: str  # relative to the repository
+
+    def markdown(self) -> str:
+        cells = [self.check, "PASS" if self.passed else "FAIL", self.figure, f"`{self.log}`"]
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    def error_line(self) -> str:
+        return f"error: verify: {self.check} failed: {self.figure}; see {self.log}"
+
+
+ROW_RE = re.compile(r"^\| (\S+) \| (PASS|FAIL) \| (.*) \| `([^`]*)` \|$", re.MULTILINE)
+
+
+def read_rows(report: str) -> list[Row]:
+    """The check rows of a report.md (run_benchmarks.py --wait reads them back)."""
+    return [
+        Row(check, result == "PASS", figure.replace("\\|", "|"), log)
+        for check, result, figure, log in ROW_RE.findall(report)
+    ]
+
+
+def report_text(rows: list[Row], about: dict, warnings: list[str]) -> str:
+    lines = [
+        "# Cluster acceptance test (verify.py)",
+        "",
+        "What each check proves and what to do with a FAIL: docs/verify.md.",
+        "",
+        "| check | result | figure | log |",
+        "|---|---|---|---|",
+        *(row.markdown() for row in rows),
+        "",
+        *(f"**{w}**\n" for w in warnings),
+        "## Where",
+        "",
+        *(f"- {k}: {v}" for k, v in about.items()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+@dataclass
+class Context:
+    """Where the checks run: the report's folder, the world size, the user's options."""
+
+    out: Path
+    world_size: int
+    nodes: list[str]
+    extra: list[str]
+    in_slurm: bool
+    warnings: list[str]
+
+    def log(self, name: str) -> Path:
+        return self.out / f"{name}.log"
+
+
+def relative(path: Path) -> str:
+    return (
+        str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) else str(path)
+    )
+
+
+def run_env(ctx: Context, **extra) -> dict:
+    """run.sh's environment: SLURM's inside the job (run.sh then uses srun), none here; a tag
+    that finds this run's ranks in /proc (task_pid)."""
+    env = dict(os.environ) if ctx.in_slurm else {**without_slurm(), "NPROC": str(ctx.world_size)}
+    return {**env, "SAMPLES_DIR": str(ctx.out / "samples"), **extra}
+
+
+def tag(ctx: Context, name: str) -> str:
+    """What marks the ranks of one run (VERIFY_RUN in their environment), to find them."""
+    return f"{ctx.out.name}-{name}"
+
+
+def launch(ctx: Context, args: list[str], log: Path, **env) -> subprocess.Popen:
+    """main.py through run.sh, as users launch it; output (both streams) into `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            ["bash", "run.sh", *args],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=run_env(ctx, VERIFY_RUN=tag(ctx, log.stem), **env),
+            start_new_session=True,  # its own process group: ended whole on a timeout
+        )
+
+
+def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> int | None:
+    """The run's exit status; None where it outlived `timeout` (it is killed)."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+
+
+def run(ctx: Context, args: list[str], name: str, **env) -> int | None:
+    return finish(launch(ctx, args, ctx.log(name), **env))
+
+
+def torch_python(ctx: Context) -> list[str]:
+    """The command that runs the jobs' Python alone, outside any launcher's world: the
+    reference run and the reading of checkpoints. In a container (EDF) that Python is reachable
+    only through srun."""
+    if ctx.in_slurm and os.environ.get("EDF"):
+        step = ["srun", "--overlap", "--nodes=1", "--ntasks=1"]
+        return [*step, f"--environment={os.environ['EDF']}", job_python(True)]
+    return [job_python(False)]
+
+
+def wait_for_progress(log: Path, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> bool:
+    """Whether rank 0 printed a progress line (training runs) before the run ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if PROGRESS.search(log.read_text(errors="replace")):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def task_pid(tag: str, rank: int) -> int | None:
+    """The process of rank `rank` of the run tagged VERIFY_RUN=tag (or of job SLURM_JOB_ID=tag)
+    on this node: a Python running main.py (not its --check, not torchrun's agent) whose
+    environment gives that rank (torchrun's RANK, or SLURM_PROCID in an srun step)."""
+    tags = {f"VERIFY_RUN={tag}".encode(), f"SLURM_JOB_ID={tag}".encode()}
+    ranks = {f"RANK={rank}".encode(), f"SLURM_PROCID={rank}".encode()}
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if (
+            Path(argv[0].decode(errors="replace")).name.startswith("python")
+            and b"main.py" in argv
+            and b"--check" not in argv
+            and b"torch.distributed.run" not in argv
+            and tags & environ
+            and ranks & environ
+        ):
+            return int(proc.name)
+    return None
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(e.split("=", 1) for e in entries if "=" in e)
+
+
+def kill_task(tag: str, rank: int) -> bool:
+    """SIGKILL one rank on this node; False if it does not run here."""
+    pid = task_pid(tag, rank)
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    return pid is not None
+
+
+def kill_rank(ctx: Context, tag: str, rank: int) -> bool:
+    """SIGKILL one rank: here, or inside the job on the node that runs it (srun's block
+    distribution: rank r on node r * nodes // world size), through a step beside the job's."""
+    if kill_task(tag, rank):
+        return True
+    if not ctx.in_slurm:
+        return False
+    node = ctx.nodes[rank * len(ctx.nodes) // ctx.world_size]
+    done = subprocess.run(
+        [
+            "srun",
+            "--overlap",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={node}",
+            sys.executable,
+            "verify.py",
+            "--kill-task",
+            tag,
+            str(rank),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.returncode == 0
+
+
+def stop_all(ctx: Context, proc: subprocess.Popen, tag: str) -> bool:
+    """SIGUSR1 to every rank, as SLURM's warning reaches them: inside the job, to the step of
+    the ranks (scancel --signal, which signals the tasks and not the batch shell: run.sh would
+    requeue the job); here, to run.sh, which passes it to each rank."""
+    if not ctx.in_slurm:
+        proc.send_signal(signal.SIGUSR1)
+        return True
+    pid = task_pid(tag, 0)  # rank 0 runs on this, the batch node
+    if pid is None:
+        return False
+    step = f"{os.environ['SLURM_JOB_ID']}.{environ_of(pid)['SLURM_STEP_ID']}"
+    return subprocess.run(["scancel", "--signal=USR1", step], timeout=60).returncode == 0
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+class Failed(Exception):
+    """A check that failed: its figure, and the log to read."""
+
+    def __init__(self, figure: str, log: Path):
+        super().__init__(figure)
+        self.figure, self.log = figure, log
+
+
+STEPS = 10  # equivalence: one epoch of this many global batches
+STOP_STEPS = 200  # stop-resume: steps per epoch, time enough to be signalled mid-run
+KILL_EPOCHS = 50  # killed-rank: a run far longer than KILL_BOUND_S
+
+
+def sizes(ctx: Context, steps: int) -> list[str]:
+    """A share of 16 images per rank and step, `steps` steps an epoch, the same global batches
+    at any world size. (8 a rank once put 2 gloo ranks 3.7e-4 from one process after 10 steps
+    on the 2-core machine, and 1.5e-8 after 8: a ReLU or max-pool tie that rounding tips one
+    way or the other, on one permutation; 16 a rank stayed within 2e-8.)"""
+    batch = 16 * ctx.world_size
+    return [
+        "--batch-size",
+        str(batch),
+        "--train-samples",
+        str(steps * batch),
+        "--val-samples",
+        str(batch),
+    ]
+
+
+def settings(ctx: Context, steps: int, epochs: int, print_every: int) -> list[str]:
+    """What makes N ranks equal one process (tests/dist_harness.py's EQUAL_CFG): fp32, no
+    augmentation, SGD (Adam's step g / (sqrt(v) + eps) turns last-bit differences of near-zero
+    gradients into steps of up to lr); the user's options in between."""
+    return [
+        *DEFAULTS,
+        *ctx.extra,
+        *sizes(ctx, steps),
+        "--epochs",
+        str(epochs),
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--seed",
+        "7",
+        "--precision",
+        "fp32",
+        "--no-augment",
+        "--print-every",
+        str(print_every),
+    ]
+
+
+def alone_env(ctx: Context) -> dict:
+    """No launcher's variables: main.py is then a world of one (inside a container, srun's
+    own step says so)."""
+    if ctx.in_slurm and os.environ.get("EDF"):
+        return dict(os.environ)
+    launcher = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    return {k: v for k, v in without_slurm().items() if k not in launcher}
+
+
+def alone(ctx: Context, args: list[str], timeout: float = RUN_TIMEOUT_S):
+    return subprocess.run(
+        [*torch_python(ctx), *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=alone_env(ctx),
+        timeout=timeout,
+    )
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
+def max_diff(ctx: Context, a: Path, b: Path, log: Path) -> float:
+    """The largest |difference| between the final parameters of two runs' checkpoints."""
+    done = alone(ctx, ["verify.py", "--max-diff", a, b], timeout=600)
+    if done.returncode:
+        raise Failed(f"cannot compare {a.name} with {b.name}: {last_line(done.stderr)}", log)
+    return float(done.stdout.split()[-1])
+
+
+def device_of(log: Path) -> str:
+    """The device a run trained on, from rank 0's [CONFIG] line."""
+    for line in log.read_text(errors="replace").splitlines():
+        if fields := parse_config(line):
+            return str(fields["device"])
+    raise Failed("no [CONFIG] line: the run never started", log)
+
+
+def ended(status: int | None) -> str:
+    return "did not end in time (killed)" if status is None else f"ended with exit status {status}"
+
+
+def check_equivalence(ctx: Context) -> Row:
+    args = settings(ctx, STEPS, epochs=1, print_every=1000)
+    reference, ref_log = ctx.out / "ckpt-single", ctx.log("equivalence-single")
+    done = alone(ctx, ["main.py", "--strategy", "single", *args, "--checkpoint-dir", reference])
+    ref_log.write_text(done.stdout + done.stderr)
+    if done.returncode:
+        raise Failed(f"the one-process reference {ended(done.returncode)}", ref_log)
+    tolerance = TOLERANCE[device_of(ref_log)]
+    diffs, worst = {}, ref_log
+    for strategy in ("ddp", "fsdp", "fsdp2"):
+        name, folder = f"equivalence-{strategy}", ctx.out / f"ckpt-{strategy}"
+        status = run(ctx, ["--strategy", strategy, *args, "--checkpoint-dir", str(folder)], name)
+        if status != 0:
+            raise Failed(f"{strategy} {ended(status)}", ctx.log(name))
+        diffs[strategy] = max_diff(ctx, reference, folder, ctx.log(name))
+        if diffs[strategy] >= max(diffs.values()):
+            worst = ctx.log(name)
+    figure = ", ".join(f"{s} {d:.3g}" for s, d in diffs.items())
+    passed = max(diffs.values()) <= tolerance
+    return Row(
+        "equivalence",
+        passed,
+        f"max abs param diff vs 1 process at {ctx.world_size} ranks: {figure} "
+        f"({'within' if passed else 'over'} tolerance {tolerance:g})",
+        relative(worst),
+    )
+
+
+def check_killed_rank(ctx: Context) -> Row:
+    name, victim = "killed-rank", ctx.world_size - 1
+    log = ctx.log(name)
+    args = settings(ctx, STOP_STEPS, epochs=KILL_EPOCHS, print_every=10)
+    proc = launch(ctx, ["--strategy", "ddp", *args, "--no-checkpoint"], log)
+    if not wait_for_progress(log, proc):
+        raise Failed(f"training never started: {ended(finish(proc, 60))}", log)
+    if not kill_rank(ctx, tag(ctx, name), victim):
+        finish(proc, 0)
+        raise Failed(f"rank {victim}'s process was not found to kill", log)
+    killed = time.monotonic()
+    status = finish(proc, KILL_BOUND_S)
+    seconds = time.monotonic() - killed
+    errors = [
+        line for line in log.read_text(errors="replace").splitlines() if line.startswith("error: ")
+    ]
+    named = [line for line in errors if re.search(rf"\brank(\(s\))? {victim}\b", line)]
+    figure = f"rank {victim} killed: the run {ended(status)} after {seconds:.1f} s"
+    if status in (0, None) or not named:
+        raise Failed(f"{figure} (bound {KILL_BOUND_S} s), {len(named)} error: line naming it", log)
+    return Row(name, True, f"{figure} (bound {KILL_BOUND_S} s): {named[0][:120]}", relative(log))
+
+
+def check_stop_resume(ctx: Context) -> Row:
+    name = "stop-resume"
+    args = [
+        "--strategy",
+        "fsdp2",
+        *settings(ctx, STOP_STEPS, epochs=2, print_every=10),
+        "--resume",
+        "auto",
+    ]
+    stopped, whole = ctx.out / "ckpt-stopped", ctx.out / "ckpt-uninterrupted"
+    log = ctx.log(name)
+    proc = launch(ctx, [*args, "--checkpoint-dir", str(stopped)], log)
+    if not wait_for_progress(log, proc):
+        raise Failed(f"training never started: {ended(finish(proc, 60))}", log)
+    if not stop_all(ctx, proc, tag(ctx, name)):
+        finish(proc, 0)
+        raise Failed("the ranks' step was not found to signal", log)
+    status = finish(proc)
+    at = re.search(r"\[CHECKPOINT\] stopped on SIGUSR1 at (epoch \d+ step \d+)", log.read_text())
+    if status != STOPPED_STATUS or not at:
+        raise Failed(f"after SIGUSR1 the run {ended(status)}, not {STOPPED_STATUS} (stopped)", log)
+    for part, folder in (("resumed", stopped), ("uninterrupted", whole)):
+        part_log = ctx.log(f"{name}-{part}")
+        status = run(ctx, [*args, "--checkpoint-dir", str(folder)], part_log.stem)
+        if status != 0:
+            raise Failed(f"the {part} run {ended(status)}", part_log)
+    diff = max_diff(ctx, stopped, whole, log)
+    tolerance = TOLERANCE[device_of(log)]
+    passed = diff <= tolerance
+    return Row(
+        name,
+        passed,
+        f"fsdp2 stopped at {at.group(1)} (exit status {STOPPED_STATUS}); resumed ends "
+        f"{diff:.3g} from the uninterrupted run ({'within' if passed else 'over'} tolerance "
+        f"{tolerance:g})",
+        relative(ctx.log(f"{name}-resumed")),
+    )
+
+
+# NCCL_DEBUG=INFO's lines on the network and on each channel's transport: "Using network IB",
+# "Channel 00/0 : 0[0] -> 1[1] via P2P/IPC", "via NET/IB/0/GDRDMA", "via NET/Socket/0",
+# "via NET/AWS Libfabric/0" (the OFI plugin), "via SHM/direct/direct".
+NCCL_NETWORK = re.compile(r"NCCL INFO Using network (.+?)\s*$", re.MULTILINE)
+NCCL_VIA = re.compile(r"NCCL INFO Channel .* via ((?:P2P|SHM|NET)/[^/\n]+)")
+
+
+def nccl_transports(log: str) -> list[str]:
+    """What NCCL chose: its networks, then the channels' transports, each once."""
+    found = [f"network {n}" for n in NCCL_NETWORK.findall(log)] + NCCL_VIA.findall(log)
+    return list(dict.fromkeys(t.strip() for t in found))
+
+
+def over_sockets(transports: list[str]) -> bool:
+    return any(t in ("network Socket", "NET/Socket") for t in transports)
+
+
+def busbw_summary(rows: list[dict]) -> str:
+    """The model's gradient all-reduce and each collective at the largest size measured."""
+    largest = max(r["bytes"] for r in rows)
+    picked = [r for r in rows if r["label"] == "grad"]
+    picked += [r for r in rows if r["label"] == "sweep" and r["bytes"] == largest]
+    return "; ".join(
+        f"{r['op']} {r['label']} {r['bytes'] / 2**20:.3g} MiB {r['busbw_gbps']:.3g} GB/s"
+        for r in picked
+    )
+
+
+def comm_table(rows: list[dict]) -> str:
+    lines = ["| op | message | bytes | busbw GB/s |", "|---|---|---|---|"]
+    lines += [f"| {r['op']} | {r['label']} | {r['bytes']} | {r['busbw_gbps']:.3g} |" for r in rows]
+    return "\n".join(lines)
+
+
+def keep_topology(ctx: Context) -> str:
+    """`nvidia-smi topo -m` of this (the first) node, kept beside the report."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "no nvidia-smi"
+    (ctx.out / "topo.txt").write_text(done.stdout + done.stderr)
+    return relative(ctx.out / "topo.txt")
+
+
+def check_comm(ctx: Context) -> Row:
+    name = "comm"
+    log = ctx.log(name)
+    args = settings(ctx, 1, epochs=1, print_every=1000)
+    status = run(
+        ctx,
+        ["--strategy", "ddp", *args, "--comm-benchmark", "--no-checkpoint"],
+        name,
+        NCCL_DEBUG="INFO",
+    )
+    text = log.read_text(errors="replace")
+    rows = [r for r in map(parse_comm, text.splitlines()) if r]
+    if status != 0 or not rows:
+        raise Failed(f"the benchmark {ended(status)}, {len(rows)} [COMM] lines", log)
+    (ctx.out / "comm.md").write_text(comm_table(rows) + "\n")
+    transports = nccl_transports(text)
+    chose = f"NCCL: {', '.join(transports)}" if transports else f"no NCCL ({rows[0]['backend']})"
+    if len(ctx.nodes) > 1 and over_sockets(transports):
+        ctx.warnings.append(
+            "warning: verify: NCCL went over TCP sockets between the nodes: a scaling study "
+            "would measure TCP; run in the container (--environment) or set NCCL_NET "
+            f"(docs/verify.md); see {relative(log)}"
+        )
+    busbw = [r["busbw_gbps"] for r in rows]
+    passed = min(busbw) > 0 and {r["op"] for r in rows} >= {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+    }
+    return Row(
+        name,
+        passed,
+        f"{busbw_summary(rows)}; {chose}; all in comm.md; topology: {keep_topology(ctx)}",
+        relative(log),
+    )
+
+
+CHECK_FUNCTIONS = {
+    "equivalence": check_equivalence,
+    "killed-rank": check_killed_rank,
+    "stop-resume": check_stop_resume,
+    "comm": check_comm,
+}
+
+
+def run_check(ctx: Context, check: str) -> Row:
+    """The check's row: PASS or FAIL with its figure; a check that breaks is a FAIL too."""
+    try:
+        return CHECK_FUNCTIONS[check](ctx)
+    except Failed as e:
+        return Row(check, False, e.figure, relative(e.log))
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
+        return Row(check, False, f"{type(e).__name__}: {e}", relative(ctx.out))
+
+
+# ----------------------------------------------------------------------------- where it ran
+
+
+def torch_versions() -> dict:
+    """torch, CUDA and NCCL as this Python's torch sees them (run through --versions)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "torch": torch.__version__,
+        "CUDA": torch.version.cuda or "none",
+        "NCCL": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "none (no GPU)",
+    }
+
+
+def command_output(command: list[str]) -> str | None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def node_list() -> list[str]:
+    if "SLURM_JOB_NODELIST" in os.environ:
+        hosts = command_output(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]])
+        if hosts:
+            return hosts.split()
+    return [os.uname().nodename]
+
+
+def where(ctx: Context) -> dict:
+    done = alone(ctx, ["verify.py", "--versions"], timeout=300)
+    versions = (
+        json.loads(done.stdout) if done.returncode == 0 else {"torch": last_line(done.stderr)}
+    )
+    driver = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return {
+        **versions,
+        "driver": driver.splitlines()[0] if driver else "none (no nvidia-smi)",
+        "job": os.environ.get("SLURM_JOB_ID", "none (here, through torchrun)"),
+        "world size": ctx.world_size,
+        "nodes": " ".join(ctx.nodes),
+        "main.py options after --": shlex.join(ctx.extra) or "none",
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def max_param_diff(a: Path, b: Path) -> float:
+    """--max-diff: the largest |difference| between the final parameters of two checkpoint
+    folders (DDP's full state, or FSDP's DCP shards read whole)."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import checkpoint
+
+    def final(folder: Path) -> dict:
+        path = checkpoint.latest(folder)
+        if path is None:
+            fail(f"no checkpoint in {folder}")
+        if (path / checkpoint.DDP_FILE).is_file():
+            return torch.load(path / checkpoint.DDP_FILE, map_location="cpu", weights_only=False)[
+                "model"
+            ]
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(path, Path(tmp) / "whole.pt")
+            return torch.load(Path(tmp) / "whole.pt", weights_only=False)["model"]
+
+    mine, theirs = final(a), final(b)
+    if mine.keys() != theirs.keys():
+        fail(f"{a} and {b} hold different parameters")
+    return max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        usage="%(prog)s [options] [-- main.py options]",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--out", type=Path, help="the report's folder (default: logs/verify-<job id>)")
+    p.add_argument(
+        "--checks",
+        nargs="+",
+        choices=CHECKS,
+        default=list(CHECKS),
+        help="run these checks only (default: all)",
+    )
+    # Inner steps, run by verify.py itself: on another node, or with the jobs' torch.
+    p.add_argument("--kill-task", nargs=2, metavar=("TAG", "RANK"), help=argparse.SUPPRESS)
+    p.add_argument("--max-diff", nargs=2, type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def default_out(in_slurm: bool) -> Path:
+    if in_slurm:
+        return LOGS_DIR / f"{PREFIX}{os.environ['SLURM_JOB_ID']}"
+    return time_stamped(LOGS_DIR, f"{PREFIX}local-")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(ours)
+    if args.kill_task:
+        return 0 if kill_task(args.kill_task[0], int(args.kill_task[1])) else 1
+    if args.max_diff:
+        print(max_param_diff(*args.max_diff))
+        return 0
+    if args.versions:
+        print(json.dumps(torch_versions()))
+        return 0
+    refuse_verify_options(extra)
+    in_slurm = "SLURM_JOB_ID" in os.environ
+    world_size = (
+        int(os.environ["SLURM_NTASKS" if in_slurm else "NPROC"])
+        if in_slurm or "NPROC" in os.environ
+        else 2
+    )
+    out = (args.out or default_out(in_slurm)).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(out, world_size, node_list(), extra, in_slurm, [])
+    rows = []
+    for check in args.checks:
+        print(f"verify: {check} ...", flush=True)
+        rows.append(run_check(ctx, check))
+        print(
+            f"verify: {check}: {'PASS' if rows[-1].passed else 'FAIL'}: {rows[-1].figure}",
+            flush=True,
+        )
+    report = out / REPORT
+    report.write_text(report_text(rows, where(ctx), ctx.warnings))
+    print(f"report: {relative(report)}", flush=True)
+    for line in ctx.warnings + [r.error_line() for r in rows if not r.passed]:
+        print(line, file=sys.stderr, flush=True)
+    return 0 if all(r.passed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
