@@ -5,6 +5,7 @@
     python run_benchmarks.py --dry-run                 # print the job scripts, submit nothing
     python run_benchmarks.py --wait                    # block until the sweep ends, report failures
     python run_benchmarks.py --local --gpus 1 2        # no SLURM: torchrun on this machine
+    python run_benchmarks.py --verify --wait           # first, on a new cluster: verify.py
 
 Each sweep has a folder of its own, logs/sweep-<date-time>/, so two sweeps never mix. First
 sbatch is looked for (unless --local or --dry-run), then every configuration is checked
@@ -21,6 +22,9 @@ runs do the same steps and their times compare; --scaling weak keeps the batch p
 cores measure each other: --one-at-a-time runs them in turn, --exclusive asks SLURM for whole
 nodes. Clusters are noisy: --repeats R runs every configuration R times (the summary gives the
 median and the spread).
+
+--verify submits one short job instead, the cluster's acceptance test (verify.py): by default 2
+nodes with --gpus-per-node GPUs each, or --gpus N; its report goes to logs/verify-<job id>/.
 
 Arguments after `--` go to main.py. --partition and --account are optional: sbatch also reads
 SBATCH_PARTITION and SBATCH_ACCOUNT.
@@ -41,7 +45,7 @@ from pathlib import Path
 
 import config
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import fail, next_sweep_folder, time_stamped
+from utils import fail, next_sweep_folder, time_stamp, time_stamped
 
 REPO = Path(__file__).resolve().parent
 JOBS_DIR = REPO / "jobs"
@@ -109,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus",
         type=int,
         nargs="+",
-        default=[1, 2, 4, 8],
-        help="GPU counts, one task each (default: 1 2 4 8)",
+        help="GPU counts, one task each (default: 1 2 4 8; --verify: one count, default 2 "
+        "nodes' worth)",
     )
     p.add_argument(
         "--strategies",
@@ -176,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="no SLURM: run the sweep one after the other here, through torchrun",
     )
     mode.add_argument(
+        "--verify",
+        action="store_true",
+        help="one short job that checks the cluster (verify.py): equivalence, a killed rank, "
+        "stop and resume, the network; run it first on a new cluster",
+    )
+    mode.add_argument(
         "--one-at-a-time",
         action="store_true",
         help="each job waits for the one before it (jobs that share cores measure each other)",
@@ -208,10 +218,14 @@ def main_options() -> dict[str, argparse.Action]:
 def main_option(token: str) -> str | None:
     """The Config field a main.py option sets (`--batch-size=64`, an alias or an abbreviation
     argparse would accept), or None when the token names no single one."""
+    return option_dest(token, main_options())
+
+
+def option_dest(token: str, actions: dict[str, argparse.Action]) -> str | None:
+    """The destination an option of a parser with these actions sets, or None."""
     if not token.startswith("--"):
         return None
     name = token.split("=", 1)[0]
-    actions = main_options()
     dests = (
         {actions[name].dest}
         if name in actions
@@ -289,7 +303,7 @@ def check_args(args) -> None:
         if gpus < 1:
             fail(f"--gpus: every count must be at least 1, got {gpus}")
         nodes_for(gpus, args.gpus_per_node)
-        if args.scaling == "strong" and args.batch_size % gpus:
+        if args.scaling == "strong" and not args.verify and args.batch_size % gpus:
             fail(f"--batch-size {args.batch_size} does not split evenly over {gpus} GPUs")
 
 
@@ -649,30 +663,46 @@ def has_torch(python: str) -> bool:
 def check_configurations(runs: list[Configuration], args, extra: list[str]) -> None:
     """main.py --check for each strategy at every GPU count of the sweep, before anything is
     written or submitted: a typo fails here, in seconds, not in the queue."""
-    python = job_python(bool(args.environment))
-    if not has_torch(python):
-        print(
-            f"note: no torch in {python}: main.py's options are not checked before submitting",
-            file=sys.stderr,
-            flush=True,
-        )
+    python = checking_python(args)
+    if not python:
         return
-    # A login node has no GPU: unless the sweep says where it runs, check for the GPU nodes'.
-    device = [] if args.local or "--device" in extra else ["--device", "cuda"]
     # One check per strategy and global batch (weak scaling has one per GPU count).
     for strategy, batch in dict.fromkeys((r.strategy, r.global_batch) for r in runs):
         same = [r for r in runs if (r.strategy, r.global_batch) == (strategy, batch)]
         first, sizes = same[0], [str(r.gpus) for r in same]
-        done = subprocess.run(
-            [python, "main.py", *main_args(first, args, extra), *device, "--check", *sizes],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            env=without_slurm(),
+        check_main(
+            python,
+            [*main_args(first, args, extra), *check_device(args, extra), "--check", *sizes],
+            f"--strategy {strategy}",
         )
-        if done.returncode:  # main.py's one line, or argparse's "main.py: error: ..."
-            error = last_line(done.stderr or done.stdout).split("error: ", 1)[-1]
-            fail(f"main.py --strategy {strategy}: {error} (nothing submitted)")
+
+
+def checking_python(args) -> str | None:
+    """The jobs' Python, to check main.py's options with; None, said once, if it lacks torch."""
+    python = job_python(bool(args.environment))
+    if has_torch(python):
+        return python
+    print(
+        f"note: no torch in {python}: main.py's options are not checked before submitting",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
+
+
+def check_device(args, extra: list[str]) -> list[str]:
+    """A login node has no GPU: unless the jobs say where they run, check for the GPU nodes'."""
+    return [] if args.local or "--device" in extra else ["--device", "cuda"]
+
+
+def check_main(python: str, argv: list[str], what: str) -> None:
+    """main.py --check; its one line, ending this program, where it refuses."""
+    done = subprocess.run(
+        [python, "main.py", *argv], cwd=REPO, capture_output=True, text=True, env=without_slurm()
+    )
+    if done.returncode:  # main.py's one line, or argparse's "main.py: error: ..."
+        error = last_line(done.stderr or done.stdout).split("error: ", 1)[-1]
+        fail(f"main.py {what}: {error} (nothing submitted)")
 
 
 def without_slurm() -> dict:
@@ -724,9 +754,138 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     return 1 if failed else 0
 
 
+# ----------------------------------------------------------------------------- --verify
+# verify.py builds on this module (job_python, without_slurm, main_option): it is imported where
+# --verify needs it, not at the top, where the two would import each other.
+
+VERIFY_TIME = "00:30:00"  # the checks take minutes; a hung one ends at its own bound
+# The sweep's options that choose its runs: --verify chooses its own (verify.py).
+SWEEP_ONLY = (
+    "strategies",
+    "repeats",
+    "scaling",
+    "one_at_a_time",
+    "epochs",
+    "batch_size",
+    "precision",
+)
+
+
+def refuse_sweep_only(ours: list[str]) -> None:
+    actions = build_parser()._option_string_actions
+    for token in ours:
+        if option_dest(token, actions) in SWEEP_ONLY:
+            fail(
+                f"{token.split('=', 1)[0]} is the sweep's; --verify runs the checks' own "
+                "configurations (docs/verify.md): leave it out"
+            )
+
+
+def verify_gpus(args) -> list[int]:
+    """The verify job's GPU count, as a list like the sweep's: --gpus N, or 2 nodes' worth."""
+    if args.gpus and len(args.gpus) > 1:
+        fail(f"--verify runs one job: give one --gpus count, not {' '.join(map(str, args.gpus))}")
+    return args.gpus or [2 * args.gpus_per_node]
+
+
+def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) -> str:
+    command = shlex.join([job_python(False), "verify.py", "--", *extra])
+    command += '; status=$?; echo "exit status $status"; exit $status'
+    options = [
+        "--parsable",
+        "--job-name=verify",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={gpus // nodes}",
+        f"--gpus-per-node={gpus // nodes}",
+        f"--time={args.time or VERIFY_TIME}",
+        f"--output=jobs/{folder}/verify_%j.log",
+        *slurm_options(args),
+    ]
+    if args.cpus_per_task:
+        options.append(f"--cpus-per-task={args.cpus_per_task}")
+    if args.exclusive:
+        options.append("--exclusive")
+    env = {"EDF": edf_value(args.environment)} if args.environment else {}
+    comment = (
+        f"# The cluster's acceptance test on {count(gpus, 'GPU')} ({count(nodes, 'node')}): "
+        "verify.py runs its checks inside the job.\n# Its report: logs/verify-<job id>/"
+        f"report.md. Submit again with: bash jobs/{folder}/verify.sh\n"
+    )
+    return script(comment, options, ["--wrap", command], env)
+
+
+def verify_report(job: Job) -> int:
+    """After the job: the report's path, each failed check's line; 0 only if all passed."""
+    import verify
+
+    report = LOGS_DIR / f"{verify.PREFIX}{job.job_id}" / verify.REPORT
+    if not report.is_file():
+        print(
+            f"error: verify: job {job.job_id} ended {job.state} without a report; see "
+            f"{relative(job.log)}",
+            file=sys.stderr,
+        )
+        return 1
+    rows = verify.read_rows(report.read_text())
+    print(f"report: {relative(report)}")
+    for line in verify.warning_lines(report.read_text()):
+        print(line, file=sys.stderr)
+    for row in rows:
+        if not row.passed:
+            print(row.error_line(), file=sys.stderr)
+    return 0 if job.state == "COMPLETED" and rows and all(r.passed for r in rows) else 1
+
+
+def run_verify(args, extra: list[str]) -> int:
+    import verify
+
+    verify.refuse_verify_options(extra)
+    gpus = args.gpus[0]
+    nodes = nodes_for(gpus, args.gpus_per_node)
+    if python := checking_python(args):
+        check_main(
+            python,
+            [*verify.DEFAULTS, *extra, *check_device(args, extra), "--check", str(gpus)],
+            "(verify)",
+        )
+    if args.local:  # here, through torchrun: verify.py's own lines are the report
+        out = time_stamped(LOGS_DIR, f"{verify.PREFIX}local-")
+        command = [sys.executable, "verify.py", "--out", str(out), "--", *extra]
+        return subprocess.run(
+            command, cwd=REPO, env={**without_slurm(), "NPROC": str(gpus)}
+        ).returncode
+    folder = f"verify-{time_stamp()}"
+    text = verify_script(folder, gpus, nodes, args, extra)
+    if args.dry_run:
+        print(f"# ---- jobs/{folder}/verify.sh\n{text}", end="")
+        return 0
+    try:
+        job_id = submit(write(JOBS_DIR / folder / "verify.sh", text))
+    except SubmitError as e:
+        fail(str(e), code=1)
+    job = Job("verify", job_id, JOBS_DIR / folder / f"verify_{job_id}.log")
+    print(
+        f"verify: job {job_id} ({count(nodes, 'node')} x {count(gpus // nodes, 'task')}), "
+        f"log {relative(job.log)}; report: logs/{verify.PREFIX}{job_id}/{verify.REPORT}",
+        flush=True,
+    )
+    if not args.wait:
+        return 0
+    wait_for_jobs([job], args.poll_interval)
+    return verify_report(job)
+
+
 def main(argv=None) -> int:
     ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
     args = parse_args(ours)
+    if args.verify:
+        refuse_sweep_only(ours)
+        args.gpus = verify_gpus(args)
+        check_args(args)
+        if not (args.local or args.dry_run):
+            require("sbatch", *(["squeue"] if args.wait else []))
+        return run_verify(args, extra)
+    args.gpus = args.gpus or [1, 2, 4, 8]
     refuse_sweep_options(extra, "after --")
     check_args(args)
     runs = without_uncuttable(plan(args), model_of(extra))

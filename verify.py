@@ -114,6 +114,7 @@ class Row:
         return f"error: verify: {self.check} failed: {self.figure}; see {self.log}"
 
 
+WARNING = "warning: verify: "
 ROW_RE = re.compile(r"^\| (\S+) \| (PASS|FAIL) \| (.*) \| `([^`]*)` \|$", re.MULTILINE)
 
 
@@ -123,6 +124,10 @@ def read_rows(report: str) -> list[Row]:
         Row(check, result == "PASS", figure.replace("\\|", "|"), log)
         for check, result, figure, log in ROW_RE.findall(report)
     ]
+
+
+def warning_lines(report: str) -> list[str]:
+    return [line for line in report.splitlines() if line.startswith(WARNING)]
 
 
 def report_text(rows: list[Row], about: dict, warnings: list[str]) -> str:
@@ -135,7 +140,7 @@ def report_text(rows: list[Row], about: dict, warnings: list[str]) -> str:
         "|---|---|---|---|",
         *(row.markdown() for row in rows),
         "",
-        *(f"**{w}**\n" for w in warnings),
+        *(f"{w}\n" for w in warnings),
         "## Where",
         "",
         *(f"- {k}: {v}" for k, v in about.items()),
@@ -463,7 +468,19 @@ def check_killed_rank(ctx: Context) -> Row:
     figure = f"rank {victim} killed: the run {ended(status)} after {seconds:.1f} s"
     if status in (0, None) or not named:
         raise Failed(f"{figure} (bound {KILL_BOUND_S} s), {len(named)} error: line naming it", log)
-    return Row(name, True, f"{figure} (bound {KILL_BOUND_S} s): {named[0][:120]}", relative(log))
+    said = named[0].split("; last seen")[0]  # the rest names where each rank was
+    return Row(name, True, f"{figure} (bound {KILL_BOUND_S} s): {said}", relative(log))
+
+
+def stopped_status(status: int | None, log: str) -> bool:
+    """Whether the run ended as stopped: main.py's status 3. Under srun, the step's status is
+    its tasks' highest: the first rank to exit 3 has srun's --kill-on-bad-exit end the others
+    (SIGTERM, 143) while they still leave the process group, so a task's own 3 counts."""
+    if status == STOPPED_STATUS:
+        return True
+    return status is not None and bool(
+        re.search(rf"task \d+: Exited with exit code {STOPPED_STATUS}\b", log)
+    )
 
 
 def check_stop_resume(ctx: Context) -> Row:
@@ -483,10 +500,13 @@ def check_stop_resume(ctx: Context) -> Row:
     if not stop_all(ctx, proc, tag(ctx, name)):
         finish(proc, 0)
         raise Failed("the ranks' step was not found to signal", log)
-    status = finish(proc)
-    at = re.search(r"\[CHECKPOINT\] stopped on SIGUSR1 at (epoch \d+ step \d+)", log.read_text())
-    if status != STOPPED_STATUS or not at:
-        raise Failed(f"after SIGUSR1 the run {ended(status)}, not {STOPPED_STATUS} (stopped)", log)
+    stopped_with = finish(proc)
+    text = log.read_text(errors="replace")
+    at = re.search(r"\[CHECKPOINT\] stopped on SIGUSR1 at (epoch \d+ step \d+)", text)
+    if not (at and stopped_status(stopped_with, text)):
+        raise Failed(
+            f"after SIGUSR1 the run {ended(stopped_with)}, not {STOPPED_STATUS} (stopped)", log
+        )
     for part, folder in (("resumed", stopped), ("uninterrupted", whole)):
         part_log = ctx.log(f"{name}-{part}")
         status = run(ctx, [*args, "--checkpoint-dir", str(folder)], part_log.stem)
@@ -498,7 +518,7 @@ def check_stop_resume(ctx: Context) -> Row:
     return Row(
         name,
         passed,
-        f"fsdp2 stopped at {at.group(1)} (exit status {STOPPED_STATUS}); resumed ends "
+        f"fsdp2 stopped at {at.group(1)} ({ended(stopped_with)}); resumed ends "
         f"{diff:.3g} from the uninterrupted run ({'within' if passed else 'over'} tolerance "
         f"{tolerance:g})",
         relative(ctx.log(f"{name}-resumed")),
@@ -570,7 +590,7 @@ def check_comm(ctx: Context) -> Row:
     chose = f"NCCL: {', '.join(transports)}" if transports else f"no NCCL ({rows[0]['backend']})"
     if len(ctx.nodes) > 1 and over_sockets(transports):
         ctx.warnings.append(
-            "warning: verify: NCCL went over TCP sockets between the nodes: a scaling study "
+            f"{WARNING}NCCL went over TCP sockets between the nodes: a scaling study "
             "would measure TCP; run in the container (--environment) or set NCCL_NET "
             f"(docs/verify.md); see {relative(log)}"
         )

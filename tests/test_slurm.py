@@ -19,6 +19,7 @@ import distributed_utils as du
 import samples
 from conftest import REPO, SLURM_DIR, metrics_in
 from conftest import TINY as TINY_RUN
+from verify import task_pid
 
 pytestmark = pytest.mark.slurm
 
@@ -391,26 +392,6 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(1, epochs + 1))
 
 
-def pid_of_task(job_id: str, rank: int) -> int | None:
-    """The process of one task of a job on this machine (the loopback nodes share it)."""
-    from pathlib import Path
-
-    for proc in Path("/proc").iterdir():
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if (
-            f"SLURM_JOB_ID={job_id}".encode() in environ
-            and f"SLURM_PROCID={rank}".encode() in environ
-            and b"main.py" in cmdline
-            and b"--check" not in cmdline
-        ):
-            return int(proc.name)
-    return None
-
-
 @pytest.mark.timeout(300)
 def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_copy):
     """srun --kill-on-bad-exit: when one rank dies the job ends within a minute, not at its
@@ -449,7 +430,7 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
     while not log.exists() or "epoch 1 step" not in log.read_text(errors="replace"):
         assert time.monotonic() < deadline, "training never started"
         time.sleep(1)
-    victim = pid_of_task(job_id, 1)
+    victim = task_pid(job_id, 1)
     assert victim, "no process of task 1"
     killed_at = time.monotonic()
     subprocess.run(["kill", "-9", str(victim)], check=True)

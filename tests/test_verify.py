@@ -1,0 +1,187 @@
+"""`run_benchmarks.py --verify` (verify.py), the cluster's acceptance test: its parsing and
+refusals; its four checks end to end here (torchrun) and on the loopback SLURM cluster; and a
+planted bug (every rank reads rank 0's shard) that it must call a FAIL."""
+
+import re
+import sys
+
+import pytest
+
+import run_benchmarks
+import verify
+from conftest import assert_one_line_error, call_main, run
+
+# The fake GPUs of the loopback cluster, and this machine: the CPU (gloo).
+CPU = ["--device", "cpu"]
+
+# ----------------------------------------------------------------------------- unit tests
+
+NCCL_LOG = """\
+node1:1:1 [0] NCCL INFO Using network IB
+node1:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC
+node1:1:1 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/IPC
+node1:1:1 [0] NCCL INFO Channel 00/0 : 3[3] -> 4[0] [send] via NET/IB/0/GDRDMA
+node2:2:2 [0] NCCL INFO Channel 00/0 : 3[3] -> 4[0] [receive] via NET/AWS Libfabric/0
+node2:2:2 [0] NCCL INFO Channel 00/0 : 1[1] -> 2[2] via SHM/direct/direct
+"""
+
+
+@pytest.mark.fast
+def test_nccl_transports_are_read_from_nccl_debug_info():
+    assert verify.nccl_transports(NCCL_LOG) == [
+        "network IB",
+        "P2P/IPC",
+        "NET/IB",
+        "NET/AWS Libfabric",
+        "SHM/direct",
+    ]
+    assert not verify.over_sockets(verify.nccl_transports(NCCL_LOG))
+    sockets = "x NCCL INFO Channel 00/0 : 1[1] -> 2[0] [send] via NET/Socket/0\n"
+    assert verify.over_sockets(verify.nccl_transports(sockets))
+    assert verify.over_sockets(verify.nccl_transports("x NCCL INFO Using network Socket\n"))
+    assert verify.nccl_transports("[COMM] op=all_reduce\n") == []
+
+
+@pytest.mark.fast
+def test_report_rows_read_back_as_written_and_a_fail_is_one_line():
+    rows = [
+        verify.Row("equivalence", True, "ddp 1e-08 | fsdp 2e-08", "logs/verify-7/a.log"),
+        verify.Row("comm", False, "the benchmark ended with exit status 1", "logs/verify-7/c.log"),
+    ]
+    text = verify.report_text(rows, {"nodes": "node1 node2"}, [f"{verify.WARNING}sockets"])
+    assert verify.read_rows(text) == rows
+    assert verify.warning_lines(text) == [f"{verify.WARNING}sockets"]
+    assert rows[1].error_line() == (
+        "error: verify: comm failed: the benchmark ended with exit status 1; see "
+        "logs/verify-7/c.log"
+    )
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--gpus", "2", "4"], "--verify runs one job: give one --gpus count, not 2 4"),
+        (["--strategies", "ddp"], "--strategies is the sweep's; --verify runs"),
+        (["--repeats", "2"], "--repeats is the sweep's"),
+        (["--scaling", "weak"], "--scaling is the sweep's"),
+        (["--one-at-a-time"], "--one-at-a-time is the sweep's"),
+        (["--", "--epochs", "3"], "--epochs after -- is chosen by verify in every run"),
+        (["--", "--optim", "adam"], "--optim after -- is chosen by verify in every run"),
+        (["--gpus", "3", "--gpus-per-node", "2"], "3 GPUs do not spread evenly over 2 nodes"),
+    ],
+)
+def test_verify_refuses_what_makes_no_sense_in_one_line(capsys, args, message):
+    code, out, err = call_main(run_benchmarks.main, capsys, "--verify", "--dry-run", *args)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+
+
+@pytest.mark.fast
+def test_verify_job_is_two_nodes_of_gpus_per_node_by_default(capsys):
+    code, out, err = call_main(
+        run_benchmarks.main, capsys, "--verify", "--dry-run", "--gpus-per-node", "2", "--", *CPU
+    )
+    assert code == 0, err
+    assert "--nodes=2" in out and "--ntasks-per-node=2" in out and "--gpus-per-node=2" in out
+    assert "verify.py -- --device cpu" in out
+    assert "run.sh" not in out  # no requeueing batch shell: verify.py launches run.sh itself
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def rows_of(report) -> dict:
+    return {row.check: row for row in verify.read_rows(report.read_text())}
+
+
+@pytest.mark.timeout(600)
+def test_local_verify_passes_every_check(repo_copy):
+    done = run(
+        [sys.executable, "run_benchmarks.py", "--verify", "--local", "--gpus", "2", "--", *CPU],
+        cwd=repo_copy,
+        timeout=580,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = repo_copy / re.search(r"^report: (\S+)", done.stdout, re.M).group(1)
+    rows = rows_of(report)
+    assert list(rows) == list(verify.CHECKS)
+    assert all(row.passed for row in rows.values()), report.read_text()
+    assert "no NCCL (gloo)" in rows["comm"].figure
+    assert "rank 1 killed" in rows["killed-rank"].figure
+    for row in rows.values():  # every log in the report's folder
+        assert (repo_copy / row.log).parent == report.parent
+
+
+def share_rank_zeros_data(repo):
+    """The planted bug: every rank reads rank 0's shard instead of its own."""
+    data = repo / "data.py"
+    text = data.read_text()
+    right = "super().__init__(range(size), world_size, rank, "
+    assert right in text
+    data.write_text(text.replace(right, "super().__init__(range(size), world_size, 0, "))
+
+
+@pytest.mark.timeout(300)
+def test_a_sampler_that_does_not_split_the_data_fails_equivalence(repo_copy):
+    share_rank_zeros_data(repo_copy)
+    out = repo_copy / "logs" / "verify-planted"
+    done = run(
+        [sys.executable, "verify.py", "--out", out, "--checks", "equivalence", "--", *CPU],
+        cwd=repo_copy,
+        timeout=280,
+        NPROC="2",
+    )
+    line = assert_one_line_error(done, "equivalence failed: ", "over tolerance", status=1)
+    assert line.startswith("error: verify: equivalence failed: max abs param diff")
+    row = rows_of(out / verify.REPORT)["equivalence"]
+    assert not row.passed and row.log.startswith("logs/verify-planted/")
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy):
+    done = run(
+        [
+            sys.executable,
+            "run_benchmarks.py",
+            "--verify",
+            "--wait",
+            "--gpus",
+            "2",
+            "--gpus-per-node",
+            "1",
+            "--cpus-per-task",
+            "1",
+            "--poll-interval",
+            "2",
+            "--",
+            *CPU,
+        ],
+        cwd=repo_copy,
+        timeout=580,
+        **{k: v for k, v in slurm_env.items() if k.startswith("SLURM_") or k == "PATH"},
+    )
+    job_log = next(iter((repo_copy / "jobs").glob("verify-*/verify_*.log")), None)
+    assert done.returncode == 0, (
+        done.stdout + done.stderr + (job_log.read_text() if job_log else "")
+    )
+    report = repo_copy / re.search(r"^report: (\S+)", done.stdout, re.M).group(1)
+    rows = rows_of(report)
+    assert list(rows) == list(verify.CHECKS) and all(r.passed for r in rows.values())
+    assert "- nodes: node1 node2" in report.read_text()
+    assert "- world size: 2" in report.read_text()
+
+
+@pytest.mark.fast
+def test_a_stop_under_srun_counts_by_its_tasks_own_status():
+    srun = (
+        "srun: error: node1: task 0: Exited with exit code 3\n"
+        "srun: error: node2: task 1: Terminated\n"
+    )
+    assert verify.stopped_status(3, "")
+    assert verify.stopped_status(143, srun)
+    assert not verify.stopped_status(143, "srun: error: node1: task 0: Exited with exit code 1\n")
+    assert not verify.stopped_status(0, "")
+    assert not verify.stopped_status(None, srun)  # killed at the time limit
