@@ -334,11 +334,17 @@ def plan(args) -> list[Configuration]:
 
 def model_of(extra: list[str]) -> str:
     """The --model that main.py's arguments choose (a bad one is main.py's check to refuse)."""
+    return main_value(extra, "model")
+
+
+def main_value(extra: list[str], dest: str):
+    """The value of a Config field that main.py's arguments choose, or its default (a bad
+    value is main.py's check to refuse)."""
     parser = config.add_options(argparse.ArgumentParser(add_help=False, exit_on_error=False))
     try:
-        return parser.parse_known_args(extra)[0].model
+        return getattr(parser.parse_known_args(extra)[0], dest)
     except argparse.ArgumentError:
-        return config.Config.model
+        return getattr(config.Config, dest)
 
 
 def without_uncuttable(runs: list[Configuration], model: str) -> list[Configuration]:

@@ -33,11 +33,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from run_benchmarks import job_python, main_option, split_argv, without_slurm
-from utils import fail, parse_comm, parse_config, time_stamped
+from run_benchmarks import job_python, main_option, main_value, split_argv, without_slurm
+from utils import fail, parse_comm, time_stamped
 
 REPO = Path(__file__).resolve().parent
 LOGS_DIR = REPO / "logs"
@@ -161,7 +161,9 @@ class Context:
     nodes: list[str]
     extra: list[str]
     in_slurm: bool
-    warnings: list[str]
+    warnings: list[str] = field(default_factory=list)
+    versions: dict = field(default_factory=dict)  # torch's, and the GPUs it sees
+    device: str = "cpu"  # where main.py trains: "cuda" where torch sees a GPU, unless told
 
     def log(self, name: str) -> Path:
         return self.out / f"{name}.log"
@@ -324,7 +326,10 @@ class Failed(Exception):
 
 
 STEPS = 10  # equivalence: one epoch of this many global batches
-STOP_STEPS = 200  # stop-resume: steps per epoch, time enough to be signalled mid-run
+# stop-resume: steps per epoch, for seconds of training left after the first progress line
+# (step 10), when the signal goes out: this CNN's step takes 10 to 40 ms on a CPU (2 ranks on
+# 2 cores, here and on the loopback cluster), a few ms on a GPU.
+STOP_STEPS = {"cpu": 100, "cuda": 1000}
 KILL_EPOCHS = 50  # killed-rank: a run far longer than KILL_BOUND_S
 
 
@@ -400,20 +405,13 @@ def last_line(text: str) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
-def max_diff(ctx: Context, a: Path, b: Path, log: Path) -> float:
-    """The largest |difference| between the final parameters of two runs' checkpoints."""
-    done = alone(ctx, ["verify.py", "--max-diff", a, b], timeout=600)
+def max_diffs(ctx: Context, reference: Path, others: list[Path], log: Path) -> list[float]:
+    """The largest |difference| between the final parameters of a reference run's checkpoint
+    and each other run's (one process: torch loads once)."""
+    done = alone(ctx, ["verify.py", "--max-diff", reference, *others], timeout=600)
     if done.returncode:
-        raise Failed(f"cannot compare {a.name} with {b.name}: {last_line(done.stderr)}", log)
-    return float(done.stdout.split()[-1])
-
-
-def device_of(log: Path) -> str:
-    """The device a run trained on, from rank 0's [CONFIG] line."""
-    for line in log.read_text(errors="replace").splitlines():
-        if fields := parse_config(line):
-            return str(fields["device"])
-    raise Failed("no [CONFIG] line: the run never started", log)
+        raise Failed(f"cannot compare the checkpoints: {last_line(done.stderr)}", log)
+    return [float(word) for word in done.stdout.split()]
 
 
 def ended(status: int | None) -> str:
@@ -427,16 +425,16 @@ def check_equivalence(ctx: Context) -> Row:
     ref_log.write_text(done.stdout + done.stderr)
     if done.returncode:
         raise Failed(f"the one-process reference {ended(done.returncode)}", ref_log)
-    tolerance = TOLERANCE[device_of(ref_log)]
-    diffs, worst = {}, ref_log
-    for strategy in ("ddp", "fsdp", "fsdp2"):
+    tolerance = TOLERANCE[ctx.device]
+    strategies = ("ddp", "fsdp", "fsdp2")
+    for strategy in strategies:
         name, folder = f"equivalence-{strategy}", ctx.out / f"ckpt-{strategy}"
         status = run(ctx, ["--strategy", strategy, *args, "--checkpoint-dir", str(folder)], name)
         if status != 0:
             raise Failed(f"{strategy} {ended(status)}", ctx.log(name))
-        diffs[strategy] = max_diff(ctx, reference, folder, ctx.log(name))
-        if diffs[strategy] >= max(diffs.values()):
-            worst = ctx.log(name)
+    folders = [ctx.out / f"ckpt-{s}" for s in strategies]
+    diffs = dict(zip(strategies, max_diffs(ctx, reference, folders, ref_log)))
+    worst = ctx.log(f"equivalence-{max(diffs, key=diffs.get)}")
     figure = ", ".join(f"{s} {d:.3g}" for s, d in diffs.items())
     passed = max(diffs.values()) <= tolerance
     return Row(
@@ -451,7 +449,7 @@ def check_equivalence(ctx: Context) -> Row:
 def check_killed_rank(ctx: Context) -> Row:
     name, victim = "killed-rank", ctx.world_size - 1
     log = ctx.log(name)
-    args = settings(ctx, STOP_STEPS, epochs=KILL_EPOCHS, print_every=10)
+    args = settings(ctx, STOP_STEPS[ctx.device], epochs=KILL_EPOCHS, print_every=10)
     proc = launch(ctx, ["--strategy", "ddp", *args, "--no-checkpoint"], log)
     if not wait_for_progress(log, proc):
         raise Failed(f"training never started: {ended(finish(proc, 60))}", log)
@@ -488,7 +486,7 @@ def check_stop_resume(ctx: Context) -> Row:
     args = [
         "--strategy",
         "fsdp2",
-        *settings(ctx, STOP_STEPS, epochs=2, print_every=10),
+        *settings(ctx, STOP_STEPS[ctx.device], epochs=2, print_every=10),
         "--resume",
         "auto",
     ]
@@ -512,8 +510,8 @@ def check_stop_resume(ctx: Context) -> Row:
         status = run(ctx, [*args, "--checkpoint-dir", str(folder)], part_log.stem)
         if status != 0:
             raise Failed(f"the {part} run {ended(status)}", part_log)
-    diff = max_diff(ctx, stopped, whole, log)
-    tolerance = TOLERANCE[device_of(log)]
+    (diff,) = max_diffs(ctx, stopped, [whole], log)
+    tolerance = TOLERANCE[ctx.device]
     passed = diff <= tolerance
     return Row(
         name,
@@ -635,6 +633,7 @@ def torch_versions() -> dict:
 
     cuda = torch.cuda.is_available()
     return {
+        "GPUs": torch.cuda.device_count(),
         "torch": torch.__version__,
         "CUDA": torch.version.cuda or "none",
         "NCCL": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "none (no GPU)",
@@ -658,27 +657,35 @@ def node_list() -> list[str]:
 
 
 def where(ctx: Context) -> dict:
-    done = alone(ctx, ["verify.py", "--versions"], timeout=300)
-    versions = (
-        json.loads(done.stdout) if done.returncode == 0 else {"torch": last_line(done.stderr)}
-    )
     driver = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return {
-        **versions,
+        **ctx.versions,
         "driver": driver.splitlines()[0] if driver else "none (no nvidia-smi)",
         "job": os.environ.get("SLURM_JOB_ID", "none (here, through torchrun)"),
         "world size": ctx.world_size,
+        "device": ctx.device,
         "nodes": " ".join(ctx.nodes),
         "main.py options after --": shlex.join(ctx.extra) or "none",
     }
 
 
+def learn_versions(ctx: Context) -> None:
+    """torch's versions, and the device main.py will train on (a GPU where torch sees one,
+    unless --device cpu): first, since the settings depend on it."""
+    done = alone(ctx, ["verify.py", "--versions"], timeout=300)
+    if done.returncode:
+        fail(f"verify: the jobs' Python cannot run torch: {last_line(done.stderr)}", code=1)
+    ctx.versions = json.loads(done.stdout)
+    gpu = ctx.versions["GPUs"] > 0 and main_value(ctx.extra, "device") != "cpu"
+    ctx.device = "cuda" if gpu else "cpu"
+
+
 # ----------------------------------------------------------------------------- main
 
 
-def max_param_diff(a: Path, b: Path) -> float:
-    """--max-diff: the largest |difference| between the final parameters of two checkpoint
-    folders (DDP's full state, or FSDP's DCP shards read whole)."""
+def max_param_diffs(reference: Path, *others: Path):
+    """--max-diff: the largest |difference| between the final parameters of a checkpoint folder
+    and each of others (DDP's full state, or FSDP's DCP shards read whole)."""
     import tempfile
 
     import torch
@@ -698,10 +705,12 @@ def max_param_diff(a: Path, b: Path) -> float:
             dcp_to_torch_save(path, Path(tmp) / "whole.pt")
             return torch.load(Path(tmp) / "whole.pt", weights_only=False)["model"]
 
-    mine, theirs = final(a), final(b)
-    if mine.keys() != theirs.keys():
-        fail(f"{a} and {b} hold different parameters")
-    return max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)
+    mine = final(reference)
+    for folder in others:
+        theirs = final(folder)
+        if mine.keys() != theirs.keys():
+            fail(f"{reference} and {folder} hold different parameters")
+        yield max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -719,7 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Inner steps, run by verify.py itself: on another node, or with the jobs' torch.
     p.add_argument("--kill-task", nargs=2, metavar=("TAG", "RANK"), help=argparse.SUPPRESS)
-    p.add_argument("--max-diff", nargs=2, type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--max-diff", nargs="+", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -736,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_task:
         return 0 if kill_task(args.kill_task[0], int(args.kill_task[1])) else 1
     if args.max_diff:
-        print(max_param_diff(*args.max_diff))
+        for diff in max_param_diffs(*args.max_diff):
+            print(diff)
         return 0
     if args.versions:
         print(json.dumps(torch_versions()))
@@ -750,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     out = (args.out or default_out(in_slurm)).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(out, world_size, node_list(), extra, in_slurm, [])
+    ctx = Context(out, world_size, node_list(), extra, in_slurm)
+    learn_versions(ctx)
     rows = []
     for check in args.checks:
         print(f"verify: {check} ...", flush=True)
