@@ -800,6 +800,7 @@ def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) ->
     options = [
         "--parsable",
         "--job-name=verify",
+        "--no-requeue",  # a node's failure must not rerun the checks into the same folder
         f"--nodes={nodes}",
         f"--ntasks-per-node={gpus // nodes}",
         f"--gpus-per-node={gpus // nodes}",
@@ -877,7 +878,11 @@ def run_verify(args, extra: list[str]) -> int:
     )
     if not args.wait:
         return 0
-    wait_for_jobs([job], args.poll_interval)
+    try:
+        wait_for_jobs([job], args.poll_interval)
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; job {job_id} goes on (squeue --me)", file=sys.stderr)
+        return 130
     return verify_report(job)
 
 

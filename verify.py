@@ -273,25 +273,14 @@ def kill_task(tag: str, rank: int) -> bool:
 
 def kill_rank(ctx: Context, tag: str, rank: int) -> bool:
     """SIGKILL one rank: here, or inside the job on the node that runs it (srun's block
-    distribution: rank r on node r * nodes // world size), through a step beside the job's."""
-    if kill_task(tag, rank):
-        return True
+    distribution: rank r on node r * nodes // world size), through a step beside the ranks'
+    (--overlap, as run.sh's samplers), which runs `verify.py --kill-task` there."""
     if not ctx.in_slurm:
-        return False
+        return kill_task(tag, rank)
     node = ctx.nodes[rank * len(ctx.nodes) // ctx.world_size]
+    step = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
     done = subprocess.run(
-        [
-            "srun",
-            "--overlap",
-            "--nodes=1",
-            "--ntasks=1",
-            f"--nodelist={node}",
-            sys.executable,
-            "verify.py",
-            "--kill-task",
-            tag,
-            str(rank),
-        ],
+        [*step, sys.executable, "verify.py", "--kill-task", tag, str(rank)],
         cwd=REPO,
         capture_output=True,
         text=True,
