@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from main import EXIT_STATUS  # no torch: main.py parses before torch loads
 from run_benchmarks import job_python, main_option, main_value, split_argv, without_slurm
 from utils import fail, parse_comm, time_stamped
 
@@ -43,12 +44,11 @@ REPO = Path(__file__).resolve().parent
 LOGS_DIR = REPO / "logs"
 PREFIX = "verify-"
 REPORT = "report.md"
-CHECKS = ("equivalence", "killed-rank", "stop-resume", "comm")
 RUN_TIMEOUT_S = 900  # one run of main.py; a hung one is a FAIL, not a job at its time limit
 KILL_BOUND_S = 120  # a dead rank must end the run within this (docs/failures.md: seconds)
-PROGRESS = re.compile(r"^(\d+: )?epoch \d+ step +\d+", re.MULTILINE)  # rank 0's progress line
-STOPPED_STATUS = 3  # main.EXIT_STATUS["stopped"] (main.py is not imported: it loads nothing
-# here, but its name is the ranks' program)
+# Rank 0's progress line (train.py's Trainer writes it: "epoch 1 step    10/100 loss ...").
+PROGRESS = re.compile(r"^epoch \d+ step +\d+/", re.MULTILINE)
+STOPPED_STATUS = EXIT_STATUS["stopped"]
 
 # Tolerance on the largest |parameter difference| after one epoch of 10 SGD steps. On gloo
 # (CPU) the sums differ from one process's only in the order of a few float additions:
@@ -170,9 +170,8 @@ class Context:
 
 
 def relative(path: Path) -> str:
-    return (
-        str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) else str(path)
-    )
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def run_env(ctx: Context, **extra) -> dict:
@@ -595,7 +594,7 @@ def check_comm(ctx: Context) -> Row:
     )
 
 
-CHECK_FUNCTIONS = {
+CHECKS = {  # in the report's order
     "equivalence": check_equivalence,
     "killed-rank": check_killed_rank,
     "stop-resume": check_stop_resume,
@@ -606,7 +605,7 @@ CHECK_FUNCTIONS = {
 def run_check(ctx: Context, check: str) -> Row:
     """The check's row: PASS or FAIL with its figure; a check that breaks is a FAIL too."""
     try:
-        return CHECK_FUNCTIONS[check](ctx)
+        return CHECKS[check](ctx)
     except Failed as e:
         return Row(check, False, e.figure, relative(e.log))
     except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
@@ -686,13 +685,12 @@ def max_param_diffs(reference: Path, *others: Path):
         path = checkpoint.latest(folder)
         if path is None:
             fail(f"no checkpoint in {folder}")
-        if (path / checkpoint.DDP_FILE).is_file():
-            return torch.load(path / checkpoint.DDP_FILE, map_location="cpu", weights_only=False)[
-                "model"
-            ]
+        whole = path / checkpoint.DDP_FILE
         with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(path, Path(tmp) / "whole.pt")
-            return torch.load(Path(tmp) / "whole.pt", weights_only=False)["model"]
+            if not whole.is_file():  # FSDP's shards, one per rank: gathered into one file
+                whole = Path(tmp) / "whole.pt"
+                dcp_to_torch_save(path, whole)
+            return torch.load(whole, map_location="cpu", weights_only=False)["model"]
 
     mine = final(reference)
     for folder in others:
@@ -711,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checks",
         nargs="+",
-        choices=CHECKS,
+        choices=list(CHECKS),
         default=list(CHECKS),
         help="run these checks only (default: all)",
     )
