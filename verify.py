@@ -746,7 +746,9 @@ def main(argv: list[str] | None = None) -> int:
         else 2
     )
     out = (args.out or default_out(in_slurm)).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # its runs would resume or refuse the earlier checkpoints
+        fail(f"{relative(out)} exists: an earlier verify wrote there; choose another --out")
+    out.mkdir(parents=True)
     ctx = Context(out, world_size, node_list(), extra, in_slurm)
     learn_versions(ctx)
     rows = []

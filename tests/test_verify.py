@@ -69,6 +69,7 @@ def test_report_rows_read_back_as_written_and_a_fail_is_one_line():
         (["--", "--epochs", "3"], "--epochs after -- is chosen by verify in every run"),
         (["--", "--optim", "adam"], "--optim after -- is chosen by verify in every run"),
         (["--gpus", "3", "--gpus-per-node", "2"], "3 GPUs do not spread evenly over 2 nodes"),
+        (["--gpus", "1"], "--verify needs at least 2 GPUs"),
     ],
 )
 def test_verify_refuses_what_makes_no_sense_in_one_line(capsys, args, message):
@@ -87,6 +88,14 @@ def test_verify_job_is_two_nodes_of_gpus_per_node_by_default(capsys):
     assert "--nodes=2" in out and "--ntasks-per-node=2" in out and "--gpus-per-node=2" in out
     assert "verify.py -- --device cpu" in out
     assert "run.sh" not in out  # no requeueing batch shell: verify.py launches run.sh itself
+
+
+@pytest.mark.fast
+def test_verify_loads_no_torch_itself():
+    """It runs on a login node's or batch node's Python; torch only in the jobs' (--max-diff)."""
+    code = "import sys, verify; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    done = run([sys.executable, "-c", code], timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -185,3 +194,11 @@ def test_a_stop_under_srun_counts_by_its_tasks_own_status():
     assert not verify.stopped_status(143, "srun: error: node1: task 0: Exited with exit code 1\n")
     assert not verify.stopped_status(0, "")
     assert not verify.stopped_status(None, srun)  # killed at the time limit
+
+
+@pytest.mark.fast
+def test_verify_refuses_a_folder_an_earlier_verify_wrote(capsys, tmp_path):
+    code, out, err = call_main(verify.main, capsys, "--out", tmp_path)
+    assert code == 2 and err.strip() == (
+        f"error: {tmp_path} exists: an earlier verify wrote there; choose another --out"
+    ), err
