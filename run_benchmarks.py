@@ -45,7 +45,7 @@ from pathlib import Path
 
 import config
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import fail, next_sweep_folder, time_stamp, time_stamped
+from utils import fail, next_sweep_folder, time_stamped
 
 REPO = Path(__file__).resolve().parent
 JOBS_DIR = REPO / "jobs"
@@ -827,7 +827,7 @@ def verify_report(job: Job) -> int:
     """After the job: the report's path, each failed check's line; 0 only if all passed."""
     import verify
 
-    report = LOGS_DIR / f"{verify.PREFIX}{job.job_id}" / verify.REPORT
+    report = verify.job_folder(job.job_id) / verify.REPORT
     if not report.is_file():
         print(
             f"error: verify: job {job.job_id} ended {job.state} without a report; see "
@@ -863,7 +863,7 @@ def run_verify(args, extra: list[str]) -> int:
         return subprocess.run(
             command, cwd=REPO, env={**without_slurm(), "NPROC": str(gpus)}
         ).returncode
-    folder = f"verify-{time_stamp()}"
+    folder = time_stamped(JOBS_DIR, verify.PREFIX).name
     text = verify_script(folder, gpus, nodes, args, extra)
     if args.dry_run:
         print(f"# ---- jobs/{folder}/verify.sh\n{text}", end="")
@@ -875,7 +875,7 @@ def run_verify(args, extra: list[str]) -> int:
     job = Job("verify", job_id, JOBS_DIR / folder / f"verify_{job_id}.log")
     print(
         f"verify: job {job_id} ({count(nodes, 'node')} x {count(gpus // nodes, 'task')}), "
-        f"log {relative(job.log)}; report: logs/{verify.PREFIX}{job_id}/{verify.REPORT}",
+        f"log {relative(job.log)}; report: {relative(verify.job_folder(job_id) / verify.REPORT)}",
         flush=True,
     )
     if not args.wait:

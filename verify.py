@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from config import LAUNCHER_OPTION
 from main import EXIT_STATUS  # no torch: main.py parses before torch loads
 from run_benchmarks import job_python, main_option, main_value, split_argv, without_slurm
 from utils import fail, parse_comm, time_stamped
@@ -87,6 +88,11 @@ DEFAULTS = ["--dataset", "synthetic", "--model", "cnn"]  # the user's options af
 def refuse_verify_options(extra: list[str]) -> None:
     """One error line for an option after `--` that verify chooses in every run."""
     for token in extra:
+        if LAUNCHER_OPTION.match(token.split("=", 1)[0]):
+            fail(
+                f"{token.split('=', 1)[0]} after -- is no option of main.py: the job's size is "
+                "run_benchmarks.py's --gpus and --gpus-per-node"
+            )
         if main_option(token) in VERIFY_SETS:
             fail(
                 f"{token.split('=', 1)[0]} after -- is chosen by verify in every run "
@@ -720,9 +726,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def job_folder(job_id: str) -> Path:
+    """Where a verify job's report and logs go (run_benchmarks.py --wait reads it)."""
+    return LOGS_DIR / f"{PREFIX}{job_id}"
+
+
 def default_out(in_slurm: bool) -> Path:
     if in_slurm:
-        return LOGS_DIR / f"{PREFIX}{os.environ['SLURM_JOB_ID']}"
+        return job_folder(os.environ["SLURM_JOB_ID"])
     return time_stamped(LOGS_DIR, f"{PREFIX}local-")
 
 

@@ -70,6 +70,7 @@ def test_report_rows_read_back_as_written_and_a_fail_is_one_line():
         (["--", "--optim", "adam"], "--optim after -- is chosen by verify in every run"),
         (["--gpus", "3", "--gpus-per-node", "2"], "3 GPUs do not spread evenly over 2 nodes"),
         (["--gpus", "1"], "--verify needs at least 2 GPUs"),
+        (["--", "--nodes", "2"], "--nodes after -- is no option of main.py: the job's size is"),
     ],
 )
 def test_verify_refuses_what_makes_no_sense_in_one_line(capsys, args, message):
