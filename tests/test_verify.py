@@ -182,6 +182,10 @@ def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy
     assert list(rows) == list(verify.CHECKS) and all(r.passed for r in rows.values())
     assert "- nodes: node1 node2" in report.read_text()
     assert "- world size: 2" in report.read_text()
+    # The stop went to the ranks' step, never to a run.sh batch shell: no run requeued the job.
+    assert "stopped on SIGUSR1" in (report.parent / "stop-resume.log").read_text()
+    for log in report.parent.glob("*.log"):
+        assert "requeue" not in log.read_text(), log
 
 
 @pytest.mark.fast
