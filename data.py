@@ -767,7 +767,9 @@ class TensorLoader:
         self.seed, self.rank = seed, rank
         self.crop_flip = RandomCropFlip(self.image_shape, device) if augment else None
         # Zeros, not empty: every page is resident now, before the memory baseline is taken.
-        images = steps * batch_size
+        # As many rows as an epoch takes: validation's last batch may be short, and an `out=`
+        # of another size is resized (a deprecated warning, and an error in a later torch).
+        images = min(steps * batch_size, sampler.num_samples)
         self.epoch_buffer = torch.zeros_like(self.images[:1]).repeat(images, 1)
         self.epoch_labels = torch.zeros_like(self.labels[:1]).repeat(images)
 

@@ -1,6 +1,7 @@
 """Sharding, augmentation, exact validation and CIFAR-10 loading (files the tests write)."""
 
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -107,6 +108,28 @@ def test_training_keeps_full_global_batches_only():
     )
     assert len(loaders.train) == 10
     assert len(seen_indices(loaders.train, split)) == 10 * 12
+
+
+def test_a_short_last_validation_batch_is_gathered_without_a_resize():
+    """The epoch's buffer holds exactly the rank's shard: a buffer of whole batches would be
+    resized by index_select(out=), which torch warns of and means to refuse."""
+    split = indexed_split(64)
+    loaders = data.build_loaders(
+        split,
+        split,
+        SPEC,
+        kind="tensor",
+        rank=0,
+        world_size=1,
+        global_batch=48,  # one full training batch; validation: 48, then 16
+        seed=0,
+        augment=False,
+        device=torch.device("cpu"),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert seen_indices(loaders.val, split) == list(range(64))
+    assert loaders.val.epoch_buffer.shape[0] == 64
 
 
 def test_random_crop_flip_takes_a_window_of_the_padded_image():
