@@ -12,7 +12,6 @@ from collections import OrderedDict
 
 import torch
 import torch.nn as nn
-from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 IMAGE_SHAPE = (3, 32, 32)  # CIFAR-10's, the course CNN's default
 NUM_CLASSES = 10
@@ -87,23 +86,29 @@ class CNN(nn.Module):
         return [(name, getattr(self, name)) for name in ("conv1", "conv2", "conv3", "classifier")]
 
 
-class SmallImageResNet(ResNet):
-    """torchvision's ResNet for 32x32 and 64x64 images: a 3x3 stride-1 stem and no max-pool
-    (the ImageNet stem, 7x7 stride 2 and a pool, would shrink a 32x32 image to 8x8 before the
-    first residual stage), as is usual for CIFAR."""
+def small_image_resnet(depth: int, num_classes: int) -> nn.Module:
+    """torchvision's ResNet-18 or -50 for 32x32 and 64x64 images: a 3x3 stride-1 stem and no
+    max-pool (the ImageNet stem, 7x7 stride 2 and a pool, would shrink a 32x32 image to 8x8
+    before the first residual stage), as is usual for CIFAR. torchvision is imported here, not
+    above: it takes about a second, which every rank of every other model would pay."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
-    def __init__(self, block, layers: list[int], num_classes: int):
-        super().__init__(block, layers, num_classes=num_classes)
-        self.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-        self.maxpool = nn.Identity()
+    class SmallImageResNet(ResNet):
+        def __init__(self):
+            block, layers = {18: (BasicBlock, [2, 2, 2, 2]), 50: (Bottleneck, [3, 4, 6, 3])}[depth]
+            super().__init__(block, layers, num_classes=num_classes)
+            self.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+            self.maxpool = nn.Identity()
 
-    def shard_units(self) -> list[nn.Module]:
-        return [self.layer1, self.layer2, self.layer3, self.layer4]
+        def shard_units(self) -> list[nn.Module]:
+            return [self.layer1, self.layer2, self.layer3, self.layer4]
 
-    def forward_pieces(self) -> list[tuple[str, nn.Module]]:
-        names = ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
-        head = [("avgpool", self.avgpool), ("flatten", nn.Flatten(1)), ("fc", self.fc)]
-        return [*((name, getattr(self, name)) for name in names), *head]
+        def forward_pieces(self) -> list[tuple[str, nn.Module]]:
+            names = ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
+            head = [("avgpool", self.avgpool), ("flatten", nn.Flatten(1)), ("fc", self.fc)]
+            return [*((name, getattr(self, name)) for name in names), *head]
+
+    return SmallImageResNet()
 
 
 # Model choices by name (config.MODELS), each given the data set's number of classes and image
@@ -112,8 +117,8 @@ class SmallImageResNet(ResNet):
 MODELS = {
     "cnn": lambda classes, shape: CNN(width=16, num_classes=classes, image_shape=shape),
     "cnn-wide": lambda classes, shape: CNN(width=64, num_classes=classes, image_shape=shape),
-    "resnet18": lambda classes, shape: SmallImageResNet(BasicBlock, [2, 2, 2, 2], classes),
-    "resnet50": lambda classes, shape: SmallImageResNet(Bottleneck, [3, 4, 6, 3], classes),
+    "resnet18": lambda classes, shape: small_image_resnet(18, classes),
+    "resnet50": lambda classes, shape: small_image_resnet(50, classes),
 }
 
 

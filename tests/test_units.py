@@ -1,6 +1,8 @@
 """Launcher variables, rendezvous, device choice and model shapes: no processes needed."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -309,3 +311,17 @@ def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypa
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl-trace" / "77_rank")
     assert (tmp_path / "nccl-trace").is_dir()
+
+
+def test_the_training_path_leaves_torchvision_unloaded_until_a_resnet_is_built():
+    """torchvision takes about a second to import, on every rank of every launch: only the
+    ResNets (and the classic loader, downloads) load it."""
+    probe = (
+        "import sys, main, session\n"
+        "session.build_model('cnn')\n"
+        "assert 'torchvision' not in sys.modules, 'loaded for the CNN'\n"
+        "session.build_model('resnet18')\n"
+        "assert 'torchvision' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
