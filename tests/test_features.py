@@ -195,8 +195,9 @@ def test_cnn_wide_trains_with_far_more_state(reference):
 
 def test_time_excludes_validation():
     """`time` is the training part of the epoch only: with one training step and 4,096
-    validation images, validation takes many times longer than `time` (were it inside the
-    timed window, `time` would be at least `val_time`)."""
+    validation images, validation takes several times longer than `time` (were it inside the
+    timed window, `time` would be at least `val_time`); a factor 2, since a loaded machine
+    (make test's two workers) slows the first step most."""
     lines, _ = trained(
         [
             *TINY,
@@ -213,7 +214,7 @@ def test_time_excludes_validation():
     )
     for m in lines:
         assert m["val_time"] > 0.1, m
-        assert m["time"] * 5 < m["val_time"], (m["time"], m["val_time"])
+        assert m["time"] * 2 < m["val_time"], (m["time"], m["val_time"])
 
 
 def test_throughput_counts_the_images_of_all_ranks():

@@ -1,6 +1,7 @@
 """run.sh's GPU and CPU samplers (with a fake nvidia-smi on PATH), and their summary."""
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -15,6 +16,9 @@ FAKE_BIN = REPO / "tests" / "fake-bin"
 
 def test_run_sh_samples_gpus_and_ranks_then_stops_the_samplers(repo_copy, tmp_path):
     folder = tmp_path / "samples"
+    # This test's own copy of the fake nvidia-smi: a concurrent test's (make test runs two
+    # workers) is no sampler left running by this run.
+    fake_bin = shutil.copytree(FAKE_BIN, tmp_path / "fake-bin")
     done = run(
         [
             "bash",
@@ -33,7 +37,7 @@ def test_run_sh_samples_gpus_and_ranks_then_stops_the_samplers(repo_copy, tmp_pa
         NPROC="2",
         SAMPLE_EVERY="1",
         SAMPLES_DIR=str(folder),
-        PATH=f"{FAKE_BIN}{os.pathsep}{os.environ['PATH']}",
+        PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     files = samples.sample_files(folder)
@@ -46,7 +50,7 @@ def test_run_sh_samples_gpus_and_ranks_then_stops_the_samplers(repo_copy, tmp_pa
     assert len(processes) == 2, processes  # the two ranks, not torchrun's agent
     assert (processes["peak_rss_mb"] > 50).all() and (processes["mean_cpu_pct"] > 0).all()
     # Nothing keeps sampling after the job: no fake nvidia-smi, no sampler loop.
-    left = subprocess.run(["pgrep", "-f", str(FAKE_BIN)], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-f", str(fake_bin)], capture_output=True, text=True)
     assert left.stdout == "", left.stdout
 
 
