@@ -21,11 +21,15 @@ $(STAMP): requirements.txt
 run: $(STAMP)
 	bash run.sh $(ARGS)
 
+# Two workers: the suite alone leaves a core idle much of the time (its runs wait on timeouts,
+# SLURM and process start-up). Serial, e.g. to read one test's output: PYTEST_ARGS="-n 0".
+WORKERS := -n 2 --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(WORKERS) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m fast $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m fast $(WORKERS) $(PYTEST_ARGS)
 
 # On a machine with a GPU: the CUDA/NCCL tests (skipped elsewhere), then the benchmark.
 test-gpu: $(STAMP)

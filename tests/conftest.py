@@ -167,6 +167,17 @@ def _stop(env: dict) -> None:
     subprocess.run([REPO / ".ci" / "slurm" / "stop.sh"], env=env, capture_output=True, timeout=120)
 
 
+def pytest_collection_modifyitems(items):
+    """make test runs two pytest-xdist workers (--dist loadgroup): each test file on one of
+    them, so that a module's fixtures are built once, and every test of the loopback SLURM
+    cluster on the same one, which starts the cluster once and stops it after them. Those come
+    first: the longest chain of the suite, they would otherwise end it with one worker idle."""
+    for item in items:
+        group = "slurm" if "slurm_env" in item.fixturenames else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: "slurm_env" not in item.fixturenames)
+
+
 @pytest.fixture(scope="session")
 def slurm_env() -> dict:
     """The environment in which SLURM commands reach the project's cluster (SLURM_CONF set).
