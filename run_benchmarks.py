@@ -418,6 +418,20 @@ def slurm_options(args) -> list[str]:
     return options
 
 
+def job_size(nodes: int, tasks_per_node: int, args) -> list[str]:
+    """sbatch's options for one task per GPU on `nodes` nodes, and the CPUs of each."""
+    options = [
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={tasks_per_node}",
+        f"--gpus-per-node={tasks_per_node}",
+    ]
+    if args.cpus_per_task:
+        options.append(f"--cpus-per-task={args.cpus_per_task}")
+    if args.exclusive:
+        options.append("--exclusive")
+    return options
+
+
 def relative(path: Path) -> str:
     return str(path.relative_to(REPO))
 
@@ -427,19 +441,13 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
     options = [
         "--parsable",
         f"--job-name=bench-{run.name}",
-        f"--nodes={run.nodes}",
-        f"--ntasks-per-node={run.tasks_per_node}",
-        f"--gpus-per-node={run.tasks_per_node}",
         f"--output={log}.log",
         f"--error={log}.err",
         *slurm_options(args),
+        *job_size(run.nodes, run.tasks_per_node, args),
     ]
     if args.time:
         options.append(f"--time={args.time}")
-    if args.cpus_per_task:
-        options.append(f"--cpus-per-task={args.cpus_per_task}")
-    if args.exclusive:
-        options.append("--exclusive")
     env = {"SAMPLES_DIR": f"logs/{sweep}"}  # run.sh's GPU and CPU samplers: beside the logs
     if args.environment:
         env["EDF"] = edf_value(args.environment)
@@ -803,17 +811,11 @@ def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) ->
         "--parsable",
         "--job-name=verify",
         "--no-requeue",  # a node's failure must not rerun the checks into the same folder
-        f"--nodes={nodes}",
-        f"--ntasks-per-node={gpus // nodes}",
-        f"--gpus-per-node={gpus // nodes}",
         f"--time={args.time or VERIFY_TIME}",
         f"--output=jobs/{folder}/verify_%j.log",
         *slurm_options(args),
+        *job_size(nodes, gpus // nodes, args),
     ]
-    if args.cpus_per_task:
-        options.append(f"--cpus-per-task={args.cpus_per_task}")
-    if args.exclusive:
-        options.append("--exclusive")
     env = {"EDF": edf_value(args.environment)} if args.environment else {}
     comment = (
         f"# The cluster's acceptance test on {count(gpus, 'GPU')} ({count(nodes, 'node')}): "
