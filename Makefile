@@ -23,7 +23,7 @@ run: $(STAMP)
 
 # Two workers: the suite alone leaves a core idle much of the time (its runs wait on timeouts,
 # SLURM and process start-up). Serial, e.g. to read one test's output: PYTEST_ARGS="-n 0".
-WORKERS := -n 2 --dist loadgroup
+WORKERS := -n 2 --dist loadfile
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(WORKERS) $(PYTEST_ARGS)

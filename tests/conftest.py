@@ -168,13 +168,10 @@ def _stop(env: dict) -> None:
 
 
 def pytest_collection_modifyitems(items):
-    """make test runs two pytest-xdist workers (--dist loadgroup): each test file on one of
-    them, so that a module's fixtures are built once, and every test of the loopback SLURM
-    cluster on the same one, which starts the cluster once and stops it after them. Those come
-    first: the longest chain of the suite, they would otherwise end it with one worker idle."""
-    for item in items:
-        group = "slurm" if "slurm_env" in item.fixturenames else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+    """make test runs two pytest-xdist workers (--dist loadfile), each test file on one of them,
+    so that a module's fixtures are built once; every test of the loopback SLURM cluster lives
+    in test_slurm.py, so one worker starts and stops the cluster. Those come first: the longest
+    chain of the suite, they would otherwise end it with one worker idle."""
     items.sort(key=lambda item: "slurm_env" not in item.fixturenames)
 
 

@@ -17,7 +17,8 @@ import pytest
 
 import distributed_utils as du
 import samples
-from conftest import REPO, SLURM_DIR, metrics_in
+import verify
+from conftest import REPO, SLURM_DIR, metrics_in, run
 from conftest import TINY as TINY_RUN
 from verify import task_pid
 
@@ -447,3 +448,42 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
     print(f"the job ended {time.monotonic() - killed_at:.0f} s after task 1 was killed")
     assert f"run.sh: job {job_id} exit status 0" not in log
     assert "rank(s) 1 died or hung" in err or "task 1" in err, err[-2000:]
+
+
+@pytest.mark.timeout(600)
+def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy):
+    done = run(
+        [
+            sys.executable,
+            "run_benchmarks.py",
+            "--verify",
+            "--wait",
+            "--gpus",
+            "2",
+            "--gpus-per-node",
+            "1",
+            "--cpus-per-task",
+            "1",
+            "--poll-interval",
+            "2",
+            "--",
+            "--device",
+            "cpu",
+        ],
+        cwd=repo_copy,
+        timeout=580,
+        **{k: v for k, v in slurm_env.items() if k.startswith("SLURM_") or k == "PATH"},
+    )
+    job_log = next(iter((repo_copy / "jobs").glob("verify-*/verify_*.log")), None)
+    assert done.returncode == 0, (
+        done.stdout + done.stderr + (job_log.read_text() if job_log else "")
+    )
+    report = repo_copy / re.search(r"^report: (\S+)", done.stdout, re.M).group(1)
+    rows = {row.check: row for row in verify.read_rows(report.read_text())}
+    assert list(rows) == list(verify.CHECKS) and all(r.passed for r in rows.values())
+    assert "- nodes: node1 node2" in report.read_text()
+    assert "- world size: 2" in report.read_text()
+    # The stop went to the ranks' step, never to a run.sh batch shell: no run requeued the job.
+    assert "stopped on SIGUSR1" in (report.parent / "stop-resume.log").read_text()
+    for log in report.parent.glob("*.log"):
+        assert "requeue" not in log.read_text(), log

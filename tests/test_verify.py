@@ -1,6 +1,7 @@
 """`run_benchmarks.py --verify` (verify.py), the cluster's acceptance test: its parsing and
-refusals; its four checks end to end here (torchrun) and on the loopback SLURM cluster; and a
-planted bug (every rank reads rank 0's shard) that it must call a FAIL."""
+refusals; its four checks end to end here (torchrun; on the loopback SLURM cluster: in
+test_slurm.py, with every test of the cluster); and a planted bug (every rank reads rank 0's
+shard) that it must call a FAIL."""
 
 import re
 import sys
@@ -147,45 +148,6 @@ def test_a_sampler_that_does_not_split_the_data_fails_equivalence(repo_copy):
     assert line.startswith("error: verify: equivalence failed: max abs param diff")
     row = rows_of(out / verify.REPORT)["equivalence"]
     assert not row.passed and row.log.startswith("logs/verify-planted/")
-
-
-@pytest.mark.slurm
-@pytest.mark.timeout(600)
-def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy):
-    done = run(
-        [
-            sys.executable,
-            "run_benchmarks.py",
-            "--verify",
-            "--wait",
-            "--gpus",
-            "2",
-            "--gpus-per-node",
-            "1",
-            "--cpus-per-task",
-            "1",
-            "--poll-interval",
-            "2",
-            "--",
-            *CPU,
-        ],
-        cwd=repo_copy,
-        timeout=580,
-        **{k: v for k, v in slurm_env.items() if k.startswith("SLURM_") or k == "PATH"},
-    )
-    job_log = next(iter((repo_copy / "jobs").glob("verify-*/verify_*.log")), None)
-    assert done.returncode == 0, (
-        done.stdout + done.stderr + (job_log.read_text() if job_log else "")
-    )
-    report = repo_copy / re.search(r"^report: (\S+)", done.stdout, re.M).group(1)
-    rows = rows_of(report)
-    assert list(rows) == list(verify.CHECKS) and all(r.passed for r in rows.values())
-    assert "- nodes: node1 node2" in report.read_text()
-    assert "- world size: 2" in report.read_text()
-    # The stop went to the ranks' step, never to a run.sh batch shell: no run requeued the job.
-    assert "stopped on SIGUSR1" in (report.parent / "stop-resume.log").read_text()
-    for log in report.parent.glob("*.log"):
-        assert "requeue" not in log.read_text(), log
 
 
 @pytest.mark.fast
