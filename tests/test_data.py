@@ -26,6 +26,25 @@ def indexed_split(n: int) -> data.Split:
     return data.Split(images, torch.arange(n) % 10)
 
 
+def cpu_loaders(
+    split, global_batch, kind="tensor", rank=0, world_size=1, seed=0, augment=False
+) -> data.Loaders:
+    """A rank's loaders on the CPU, validating on the training split, no worker processes."""
+    return data.build_loaders(
+        split,
+        split,
+        SPEC,
+        kind=kind,
+        rank=rank,
+        world_size=world_size,
+        global_batch=global_batch,
+        seed=seed,
+        augment=augment,
+        device=torch.device("cpu"),
+        num_workers=0,
+    )
+
+
 def seen_indices(loader, split) -> list[int]:
     out = []
     for images, _ in loader:
@@ -45,18 +64,13 @@ def test_every_sample_once_per_epoch_new_order_each_epoch(kind, world_size):
     for epoch in range(2):
         per_rank = []
         for rank in range(world_size):
-            loaders = data.build_loaders(
+            loaders = cpu_loaders(
                 split,
-                split,
-                SPEC,
                 kind=kind,
                 rank=rank,
                 world_size=world_size,
                 global_batch=global_batch,
                 seed=3,
-                augment=False,
-                device=torch.device("cpu"),
-                num_workers=0,
             )
             loaders.train_sampler.set_epoch(epoch)
             per_rank.append(seen_indices(loaders.train, split))
@@ -72,18 +86,8 @@ def test_each_rank_gets_exactly_what_distributed_sampler_assigns(kind):
     n, global_batch, world_size = 240, 24, 3
     split = indexed_split(n)
     for rank in range(world_size):
-        loaders = data.build_loaders(
-            split,
-            split,
-            SPEC,
-            kind=kind,
-            rank=rank,
-            world_size=world_size,
-            global_batch=global_batch,
-            seed=9,
-            augment=False,
-            device=torch.device("cpu"),
-            num_workers=0,
+        loaders = cpu_loaders(
+            split, kind=kind, rank=rank, world_size=world_size, global_batch=global_batch, seed=9
         )
         reference = DistributedSampler(range(n), world_size, rank, shuffle=True, seed=9)
         for epoch in (0, 1):
@@ -94,18 +98,7 @@ def test_each_rank_gets_exactly_what_distributed_sampler_assigns(kind):
 
 def test_training_keeps_full_global_batches_only():
     split = indexed_split(250)  # 10 full batches of 24, 10 images left over
-    loaders = data.build_loaders(
-        split,
-        split,
-        SPEC,
-        kind="tensor",
-        rank=0,
-        world_size=2,
-        global_batch=24,
-        seed=0,
-        augment=False,
-        device=torch.device("cpu"),
-    )
+    loaders = cpu_loaders(split, world_size=2, global_batch=24)
     assert len(loaders.train) == 10
     assert len(seen_indices(loaders.train, split)) == 10 * 12
 
@@ -114,18 +107,8 @@ def test_a_short_last_validation_batch_is_gathered_without_a_resize():
     """The epoch's buffer holds exactly the rank's shard: a buffer of whole batches would be
     resized by index_select(out=), which torch warns of and means to refuse."""
     split = indexed_split(64)
-    loaders = data.build_loaders(
-        split,
-        split,
-        SPEC,
-        kind="tensor",
-        rank=0,
-        world_size=1,
-        global_batch=48,  # one full training batch; validation: 48, then 16
-        seed=0,
-        augment=False,
-        device=torch.device("cpu"),
-    )
+    # One full training batch of 48; validation: 48, then 16.
+    loaders = cpu_loaders(split, global_batch=48)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert seen_indices(loaders.val, split) == list(range(64))
@@ -300,18 +283,7 @@ def test_an_epoch_is_augmented_at_its_start_and_a_resumed_one_the_same_way():
     split = data.make_synthetic(96, 8, seed=1)[0]
 
     def batches(epoch: int, step: int = 0) -> list[torch.Tensor]:
-        loaders = data.build_loaders(
-            split,
-            split,
-            SPEC,
-            kind="tensor",
-            rank=1,
-            world_size=2,
-            global_batch=16,
-            seed=5,
-            augment=True,
-            device=torch.device("cpu"),
-        )
+        loaders = cpu_loaders(split, rank=1, world_size=2, global_batch=16, seed=5, augment=True)
         loaders.set_position(epoch, step)
         return [images for images, _ in loaders.train]
 
@@ -319,17 +291,6 @@ def test_an_epoch_is_augmented_at_its_start_and_a_resumed_one_the_same_way():
     assert len(uninterrupted) == 6 and len(resumed) == 3
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted[3:], resumed))
     assert not torch.equal(batches(epoch=3)[0], uninterrupted[0])
-    plain = data.build_loaders(
-        split,
-        split,
-        SPEC,
-        kind="tensor",
-        rank=1,
-        world_size=2,
-        global_batch=16,
-        seed=5,
-        augment=False,
-        device=torch.device("cpu"),
-    )
+    plain = cpu_loaders(split, rank=1, world_size=2, global_batch=16, seed=5)
     plain.set_position(2)
     assert not any(torch.equal(a, b) for a, (b, _) in zip(uninterrupted, plain.train))

@@ -18,7 +18,7 @@ import pytest
 import distributed_utils as du
 import samples
 import verify
-from conftest import REPO, SLURM_DIR, metrics_in, run
+from conftest import REPO, SLURM_DIR, metrics_in
 from conftest import TINY as TINY_RUN
 from verify import task_pid
 
@@ -452,7 +452,7 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
 
 @pytest.mark.timeout(600)
 def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy):
-    done = run(
+    done = sh(
         [
             sys.executable,
             "run_benchmarks.py",
@@ -471,8 +471,8 @@ def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy
             "cpu",
         ],
         cwd=repo_copy,
+        env=slurm_env,
         timeout=580,
-        **{k: v for k, v in slurm_env.items() if k.startswith("SLURM_") or k == "PATH"},
     )
     job_log = next(iter((repo_copy / "jobs").glob("verify-*/verify_*.log")), None)
     assert done.returncode == 0, (
