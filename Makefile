@@ -22,8 +22,9 @@ run: $(STAMP)
 	bash run.sh $(ARGS)
 
 # Two workers: the suite alone leaves a core idle much of the time (its runs wait on timeouts,
-# SLURM and process start-up). Serial, e.g. to read one test's output: PYTEST_ARGS="-n 0".
-WORKERS := -n 2 --dist loadfile
+# SLURM and process start-up). Which test goes where: tests/conftest.py's scheduler. Serial,
+# e.g. to read one test's output: PYTEST_ARGS="-n 0".
+WORKERS := -n 2
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(WORKERS) $(PYTEST_ARGS)

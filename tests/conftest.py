@@ -3,6 +3,7 @@ would (without the SLURM variables of a surrounding job), reading `[METRIC]` lin
 of the repository, and the project's loopback SLURM cluster (.ci/slurm/start.sh) for the tests
 marked `slurm`."""
 
+import inspect
 import os
 import shutil
 import signal
@@ -167,12 +168,59 @@ def _stop(env: dict) -> None:
     subprocess.run([REPO / ".ci" / "slurm" / "stop.sh"], env=env, capture_output=True, timeout=120)
 
 
+# The files whose tests share a fixture built once for the file or the session (a trained
+# reference, the loopback SLURM cluster): make test runs each of them on one worker, so that
+# the fixture is built once. Collection refuses a file that shares one and is not listed.
+ONE_WORKER_FILES = {
+    "test_data.py",
+    "test_equivalence.py",
+    "test_features.py",
+    "test_pipeline.py",
+    "test_resume.py",
+    "test_slurm.py",
+    "test_strategies.py",
+}
+
+
+def _shares_a_fixture(item) -> bool:
+    """Whether the test uses a fixture of the tests' own built once per file or session."""
+    return any(
+        defs[-1].scope in ("module", "session")
+        and Path(inspect.getfile(defs[-1].func)).parent == REPO / "tests"
+        for defs in item._fixtureinfo.name2fixturedefs.values()
+    )
+
+
 def pytest_collection_modifyitems(items):
-    """make test runs two pytest-xdist workers (--dist loadfile), each test file on one of them,
-    so that a module's fixtures are built once; every test of the loopback SLURM cluster lives
-    in test_slurm.py, so one worker starts and stops the cluster. Those come first: the longest
-    chain of the suite, they would otherwise end it with one worker idle."""
-    items.sort(key=lambda item: "slurm_env" not in item.fixturenames)
+    """The longest chains first, so that no worker of make test ends the suite alone: the SLURM
+    tests (all in test_slurm.py), the tests marked slow, the files run on one worker; the short
+    tests fill the end."""
+    unlisted = {item.path.name for item in items if _shares_a_fixture(item)} - ONE_WORKER_FILES
+    if unlisted:
+        raise pytest.UsageError(f"conftest.ONE_WORKER_FILES lacks {', '.join(sorted(unlisted))}")
+
+    def chain(item) -> int:
+        if "slurm_env" in item.fixturenames:
+            return 0
+        if item.get_closest_marker("slow"):
+            return 1
+        return 2 if item.path.name in ONE_WORKER_FILES else 3
+
+    items.sort(key=chain)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """make test's two pytest-xdist workers: each test goes to whichever worker is free, in
+    the collected order, except that a file of ONE_WORKER_FILES goes whole to one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesOfSharedFixturesWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).name in ONE_WORKER_FILES else nodeid
+
+    config.option.loadscopereorder = False  # keep pytest_collection_modifyitems's order
+    return FilesOfSharedFixturesWhole(config, log)
 
 
 @pytest.fixture(scope="session")

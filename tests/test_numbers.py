@@ -40,6 +40,7 @@ def peak_and_data(*args: str) -> tuple[int, int]:
     return last["peak_mem"], last["data_mem"]
 
 
+@pytest.mark.slow
 def test_peak_mem_counts_training_not_the_data_set():
     """peak_mem is the training peak above a baseline taken with the data set resident: 8x the
     images leaves it as it is (the data set, the epoch's augmented copy included, has its own

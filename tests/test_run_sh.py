@@ -630,6 +630,7 @@ def test_a_sweep_started_by_a_python_without_torch_checks_with_the_jobs_python(r
     assert_one_line_error(done, "each rank's 128 images per step do not split into --grad-accum 3")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_local_sweep_trains_collects_and_plots(repo_copy):
     done = benchmarks(

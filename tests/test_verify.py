@@ -107,6 +107,7 @@ def rows_of(report) -> dict:
     return {row.check: row for row in verify.read_rows(report.read_text())}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_local_verify_passes_every_check(repo_copy):
     done = run(
@@ -134,6 +135,7 @@ def share_rank_zeros_data(repo):
     data.write_text(text.replace(right, "super().__init__(range(size), world_size, 0, "))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_sampler_that_does_not_split_the_data_fails_equivalence(repo_copy):
     share_rank_zeros_data(repo_copy)
