@@ -219,4 +219,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Once one rank has exited 3 (stopped), srun's --kill-on-bad-exit (and torchrun) sends
+    # SIGTERM to the others while they still leave: the stop signals stay caught while main()
+    # ends, then ignored, so that their status stays 3 rather than 143.
+    stopping.take_stop_signals()
+    status = main()
+    stopping.ignore_stop_signals()
+    sys.exit(status)

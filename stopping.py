@@ -25,12 +25,27 @@ def _on_stop_signal(signum, frame) -> None:
     _stop_signal = signal.Signals(signum).name
 
 
-@contextlib.contextmanager
-def catch_stop_signals():
+def take_stop_signals() -> None:
     """From here on SIGUSR1 or SIGUSR2 (SLURM's time-limit warning: sites and tools differ on
     which) and SIGTERM (preemption, scancel) no longer end the process: they only ask for a
     checkpoint and a stop."""
-    previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+
+
+def ignore_stop_signals() -> None:
+    """From here to the process's very end a stop signal does nothing: ignored, not handled,
+    since Python gives handled signals their default action back when its interpreter shuts
+    down (torch's teardown, seconds at times), and leaves ignored ones ignored."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def catch_stop_signals():
+    """take_stop_signals() for a block: the handlers before it come back after."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    take_stop_signals()
     try:
         yield
     finally:

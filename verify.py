@@ -464,17 +464,6 @@ def check_killed_rank(ctx: Context) -> Row:
     return Row(name, True, f"{figure} (bound {KILL_BOUND_S} s): {said}", relative(log))
 
 
-def stopped_status(status: int | None, log: str) -> bool:
-    """Whether the run ended as stopped: main.py's status 3. Under srun, the step's status is
-    its tasks' highest: the first rank to exit 3 has srun's --kill-on-bad-exit end the others
-    (SIGTERM, 143) while they still leave the process group, so a task's own 3 counts."""
-    if status == STOPPED_STATUS:
-        return True
-    return status is not None and bool(
-        re.search(rf"task \d+: Exited with exit code {STOPPED_STATUS}\b", log)
-    )
-
-
 def check_stop_resume(ctx: Context) -> Row:
     name = "stop-resume"
     args = [
@@ -495,7 +484,7 @@ def check_stop_resume(ctx: Context) -> Row:
     stopped_with = finish(proc)
     text = log.read_text(errors="replace")
     at = re.search(r"\[CHECKPOINT\] stopped on SIGUSR1 at (epoch \d+ step \d+)", text)
-    if not (at and stopped_status(stopped_with, text)):
+    if not (at and stopped_with == STOPPED_STATUS):
         raise Failed(
             f"after SIGUSR1 the run {ended(stopped_with)}, not {STOPPED_STATUS} (stopped)", log
         )

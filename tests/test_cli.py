@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -449,6 +450,37 @@ def test_a_stopped_rank_leaves_only_once_rank_0_is_done(repo_copy):
     pruned = float((repo_copy / "pruned").read_text())
     assert float((repo_copy / "exit_rank1").read_text()) >= pruned
     assert "continue with: main.py" in outputs[0][0]
+
+
+# main.py run as its script, whose rank 1 takes 3 s to leave the interpreter once main() has
+# returned (as torch's teardown may).
+SLOW_EXIT = """
+import atexit, os, runpy, time
+if os.environ["RANK"] == "1":
+    atexit.register(time.sleep, 3)
+runpy.run_path("main.py", run_name="__main__")
+"""
+
+
+def test_a_stopped_rank_sent_sigterm_while_it_exits_still_exits_3(repo_copy):
+    """srun --kill-on-bad-exit (and torchrun) send SIGTERM to the other ranks once the first
+    exits 3: a rank still on its way out takes it as one more stop, and exits 3 too."""
+    (repo_copy / "slow_exit_main.py").write_text(SLOW_EXIT)
+    ranks = start_ranks(STOP_RUN, 2, cwd=repo_copy, program="slow_exit_main.py")
+    try:
+        for line in ranks[0].stdout:
+            if line.startswith("epoch 1 step"):
+                ranks[1].send_signal(signal.SIGUSR1)
+                break
+        rank0 = ranks[0].communicate(timeout=120)
+        assert ranks[0].returncode == 3, rank0[1][-2000:]
+        while ranks[1].poll() is None:  # what srun does, until rank 1 is gone
+            ranks[1].send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert ranks[1].returncode == 3, ranks[1].stderr.read()[-2000:]
 
 
 def test_resume_auto_says_when_it_found_nothing(tmp_path):

@@ -153,19 +153,6 @@ def test_a_sampler_that_does_not_split_the_data_fails_equivalence(repo_copy):
 
 
 @pytest.mark.fast
-def test_a_stop_under_srun_counts_by_its_tasks_own_status():
-    srun = (
-        "srun: error: node1: task 0: Exited with exit code 3\n"
-        "srun: error: node2: task 1: Terminated\n"
-    )
-    assert verify.stopped_status(3, "")
-    assert verify.stopped_status(143, srun)
-    assert not verify.stopped_status(143, "srun: error: node1: task 0: Exited with exit code 1\n")
-    assert not verify.stopped_status(0, "")
-    assert not verify.stopped_status(None, srun)  # killed at the time limit
-
-
-@pytest.mark.fast
 def test_verify_refuses_a_folder_an_earlier_verify_wrote(capsys, tmp_path):
     code, out, err = call_main(verify.main, capsys, "--out", tmp_path)
     assert code == 2 and err.strip() == (
