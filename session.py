@@ -21,7 +21,6 @@ from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world, microbatches
 from fsdp_utils import effective_sharding, low_precision
 from model import build_model, count_parameters
-from pipeline_utils import PipelineTrainer
 from strategies import (
     STEP_COLLECTIVES,
     check_device_options,
@@ -43,6 +42,17 @@ from train import (
 from utils import format_config, is_rank_zero, log0
 
 # ----------------------------------------------------------------------------- building
+
+
+def trainer_class(staged: bool) -> type[Trainer]:
+    """The pipeline's trainer for a staged run, else the data-parallel one. Imported only for
+    a pipeline: torch.distributed.pipelining takes about a second to import, which every rank
+    of every other launch would pay."""
+    if not staged:
+        return Trainer
+    from pipeline_utils import PipelineTrainer
+
+    return PipelineTrainer
 
 
 def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer, dict]:
@@ -135,7 +145,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **setting,
     }
     pipeline = dict(microbatches=stage_microbatches, schedule_name=cfg.schedule) if staged else {}
-    trainer = (PipelineTrainer if staged else Trainer)(
+    trainer = trainer_class(staged)(
         **pipeline,
         model=model,
         optimizer=optimizer,

@@ -17,7 +17,6 @@ from cuda_graphs import side_stream
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import get_fsdp2_model, get_fsdp_model, low_precision
 from model_parallel import get_model_parallel, usable_devices
-from pipeline_utils import get_stage_model
 from train import Precision
 from utils import UsageError
 
@@ -63,6 +62,8 @@ def wrap_model(
     elif cfg.strategy == "fsdp2":
         model = get_fsdp2_model(model, device, **shard)
     elif cfg.strategy == "pipeline":
+        from pipeline_utils import get_stage_model  # see session.trainer_class
+
         model = get_stage_model(model, device, rank, world_size)
     elif cfg.strategy == "model":
         model = get_model_parallel(model, cfg.model, device)

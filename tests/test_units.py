@@ -325,3 +325,17 @@ def test_the_training_path_leaves_torchvision_unloaded_until_a_resnet_is_built()
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_only_a_pipeline_loads_torchs_pipelining():
+    """torch.distributed.pipelining takes about a second to import, on every rank of every
+    launch: a data-parallel run neither wraps nor trains with it."""
+    probe = (
+        "import sys, main, session, strategies\n"
+        "assert session.trainer_class(False) is session.Trainer\n"
+        "assert 'torch.distributed.pipelining' not in sys.modules, 'loaded for data parallelism'\n"
+        "assert session.trainer_class(True).__name__ == 'PipelineTrainer'\n"
+        "assert 'torch.distributed.pipelining' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
