@@ -55,10 +55,10 @@ def _in_process_group(fn, env_args: tuple, pg_timeout_s: float):
 def _context():
     """New processes forked from a server that has imported torch and the project once: each
     rank is a fresh process, as with "spawn", without paying the imports (seconds on two
-    cores) again. The server has run nothing, so no thread, CUDA context or process group is
-    forked with it."""
+    cores) again; the pipeline's too, which the project imports only for a pipeline. The
+    server has run nothing, so no thread, CUDA context or process group is forked with it."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["dist_harness"])
+    ctx.set_forkserver_preload(["dist_harness", "pipeline_utils"])
     return ctx
 
 
