@@ -313,29 +313,27 @@ def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypa
     assert (tmp_path / "nccl-trace").is_dir()
 
 
-def test_the_training_path_leaves_torchvision_unloaded_until_a_resnet_is_built():
-    """torchvision takes about a second to import, on every rank of every launch: only the
-    ResNets (and the classic loader, downloads) load it."""
-    probe = (
-        "import sys, main, session\n"
-        "session.build_model('cnn')\n"
-        "assert 'torchvision' not in sys.modules, 'loaded for the CNN'\n"
-        "session.build_model('resnet18')\n"
-        "assert 'torchvision' in sys.modules\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+# Modules that take about a second to import, on every rank of every launch: (the module, code
+# of a run that does not need it, code that does). torchvision serves the ResNets (and the
+# classic loader, downloads); torch's pipelining a pipeline.
+LAZY_IMPORTS = [
+    ("torchvision", "session.build_model('cnn')", "session.build_model('resnet18')"),
+    (
+        "torch.distributed.pipelining",
+        "assert session.trainer_class(False) is session.Trainer",
+        "assert session.trainer_class(True).__name__ == 'PipelineTrainer'",
+    ),
+]
 
 
-def test_only_a_pipeline_loads_torchs_pipelining():
-    """torch.distributed.pipelining takes about a second to import, on every rank of every
-    launch: a data-parallel run neither wraps nor trains with it."""
+@pytest.mark.parametrize("module,without,needing", LAZY_IMPORTS)
+def test_a_slow_import_waits_for_the_run_that_needs_it(module, without, needing):
     probe = (
         "import sys, main, session, strategies\n"
-        "assert session.trainer_class(False) is session.Trainer\n"
-        "assert 'torch.distributed.pipelining' not in sys.modules, 'loaded for data parallelism'\n"
-        "assert session.trainer_class(True).__name__ == 'PipelineTrainer'\n"
-        "assert 'torch.distributed.pipelining' in sys.modules\n"
+        f"{without}\n"
+        f"assert {module!r} not in sys.modules, 'loaded by a run that does not need it'\n"
+        f"{needing}\n"
+        f"assert {module!r} in sys.modules\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
