@@ -46,7 +46,7 @@ from utils import format_config, is_rank_zero, log0
 
 def trainer_class(staged: bool) -> type[Trainer]:
     """The pipeline's trainer for a staged run, else the data-parallel one. Imported only for
-    a pipeline: torch.distributed.pipelining takes about a second to import, which every rank
+    a pipeline: torch.distributed.pipelining takes most of a second to import, which every rank
     of every other launch would pay."""
     if not staged:
         return Trainer

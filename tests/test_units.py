@@ -313,9 +313,9 @@ def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypa
     assert (tmp_path / "nccl-trace").is_dir()
 
 
-# Modules that take about a second to import, on every rank of every launch: (the module, code
-# of a run that does not need it, code that does). torchvision serves the ResNets (and the
-# classic loader, downloads); torch's pipelining a pipeline.
+# Modules that take most of a second or more to import, on every rank of every launch: (the
+# module, code of a run that does not need it, code that does). torchvision serves the ResNets
+# (and the classic loader, downloads); torch's pipelining a pipeline.
 LAZY_IMPORTS = [
     ("torchvision", "session.build_model('cnn')", "session.build_model('resnet18')"),
     (
