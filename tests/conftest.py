@@ -80,7 +80,19 @@ def run(command: list, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProce
 def run_main(
     args: list, nproc: int | None = None, cwd=REPO, timeout=240, **env
 ) -> subprocess.CompletedProcess:
-    """main.py as a user starts it: plain python, or torchrun with nproc ranks."""
+    """main.py as a user starts it: plain python, or torchrun with nproc ranks. Plain python on
+    the repository's own main.py, with no variable of the test's own, runs forked from a server
+    that has imported the project (dist_harness.ForkedMain): the same `__main__` block, argv,
+    folder and environment, without seconds of imports."""
+    if nproc is None and cwd == REPO and not env:
+        from dist_harness import ForkedMain
+
+        started = ForkedMain(args, cwd, clean_environment())
+        try:
+            out, err = started.communicate(timeout=timeout)
+        finally:
+            started.kill()
+        return subprocess.CompletedProcess(started.args, started.returncode, out, err)
     launcher = [sys.executable]
     if nproc:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -270,8 +282,9 @@ def start_ranks(
 ) -> list[subprocess.Popen]:
     """main.py (or a program that runs it) as world_size processes started directly, as srun
     starts its tasks (no torchrun agent between the test and the ranks): each rank's own
-    signals and exit status are seen."""
-    from dist_harness import free_port
+    signals and exit status are seen. The repository's own main.py, with no variable of the
+    test's own, runs forked as in run_main (dist_harness.ForkedMain, a Popen in all but that)."""
+    from dist_harness import ForkedMain, free_port
 
     port = str(free_port())
 
@@ -287,6 +300,8 @@ def start_ranks(
         )
         return clean_environment(**{**ours, **env})  # a test may override ours
 
+    if program == "main.py" and cwd == REPO and not env:
+        return [ForkedMain(args, cwd, rank_environment(rank)) for rank in range(world_size)]
     return [
         subprocess.Popen(
             [sys.executable, program, *map(str, args)],

@@ -1,5 +1,6 @@
 """Run a function on N real gloo ranks (spawned processes) and collect what each returns; and
 the functions several test files run on them (a run's weights and metrics, a signal mid-run).
+Also `python main.py` itself in such a process (ForkedMain), without its seconds of imports.
 
 The ranks find each other the way torchrun's do: RANK/LOCAL_RANK/WORLD_SIZE and
 MASTER_ADDR/MASTER_PORT in the environment, read by distributed_utils.setup().
@@ -8,10 +9,15 @@ MASTER_ADDR/MASTER_PORT in the environment, read by distributed_utils.setup().
 import io
 import multiprocessing as mp
 import os
+import runpy
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 import traceback
+from multiprocessing.reduction import DupFd
 from queue import Empty
 
 import torch
@@ -157,6 +163,85 @@ def in_fresh_process(fn, *args, timeout: float = 180):
     if status != "ok":
         raise AssertionError(value)
     return torch.load(io.BytesIO(value), weights_only=False)
+
+
+# ----------------------------------------------------------------------------- main.py, forked
+
+
+def _as_main_py(argv: list, cwd: str, env: dict, stdout: DupFd, stderr: DupFd) -> None:
+    """This new process becomes `python main.py *argv` started in cwd with env: main.py's
+    `__main__` block, its exit status this process's, its output on the given pipes."""
+    os.dup2(stdout.detach(), 1)
+    os.dup2(stderr.detach(), 2)
+    # As Python sets them up for a pipe: buffered, unless PYTHONUNBUFFERED asks otherwise.
+    buffering = 1 if env.get("PYTHONUNBUFFERED") else -1
+    sys.stdout = open(1, "w", buffering=buffering, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.chdir(cwd)
+    os.environ.clear()  # in place: modules hold os.environ itself (e.g. read_ranks' default)
+    os.environ.update(env)
+    sys.argv = ["main.py", *argv]
+    runpy.run_path("main.py", run_name="__main__")  # ends in sys.exit(status)
+
+
+class ForkedMain:
+    """`python main.py args` as subprocess.Popen runs it (pid, text pipes stdout and stderr,
+    returncode, wait, communicate, kill, send_signal), in a process forked from the server of
+    _context(), which has imported torch and the project: the run starts at once instead of
+    after seconds of imports. Only for the repository's own main.py and variables it reads
+    after start-up: a fresh interpreter reads PYTHONPATH, TORCH_LOGS and the like, this one
+    has read the server's."""
+
+    def __init__(self, args: list, cwd, env: dict):
+        self.args = ["main.py", *map(str, args)]
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+        self._process = _context().Process(
+            target=_as_main_py,
+            args=(self.args[1:], str(cwd), env, DupFd(out_w), DupFd(err_w)),
+        )
+        self._process.start()
+        os.close(out_w)  # the child holds the write ends now: EOF once it (and its own) end
+        os.close(err_w)
+        self.pid = self._process.pid
+        self.stdout = open(out_r, errors="replace")
+        self.stderr = open(err_r, errors="replace")
+        self._read = {}
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode  # -N when signal N ended it, as Popen's
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """The rest of stdout and stderr, read together (neither pipe may fill), and the exit."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for name in ("stdout", "stderr"):
+            if name not in self._read:
+                stream, text = getattr(self, name), []
+                reader = threading.Thread(target=lambda s=stream, t=text: t.append(s.read()))
+                reader.start()
+                self._read[name] = (reader, text)
+        for reader, _ in self._read.values():
+            reader.join(None if deadline is None else max(0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0, deadline - time.monotonic()))
+        return tuple("".join(text) for _, text in self._read.values())
 
 
 # ----------------------------------------------------------------------------- rank functions

@@ -278,6 +278,39 @@ def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
     assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000-3"
 
 
+@pytest.mark.parametrize(
+    "args,env",
+    [
+        (["--help"], {}),  # stdout, exit status 0
+        (["--epochs", "two"], {}),  # stderr, exit status 2
+        ([], {"WORLD_SIZE": "2", "RANK": "5"}),  # the environment it is given, read by main.py
+    ],
+)
+def test_a_forked_main_py_answers_as_python_main_py_does(args, env):
+    """What conftest.run_main and start_ranks start for the repository's main.py
+    (dist_harness.ForkedMain, forked from a server that has imported the project) answers as
+    `python main.py` does: the same exit status, stdout and stderr."""
+    from conftest import REPO, run
+    from dist_harness import ForkedMain
+
+    forked = ForkedMain(args, REPO, clean_environment(**env))
+    out, err = forked.communicate(timeout=60)
+    fresh = run([sys.executable, "main.py", *args], **env)
+    assert (forked.returncode, out, err) == (fresh.returncode, fresh.stdout, fresh.stderr)
+
+
+def test_a_forked_main_py_is_killed_as_a_process_is():
+    """The fault tests SIGKILL ranks that start_ranks forked: a process of its own, its death
+    reported as Popen reports it."""
+    from conftest import LONG_RUN, REPO
+    from dist_harness import ForkedMain
+
+    forked = ForkedMain([*LONG_RUN, "--no-checkpoint"], REPO, clean_environment())
+    assert forked.stdout.readline().startswith("[CONFIG]")  # it runs main.py: training begins
+    forked.kill()
+    assert forked.wait(timeout=30) == -9 and forked.pid != os.getpid()
+
+
 def test_no_test_file_imports_another():
     """What two test files share lives in conftest.py, helpers.py or dist_harness.py: importing
     a test file would also collect its tests again under another name, and tie the two."""
