@@ -313,3 +313,24 @@ def start_ranks(
         )
         for rank in range(world_size)
     ]
+
+
+def main_on_ranks(
+    args: list, world_size: int, timeout: float = 240, **env
+) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """main.py on world_size ranks started directly (start_ranks, as srun starts them), run to
+    their end: what torchrun would report of them, without its agent (every rank's stdout and
+    stderr in rank order, the first non-zero exit status, else 0), and each rank's status."""
+    if world_size == 1:
+        done = run_main(args, timeout=timeout, **env)
+        return done, [done.returncode]
+    ranks = start_ranks(args, world_size, **env)
+    try:
+        outputs = [rank.communicate(timeout=timeout) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    statuses = [rank.returncode for rank in ranks]
+    out, err = ("".join(output[i] for output in outputs) for i in (0, 1))
+    status = next((s for s in statuses if s), 0)
+    return subprocess.CompletedProcess(ranks[0].args, status, out, err), statuses

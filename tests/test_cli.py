@@ -18,6 +18,7 @@ from conftest import (
     TINY,
     assert_one_line_error,
     clean_environment,
+    main_on_ranks,
     metrics_in,
     run_main,
     start_ranks,
@@ -130,7 +131,7 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
 def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
     state = {}
     for strategy in ("ddp", "fsdp", "fsdp2"):
-        result = run_main(["--strategy", strategy, "--epochs", "1", *QUICK], nproc=2)
+        result = main_on_ranks(["--strategy", strategy, "--epochs", "1", *QUICK], 2)[0]
         assert result.returncode == 0, result.stderr[-3000:]
         state[strategy] = metrics_in(result.stdout)[-1]["state_mem"]
     print(f"state bytes per rank: {state}")
@@ -257,9 +258,9 @@ def test_the_modules_that_read_the_options_load_no_torch():
 def test_unwritable_checkpoint_folder_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # root ignores permission bits: use a file as parent
-    result = run_main(
+    result, _ = main_on_ranks(
         [*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir", str(blocker / "ckpt")],
-        nproc=2,
+        2,
     )
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.stderr[-2000:]

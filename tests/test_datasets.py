@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import data
-from conftest import assert_one_line_error, metrics_in, run_main
+from conftest import assert_one_line_error, main_on_ranks, metrics_in, run_main
 from model import build_model
 from utils import UsageError, parse_config
 
@@ -332,9 +332,9 @@ def run_args(dataset: str, root, loader: str) -> list:
 def test_training_run_on_each_set_with_each_loader(tmp_path, dataset, loader, nproc):
     write = write_fashion_dir if dataset == "fashionmnist" else write_tiny_dir
     write(tmp_path)
-    done = run_main(
+    done, _ = main_on_ranks(
         [*run_args(dataset, tmp_path, loader), "--train-samples", "16"],
-        nproc=nproc,
+        nproc or 1,
         timeout=RUN_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -24,6 +24,7 @@ from conftest import (
     TINY,
     assert_one_line_error,
     clean_environment,
+    main_on_ranks,
     metrics_in,
     run_main,
     start_ranks,
@@ -50,28 +51,12 @@ def snapshot(folder: Path) -> dict:
 def train_epochs(
     folder: Path, epochs: int, strategy: str = "ddp", *extra, nproc: int | None = None
 ) -> None:
-    nproc = nproc or (2 if strategy != "ddp" else None)
-    done = run_main(
+    world_size = nproc or (2 if strategy != "ddp" else 1)
+    done, _ = main_on_ranks(
         [*ARGS, "--strategy", strategy, "--checkpoint-dir", folder, "--epochs", epochs, *extra],
-        nproc=nproc,
+        world_size,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-
-
-def main_on_ranks(args: list, world_size: int, timeout: float = 200, **env):
-    """main.py on world_size ranks started directly (as srun starts them: each rank's own exit
-    status is seen): rank 0's run as a CompletedProcess, and every rank's exit status."""
-    if world_size == 1:
-        done = run_main(args, timeout=timeout, **env)
-        return done, [done.returncode]
-    ranks = start_ranks(args, world_size, **env)
-    try:
-        outputs = [rank.communicate(timeout=timeout) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    statuses = [rank.returncode for rank in ranks]
-    return subprocess.CompletedProcess([], statuses[0], *outputs[0]), statuses
 
 
 def damage(path: Path, strategy: str) -> Path:
@@ -140,9 +125,9 @@ def test_an_unreadable_checkpoint_is_set_aside_never_overwritten_or_pruned(tmp_p
     older, newest = tmp_path / "ckpt_e0002_s000000", tmp_path / "ckpt_e0003_s000000"
     damage(newest, "ddp")
     evidence = snapshot(newest)
-    done = run_main(
+    done, _ = main_on_ranks(
         [*ARGS, "--checkpoint-dir", tmp_path, "--epochs", 4, "--resume", "auto", "--keep-last", 1],
-        nproc=2,
+        2,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     aside = tmp_path / "ckpt_e0003_s000000.damaged"
@@ -296,7 +281,7 @@ def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strat
     assert "Traceback" not in outputs[1][0] + outputs[1][1]
     assert spread < 10, spread  # the other rank did not wait for a timeout
     assert [p.name for p in (tmp_path / "ck").iterdir()] == [intact.name]
-    resumed = run_main([*args, "--resume", "auto"], nproc=2)
+    resumed, _ = main_on_ranks([*args, "--resume", "auto"], 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [2, 3]
 

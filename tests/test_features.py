@@ -15,7 +15,7 @@ import torch
 
 from checkpoint import Position
 from config import Config
-from conftest import TINY, metrics_in, run_main
+from conftest import TINY, main_on_ranks, metrics_in, run_main
 from dist_harness import spawn
 from session import build_trainer
 from utils import parse_config
@@ -36,7 +36,7 @@ CFG = dict(
 def trained(args: list, nproc: int | None = None, epochs: int = 2, timeout=240, **env):
     """The [METRIC] lines and the [CONFIG] line of a run that must finish (exit 0) with one
     finite-loss line per epoch."""
-    done = run_main(args, nproc=nproc, timeout=timeout, **env)
+    done, _ = main_on_ranks(args, nproc or 1, timeout=timeout, **env)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     lines = metrics_in(done.stdout)

@@ -10,7 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 import collect_results
 import mfu
 import plot_results
-from conftest import TINY, metrics_in, run_main
+from conftest import TINY, main_on_ranks, metrics_in
 from helpers import metric_fields, write_log
 from utils import parse_config
 
@@ -86,8 +86,8 @@ def test_tflops_and_mfu_follow_from_the_other_fields_and_an_impossible_mfu_is_sa
     """Two ranks (tflops is per device) told a peak far below what the CPU does: mfu is
     tflops over the peak, and each epoch's MFU above 100% is a warning beside its line."""
     peak = 1e-6
-    done = run_main(
-        [*TINY, "--epochs", "2", "--batch-size", "64", "--peak-tflops", str(peak)], nproc=2
+    done, _ = main_on_ranks(
+        [*TINY, "--epochs", "2", "--batch-size", "64", "--peak-tflops", str(peak)], 2
     )
     assert done.returncode == 0, done.stderr[-3000:]
     config = next(filter(None, map(parse_config, done.stdout.splitlines())))

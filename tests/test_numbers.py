@@ -9,7 +9,7 @@ import torch
 import checkpoint
 import train
 from config import Config
-from conftest import TINY, assert_one_line_error, metrics_in, run_main
+from conftest import TINY, assert_one_line_error, main_on_ranks, metrics_in, run_main
 from dist_harness import spawn, spawn_outcomes
 from session import build_trainer, run
 from utils import parse_config
@@ -255,7 +255,7 @@ def test_multi_node_nccl_without_the_network_plugin_is_warned():
 def test_time_breakdown_accounts_for_the_epoch():
     """t_compute + t_data + t_comm + t_wait is the epoch's time; compute is measured (not
     zero), waiting and fetching are never negative."""
-    done = run_main([*TINY, "--batch-size", "64", "--epochs", "2", "--no-checkpoint"], nproc=2)
+    done = main_on_ranks([*TINY, "--batch-size", "64", "--epochs", "2", "--no-checkpoint"], 2)[0]
     assert done.returncode == 0, done.stderr[-2000:]
     for m in metrics_in(done.stdout):
         parts = m["t_compute"] + m["t_data"] + m["t_comm"] + m["t_wait"]

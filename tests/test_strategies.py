@@ -6,7 +6,7 @@ import pytest
 
 import checkpoint
 from config import Config
-from conftest import TINY, assert_one_line_error, metrics_in, run_main
+from conftest import TINY, assert_one_line_error, main_on_ranks, metrics_in, run_main
 from dist_harness import EQUAL_CFG as EQUAL
 from dist_harness import full_state, signal_rank_then_train, spawn, train_and_gather
 from session import build_trainer, run
@@ -35,7 +35,7 @@ def test_one_process_baselines_train_like_ddp_on_one_rank(one_process, strategy)
 
 @pytest.mark.parametrize("strategy", ["single", "dp", "model"])
 def test_one_process_baselines_refuse_several_processes(strategy):
-    done = run_main([*TINY, "--batch-size", "64", "--strategy", strategy], nproc=2)
+    done = main_on_ranks([*TINY, "--batch-size", "64", "--strategy", strategy], 2)[0]
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "start one process" in errors[0], done.stderr[-2000:]
@@ -185,7 +185,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_an_older_one(tmp_path):
     (newest / checkpoint.DDP_FILE).write_bytes(b"a disk fault")
     given = run_main([*args, "--epochs", "3", "--resume", str(newest)])
     assert_one_line_error(given, f"cannot read checkpoint {newest}", status=5)  # no guessing
-    done = run_main([*args, "--epochs", "3", "--resume", "auto"], nproc=2)
+    done = main_on_ranks([*args, "--epochs", "3", "--resume", "auto"], 2)[0]
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"cannot read checkpoint {newest}" in done.stdout
     assert f"resumed from {tmp_path / 'ckpt_e0002_s000000'}" in done.stdout
