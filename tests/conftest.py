@@ -77,14 +77,20 @@ def run(command: list, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProce
     )
 
 
+def forks(program: str, cwd, env: dict) -> bool:
+    """Whether a plain-python start of program runs forked from the server that has imported
+    the project (dist_harness.ForkedMain: the same `__main__` block, argv, folder and
+    environment, without seconds of imports): the repository's own main.py, with no variable
+    of the test's own (a fresh interpreter reads some at start-up, PYTHONPATH or TORCH_LOGS)."""
+    return program == "main.py" and cwd == REPO and not env
+
+
 def run_main(
     args: list, nproc: int | None = None, cwd=REPO, timeout=240, **env
 ) -> subprocess.CompletedProcess:
-    """main.py as a user starts it: plain python, or torchrun with nproc ranks. Plain python on
-    the repository's own main.py, with no variable of the test's own, runs forked from a server
-    that has imported the project (dist_harness.ForkedMain): the same `__main__` block, argv,
-    folder and environment, without seconds of imports."""
-    if nproc is None and cwd == REPO and not env:
+    """main.py as a user starts it: plain python (forked where `forks` says so), or torchrun
+    with nproc ranks."""
+    if nproc is None and forks("main.py", cwd, env):
         from dist_harness import ForkedMain
 
         started = ForkedMain(args, cwd, clean_environment())
@@ -282,8 +288,8 @@ def start_ranks(
 ) -> list[subprocess.Popen]:
     """main.py (or a program that runs it) as world_size processes started directly, as srun
     starts its tasks (no torchrun agent between the test and the ranks): each rank's own
-    signals and exit status are seen. The repository's own main.py, with no variable of the
-    test's own, runs forked as in run_main (dist_harness.ForkedMain, a Popen in all but that)."""
+    signals and exit status are seen. Forked where `forks` says so (dist_harness.ForkedMain, a
+    Popen in all but that)."""
     from dist_harness import ForkedMain, free_port
 
     port = str(free_port())
@@ -300,7 +306,7 @@ def start_ranks(
         )
         return clean_environment(**{**ours, **env})  # a test may override ours
 
-    if program == "main.py" and cwd == REPO and not env:
+    if forks(program, cwd, env):
         return [ForkedMain(args, cwd, rank_environment(rank)) for rank in range(world_size)]
     return [
         subprocess.Popen(

@@ -9,7 +9,8 @@ import torch
 
 import distributed_utils as du
 import utils
-from conftest import TINY, clean_environment
+from conftest import LONG_RUN, REPO, TINY, clean_environment, run
+from dist_harness import ForkedMain
 from model import MODELS, build_model, count_parameters
 from utils import UsageError
 
@@ -290,9 +291,6 @@ def test_a_forked_main_py_answers_as_python_main_py_does(args, env):
     """What conftest.run_main and start_ranks start for the repository's main.py
     (dist_harness.ForkedMain, forked from a server that has imported the project) answers as
     `python main.py` does: the same exit status, stdout and stderr."""
-    from conftest import REPO, run
-    from dist_harness import ForkedMain
-
     forked = ForkedMain(args, REPO, clean_environment(**env))
     out, err = forked.communicate(timeout=60)
     fresh = run([sys.executable, "main.py", *args], **env)
@@ -302,9 +300,6 @@ def test_a_forked_main_py_answers_as_python_main_py_does(args, env):
 def test_a_forked_main_py_is_killed_as_a_process_is():
     """The fault tests SIGKILL ranks that start_ranks forked: a process of its own, its death
     reported as Popen reports it."""
-    from conftest import LONG_RUN, REPO
-    from dist_harness import ForkedMain
-
     forked = ForkedMain([*LONG_RUN, "--no-checkpoint"], REPO, clean_environment())
     assert forked.stdout.readline().startswith("[CONFIG]")  # it runs main.py: training begins
     forked.kill()
