@@ -9,13 +9,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 import tomllib
 
+import samples
 from config import option_flag
-from conftest import REPO, TINY, assert_one_line_error, clean_environment, metrics_in, run
+from conftest import (
+    REPO,
+    TINY,
+    assert_one_line_error,
+    copy_repo,
+    metrics_in,
+    run,
+)
 from helpers import start_batch_script, wait_for
 from utils import parse_comm
 
@@ -90,32 +99,21 @@ def test_run_sh_defaults_are_the_course_job():
     assert not {"--account", "-A", "--reservation"} & set(options)
 
 
-@pytest.mark.timeout(180)
-def test_run_sh_trains_locally_with_torchrun(repo_copy):
-    """What run.sh decides, seen in what the ranks used: torchrun's world and rendezvous, and
-    the cores shared between the processes (OMP_NUM_THREADS, main.py's `threads`)."""
-    done = run(
-        ["bash", "run.sh", *TINY, "--batch-size", "32", "--epochs", "2"],
-        cwd=repo_copy,
-        timeout=170,
-        NPROC="2",
-        OMP_NUM_THREADS="",
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    metrics = metrics_in(done.stdout)
-    assert [m["epoch"] for m in metrics] == [1, 2]
-    assert all(m["world_size"] == 2 and m["job_id"] == "local" for m in metrics)
-    config = config_line(done.stdout)
-    assert (config["world_size"], config["nodes"]) == ("2", "1")
-    assert re.fullmatch(r"[\w.-]+:\d+", config["rendezvous"]), config["rendezvous"]
-    assert config["threads"] == str(max(1, os.cpu_count() // 2))
-    assert config["cpus"] == str(os.cpu_count())  # what the collector weighs the threads against
-    assert done.stdout.startswith("check: ok: strategy=ddp world sizes 2")
+FAKE_BIN = REPO / "tests" / "fake-bin"
 
 
-def test_the_sampler_counts_ranks_not_their_data_loader_workers(repo_copy):
-    """--loader classic: each rank forks DataLoader workers with its own command line and
-    environment; the CPU sampler writes rows for the two ranks alone."""
+@pytest.fixture(scope="module")
+def local_launch(tmp_path_factory) -> SimpleNamespace:
+    """One run.sh launch without SLURM, for the tests of what it did (each claim its own test,
+    one launch for all): two ranks through torchrun, each forking DataLoader workers
+    (--loader classic), sampled every second, with a fake nvidia-smi on PATH."""
+    folder = tmp_path_factory.mktemp("local_launch")
+    repo = folder / "repo"
+    repo.mkdir()
+    copy_repo(repo)
+    # This launch's own copy of the fake nvidia-smi: a concurrent test's (make test runs two
+    # workers) is no sampler left running by this run.
+    fake_bin = shutil.copytree(FAKE_BIN, folder / "fake-bin")
     done = run(
         [
             "bash",
@@ -133,18 +131,61 @@ def test_the_sampler_counts_ranks_not_their_data_loader_workers(repo_copy):
             "classic",
             "--num-workers",
             "2",
+            "--device",
+            "cpu",
             "--no-checkpoint",
         ],
-        cwd=repo_copy,
+        cwd=repo,
         timeout=170,
         NPROC="2",
+        OMP_NUM_THREADS="",
         SAMPLE_EVERY="1",
+        SAMPLES_DIR=str(folder / "samples"),
+        PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    [samples] = (repo_copy / "logs").glob("cpu_local-*.csv")
-    rows = pd.read_csv(samples)
+    return SimpleNamespace(done=done, samples=folder / "samples", fake_bin=fake_bin)
+
+
+def test_run_sh_trains_locally_with_torchrun(local_launch):
+    """What run.sh decides, seen in what the ranks used: torchrun's world and rendezvous, and
+    the cores shared between the processes (OMP_NUM_THREADS, main.py's `threads`)."""
+    done = local_launch.done
+    metrics = metrics_in(done.stdout)
+    assert [m["epoch"] for m in metrics] == [1, 2]
+    assert all(m["world_size"] == 2 and m["job_id"] == "local" for m in metrics)
+    config = config_line(done.stdout)
+    assert (config["world_size"], config["nodes"]) == ("2", "1")
+    assert re.fullmatch(r"[\w.-]+:\d+", config["rendezvous"]), config["rendezvous"]
+    assert config["threads"] == str(max(1, os.cpu_count() // 2))
+    assert config["cpus"] == str(os.cpu_count())  # what the collector weighs the threads against
+    assert done.stdout.startswith("check: ok: strategy=ddp world sizes 2")
+
+
+def test_the_sampler_counts_ranks_not_their_data_loader_workers(local_launch):
+    """--loader classic: each rank forks DataLoader workers with its own command line and
+    environment; the CPU sampler writes rows for the two ranks alone."""
+    [samples_csv] = local_launch.samples.glob("cpu_local-*.csv")
+    rows = pd.read_csv(samples_csv)
     assert rows["time_s"].nunique() >= 2, "sampled at least twice while training"
     assert rows["pid"].nunique() == 2, rows
+
+
+def test_run_sh_samples_gpus_and_ranks_then_stops_the_samplers(local_launch):
+    files = samples.sample_files(local_launch.samples)
+    assert sorted(kind for kind, *_ in files) == ["cpu", "gpu"], files
+    assert {job for _, job, _, _ in files} == {files[0][1]} and files[0][1].startswith("local-")
+    gpus, processes = samples.summarize([local_launch.samples])
+    assert list(gpus["gpu"]) == [0, 1]
+    assert (gpus["samples"] >= 2).all() and (gpus["peak_mem_mib"] >= 1100).all()
+    assert list(gpus["mean_util_pct"]) == [50, 60]
+    assert len(processes) == 2, processes  # the two ranks, not torchrun's agent
+    assert (processes["peak_rss_mb"] > 50).all() and (processes["mean_cpu_pct"] > 0).all()
+    # Nothing keeps sampling after the job: no fake nvidia-smi, no sampler loop.
+    left = subprocess.run(
+        ["pgrep", "-f", str(local_launch.fake_bin)], capture_output=True, text=True
+    )
+    assert left.stdout == "", left.stdout
 
 
 def test_run_sh_refuses_bad_input_before_starting_ranks(repo_copy):
@@ -174,55 +215,6 @@ def test_a_rank_failing_at_run_time_ends_with_its_own_line_and_status(repo_copy,
     [report] = (repo_copy / "logs" / "torchrun").glob("*/torchrun.log")
     assert "Root Cause" in report.read_text()
     assert str(report.parent.relative_to(repo_copy)) in done.stderr
-
-
-def descendants(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [p for child in map(int, children) for p in (child, *descendants(child))]
-
-
-@pytest.mark.timeout(180)
-def test_a_stopped_run_exits_3_through_run_sh(repo_copy):
-    """SIGUSR1 to one rank: both save and exit 3 (resumable), and so does run.sh, although
-    torchrun itself exits 1; a stop is not an error."""
-    script = subprocess.Popen(
-        [
-            "bash",
-            "run.sh",
-            *TINY[:2],
-            "--train-samples",
-            "40000",
-            "--batch-size",
-            "32",
-            "--epochs",
-            "1",
-            "--print-every",
-            "20",
-        ],
-        cwd=repo_copy,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=clean_environment(NPROC="2"),
-    )
-    try:
-        for line in script.stdout:  # rank 0's progress lines: training is under way
-            if line.startswith("epoch 1 step"):
-                break
-        ranks = [
-            p
-            for p in descendants(script.pid)
-            if b"main.py" in Path(f"/proc/{p}/cmdline").read_bytes()
-            and b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
-        assert len(ranks) == 2, ranks
-        os.kill(ranks[1], signal.SIGUSR1)
-        out, err = script.communicate(timeout=150)
-    finally:
-        script.kill()
-    assert script.returncode == 3, err[-3000:]
-    assert "continue with: main.py" in out
-    assert "error:" not in out + err and "Traceback" not in out + err
 
 
 # What SLURM's binaries would do, for run.sh's batch path: the sampler's srun waits to be
