@@ -162,15 +162,19 @@ def assert_one_line_error(
     return errors[0]
 
 
-@pytest.fixture
-def repo_copy(tmp_path) -> Path:
+def copy_repo(folder: Path) -> Path:
     """The repository's programs in a scratch directory, so that the logs, job scripts,
     results.csv and plots/ a test makes never mix with the real ones."""
     for pattern in ("*.py", "*.sh", "*.toml"):
         for path in REPO.glob(pattern):
-            shutil.copy2(path, tmp_path / path.name)
-    (tmp_path / "logs").mkdir()
-    return tmp_path
+            shutil.copy2(path, folder / path.name)
+    (folder / "logs").mkdir()
+    return folder
+
+
+@pytest.fixture
+def repo_copy(tmp_path) -> Path:
+    return copy_repo(tmp_path)
 
 
 def _controller_up(env: dict) -> bool:
@@ -201,6 +205,7 @@ ONE_WORKER_FILES = {
     "test_features.py",
     "test_pipeline.py",
     "test_resume.py",
+    "test_run_sh.py",
     "test_slurm.py",
     "test_strategies.py",
 }

@@ -1,57 +1,10 @@
-"""run.sh's GPU and CPU samplers (with a fake nvidia-smi on PATH), and their summary."""
-
-import os
-import shutil
-import subprocess
+"""The summary of run.sh's GPU and CPU samplers (their end-to-end run: test_run_sh.py)."""
 
 import pytest
 
 import samples
-from conftest import REPO, TINY, run
 
 pytestmark = pytest.mark.fast  # make test-fast
-
-FAKE_BIN = REPO / "tests" / "fake-bin"
-
-
-def test_run_sh_samples_gpus_and_ranks_then_stops_the_samplers(repo_copy, tmp_path):
-    folder = tmp_path / "samples"
-    # This test's own copy of the fake nvidia-smi: a concurrent test's (make test runs two
-    # workers) is no sampler left running by this run.
-    fake_bin = shutil.copytree(FAKE_BIN, tmp_path / "fake-bin")
-    done = run(
-        [
-            "bash",
-            "run.sh",
-            *TINY,
-            "--train-samples",
-            "4096",
-            "--epochs",
-            "2",
-            "--device",
-            "cpu",
-            "--no-checkpoint",
-        ],
-        cwd=repo_copy,
-        timeout=180,
-        NPROC="2",
-        SAMPLE_EVERY="1",
-        SAMPLES_DIR=str(folder),
-        PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    files = samples.sample_files(folder)
-    assert sorted(kind for kind, *_ in files) == ["cpu", "gpu"], files
-    assert {job for _, job, _, _ in files} == {files[0][1]} and files[0][1].startswith("local-")
-    gpus, processes = samples.summarize([folder])
-    assert list(gpus["gpu"]) == [0, 1]
-    assert (gpus["samples"] >= 2).all() and (gpus["peak_mem_mib"] >= 1100).all()
-    assert list(gpus["mean_util_pct"]) == [50, 60]
-    assert len(processes) == 2, processes  # the two ranks, not torchrun's agent
-    assert (processes["peak_rss_mb"] > 50).all() and (processes["mean_cpu_pct"] > 0).all()
-    # Nothing keeps sampling after the job: no fake nvidia-smi, no sampler loop.
-    left = subprocess.run(["pgrep", "-f", str(fake_bin)], capture_output=True, text=True)
-    assert left.stdout == "", left.stdout
 
 
 def test_gpu_summary_is_exact(tmp_path):
