@@ -385,11 +385,12 @@ def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
 
 
-# Two ranks, long enough to be signalled during epoch 1, their checkpoints in ckpt/.
-STOP_RUN = [*LONG_RUN, "--checkpoint-dir", "ckpt", "--pg-timeout", "60"]
+def stop_run(folder: Path) -> list[str]:
+    """Two ranks, long enough to be signalled during epoch 1, their checkpoints in folder."""
+    return [*LONG_RUN, "--checkpoint-dir", str(folder), "--pg-timeout", "60"]
 
 
-def signal_rank_1_in_epoch_1(args: list, signum: int, cwd: Path, **start):
+def signal_rank_1_in_epoch_1(args: list, signum: int, cwd: Path = REPO, **start):
     """Two ranks started directly; rank 1 alone gets `signum` once rank 0 trains epoch 1.
     Returns the ranks, ended, and their (stdout, stderr)."""
     ranks = start_ranks(args, 2, cwd=cwd, **start)
@@ -405,18 +406,19 @@ def signal_rank_1_in_epoch_1(args: list, signum: int, cwd: Path, **start):
 
 
 @pytest.mark.parametrize("signal_name", ["SIGUSR1", "SIGTERM"])
-def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(repo_copy, signal_name):
+def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(tmp_path, signal_name):
     """SLURM's warning (SIGUSR1) or a preemption/scancel (SIGTERM), sent from outside to rank 1
     alone: both ranks agree on a step, save one checkpoint mid-epoch and exit with status 3;
     resuming finishes the run."""
-    ranks, outputs = signal_rank_1_in_epoch_1(STOP_RUN, getattr(signal, signal_name), repo_copy)
+    args = stop_run(tmp_path / "ckpt")
+    ranks, outputs = signal_rank_1_in_epoch_1(args, getattr(signal, signal_name))
     assert [rank.returncode for rank in ranks] == [3, 3], outputs[0][1][-2000:]
     assert "stopped on a signal to another rank at epoch 1 step" in outputs[0][0]
-    saved = sorted(p.name for p in (repo_copy / "ckpt").iterdir())
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert (
         len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != "ckpt_e0001_s000000"
     ), saved
-    resumed = run_main([*STOP_RUN, "--resume", "auto"], nproc=2, cwd=repo_copy)
+    resumed, _ = main_on_ranks([*args, "--resume", "auto"], 2)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
 
@@ -445,7 +447,7 @@ def test_a_stopped_rank_leaves_only_once_rank_0_is_done(repo_copy):
     ends the others."""
     (repo_copy / "slow_prune_main.py").write_text(SLOW_PRUNE)
     ranks, outputs = signal_rank_1_in_epoch_1(
-        STOP_RUN, signal.SIGUSR1, repo_copy, program="slow_prune_main.py"
+        stop_run(repo_copy / "ckpt"), signal.SIGUSR1, repo_copy, program="slow_prune_main.py"
     )
     assert [rank.returncode for rank in ranks] == [3, 3], outputs[1][1][-2000:]
     pruned = float((repo_copy / "pruned").read_text())
@@ -467,7 +469,7 @@ def test_a_stopped_rank_sent_sigterm_while_it_exits_still_exits_3(repo_copy):
     """srun --kill-on-bad-exit (and torchrun) send SIGTERM to the other ranks once the first
     exits 3: a rank still on its way out takes it as one more stop, and exits 3 too."""
     (repo_copy / "slow_exit_main.py").write_text(SLOW_EXIT)
-    ranks = start_ranks(STOP_RUN, 2, cwd=repo_copy, program="slow_exit_main.py")
+    ranks = start_ranks(stop_run(repo_copy / "ckpt"), 2, cwd=repo_copy, program="slow_exit_main.py")
     try:
         for line in ranks[0].stdout:
             if line.startswith("epoch 1 step"):
