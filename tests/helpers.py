@@ -166,7 +166,7 @@ def first_error_line(rank0) -> str:
 def end_rank1_during_training(args: list, signal_sent) -> tuple[str, int, float]:
     """Two ranks train; rank 1 gets signal_sent. Rank 0's error line, exit status, and the
     seconds it took to say so."""
-    ranks = start_ranks([*args, "--pg-timeout", PG_TIMEOUT_S], 2, PYTHONUNBUFFERED="1")
+    ranks = start_ranks([*args, "--pg-timeout", PG_TIMEOUT_S], 2)
     rank0, rank1 = ranks
     watchdog = threading.Timer(150, rank0.kill)  # a rank 0 that never reacts ends the test
     watchdog.start()
