@@ -153,7 +153,7 @@ class PipelineTrainer(Trainer):
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def compute_seconds_per_step(self) -> float:
+    def compute_seconds_per_step(self, epoch_seconds: float) -> float:
         """Measured, not calibrated: this stage's own forwards and backwards, per step."""
         return self.clock.busy / max(self.clock.steps, 1)
 

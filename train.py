@@ -494,7 +494,7 @@ class Trainer:
         # Read before the calibration and validation run: their memory is not training's (the
         # calibration's unsharded model would otherwise hide FSDP's saving).
         own_peak, own_reserved = self.memory.training_peak(), reserved_peak_bytes(device)
-        breakdown = time_breakdown(segment, self.compute_seconds_per_step(), device)
+        breakdown = time_breakdown(segment, self.compute_seconds_per_step(segment.elapsed), device)
         val = self.evaluate()
         peak, state, reserved = all_reduce(
             [own_peak, state_bytes(self.model, self.optimizer), own_reserved],
@@ -521,9 +521,13 @@ class Trainer:
             **self.strategy_fields(),
         }
 
-    def compute_seconds_per_step(self) -> float:
-        """One step's compute on this rank, for t_compute (time_breakdown)."""
-        return self.calibration.seconds_per_step() if self.calibration else 0.0
+    def compute_seconds_per_step(self, epoch_seconds: float) -> float:
+        """One step's compute on this rank, for t_compute (time_breakdown), timed in at most a
+        tenth of the epoch's training: a short epoch (a tiny run's, a test's) would otherwise
+        spend as long calibrating as training."""
+        if not self.calibration:
+            return 0.0
+        return self.calibration.seconds_per_step(budget_s=min(0.25, epoch_seconds / 10))
 
     def strategy_fields(self) -> dict:
         """The pipeline's measurements (pipeline_utils.PipelineTrainer): no bubble here."""
@@ -685,12 +689,12 @@ class ComputeCalibration:
         self.losses = torch.zeros((), device=device)  # where the steps add their loss, unread
         self.bare.step(self.images, self.labels, self.losses)  # allocations, kernel choices
 
-    def seconds_per_step(self, budget_s: float = 0.25, most: int = 10) -> float:
-        """The median of as many steps as fit in budget_s, at most `most` (a median: a shared
-        machine's other work lands on some steps)."""
+    def seconds_per_step(self, budget_s: float, least: int = 3, most: int = 10) -> float:
+        """The median of as many steps as fit in budget_s, at least `least` and at most `most`
+        (a median: a shared machine's other work lands on some steps)."""
         device, times = self.bare.env.device, []
         start = time.perf_counter()
-        while len(times) < most and time.perf_counter() - start < budget_s:
+        while len(times) < most and (len(times) < least or time.perf_counter() - start < budget_s):
             synchronize_device(device)
             t0 = time.perf_counter()
             self.bare.step(self.images, self.labels, self.losses)

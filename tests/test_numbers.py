@@ -2,6 +2,7 @@
 of the GPU path that a CPU can show (the rest is in test_gpu.py, which needs CUDA)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,9 +66,47 @@ class GreedyCalibration:
     """Stands in for the compute calibration, which steps an unsharded copy of the model after
     each epoch's training: holds 256 MB (touched) while it runs."""
 
-    def seconds_per_step(self) -> float:
+    def seconds_per_step(self, budget_s: float) -> float:
         held = torch.ones(2**26)
         return float(held[0]) * 0.001
+
+
+class TenMsSteps:
+    """A trainer whose step takes 10 ms of a clock of its own, and counts itself."""
+
+    env = SimpleNamespace(device=torch.device("cpu"))
+
+    def __init__(self):
+        self.steps, self.now = 0, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self, images, labels, losses):
+        self.steps += 1
+        self.now += 0.01
+
+
+@pytest.mark.parametrize("budget_s, steps", [(0.0, 3), (0.055, 6), (10.0, 10)])
+def test_the_calibration_times_three_to_ten_steps_within_its_budget(monkeypatch, budget_s, steps):
+    """t_compute's calibration: the steps that fit in its budget (a tenth of the epoch's
+    training, at most 0.25 s: Trainer.compute_seconds_per_step), never fewer than three for
+    a median, never more than ten."""
+    bare = TenMsSteps()
+    monkeypatch.setattr(train.time, "perf_counter", bare.clock)
+    calibration = train.ComputeCalibration(bare, 2, (3, 8, 8), 10, torch.contiguous_format)
+    bare.steps = 0  # the first step, at its making, is not timed
+    assert calibration.seconds_per_step(budget_s) == pytest.approx(0.01)
+    assert bare.steps == steps
+
+
+@pytest.mark.parametrize("epoch_s, budget_s", [(0.5, 0.05), (2.5, 0.25), (60.0, 0.25)])
+def test_a_short_epoch_gets_a_short_calibration(epoch_s, budget_s):
+    budgets = []
+    calibration = SimpleNamespace(seconds_per_step=lambda budget_s: budgets.append(budget_s))
+    trainer = SimpleNamespace(calibration=calibration)
+    train.Trainer.compute_seconds_per_step(trainer, epoch_s)
+    assert budgets == [pytest.approx(budget_s)]
 
 
 def peak_beside_a_greedy_calibration(env, cfg):
