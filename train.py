@@ -522,12 +522,8 @@ class Trainer:
         }
 
     def compute_seconds_per_step(self, epoch_seconds: float) -> float:
-        """One step's compute on this rank, for t_compute (time_breakdown), timed in at most a
-        tenth of the epoch's training: a short epoch (a tiny run's, a test's) would otherwise
-        spend as long calibrating as training."""
-        if not self.calibration:
-            return 0.0
-        return self.calibration.seconds_per_step(budget_s=min(0.25, epoch_seconds / 10))
+        """One step's compute on this rank, for t_compute (time_breakdown)."""
+        return self.calibration.seconds_per_step(epoch_seconds) if self.calibration else 0.0
 
     def strategy_fields(self) -> dict:
         """The pipeline's measurements (pipeline_utils.PipelineTrainer): no bubble here."""
@@ -671,6 +667,11 @@ class ComputeCalibration:
     rank at once, so that it sees the machine as the epoch just did; it touches neither the
     trained model nor any random stream."""
 
+    # Steps timed: as many as fit in a tenth of the epoch's training, at most BUDGET_S (a
+    # short epoch, a tiny run's or a test's, would otherwise spend as long calibrating as
+    # training); never fewer than LEAST, for a median, nor more than MOST.
+    EPOCH_SHARE, BUDGET_S, LEAST, MOST = 0.1, 0.25, 3, 10
+
     def __init__(
         self,
         bare: Trainer,
@@ -689,12 +690,15 @@ class ComputeCalibration:
         self.losses = torch.zeros((), device=device)  # where the steps add their loss, unread
         self.bare.step(self.images, self.labels, self.losses)  # allocations, kernel choices
 
-    def seconds_per_step(self, budget_s: float, least: int = 3, most: int = 10) -> float:
-        """The median of as many steps as fit in budget_s, at least `least` and at most `most`
-        (a median: a shared machine's other work lands on some steps)."""
+    def seconds_per_step(self, epoch_seconds: float) -> float:
+        """The median of the steps timed after an epoch of epoch_seconds' training (a median: a
+        shared machine's other work lands on some steps)."""
+        budget_s = min(self.BUDGET_S, self.EPOCH_SHARE * epoch_seconds)
         device, times = self.bare.env.device, []
         start = time.perf_counter()
-        while len(times) < most and (len(times) < least or time.perf_counter() - start < budget_s):
+        while len(times) < self.MOST and (
+            len(times) < self.LEAST or time.perf_counter() - start < budget_s
+        ):
             synchronize_device(device)
             t0 = time.perf_counter()
             self.bare.step(self.images, self.labels, self.losses)
