@@ -108,9 +108,7 @@ def local_launch(tmp_path_factory) -> SimpleNamespace:
     one launch for all): two ranks through torchrun, each forking DataLoader workers
     (--loader classic), sampled every second, with a fake nvidia-smi on PATH."""
     folder = tmp_path_factory.mktemp("local_launch")
-    repo = folder / "repo"
-    repo.mkdir()
-    copy_repo(repo)
+    repo = copy_repo(tmp_path_factory.mktemp("repo"))
     # This launch's own copy of the fake nvidia-smi: a concurrent test's (make test runs two
     # workers) is no sampler left running by this run.
     fake_bin = shutil.copytree(FAKE_BIN, folder / "fake-bin")
