@@ -29,13 +29,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from config import SHARDED, STAGED
 from distributed_utils import is_peer_failure, run_name
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
+
+# torch.distributed.checkpoint (DCP) is imported inside the functions that write or read a
+# checkpoint: it loads FSDP and DTensor (about a second), which `main.py --check`, run before
+# every launch to find the run's checkpoint folder, does without.
 
 NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
 DAMAGED_SUFFIX = ".damaged"  # an unreadable checkpoint set aside, never deleted by us
@@ -193,6 +194,9 @@ def _write(
 ) -> None:
     """This rank's part of a checkpoint, into `tmp` (DCP's sharded save is collective, and
     raises on every rank if one fails)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         model_state, optim_state = get_state_dict(
@@ -279,6 +283,8 @@ def _remove_leftovers(directory: Path) -> None:
 def _cause(error: BaseException) -> str:
     """What went wrong, in one line: the exception's type and first line; for DCP's
     CheckpointException (which holds every failed rank's), each rank's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(error, CheckpointException):
         return "; ".join(
             f"rank {rank}: {_cause(wrapped[0])}" for rank, wrapped in sorted(error.failures.items())
@@ -294,6 +300,8 @@ def _together(fn, *args, alone: bool = False) -> tuple[object, str | None]:
     to the same next collective as the others, never to another (a mismatch, or a hang until
     --pg-timeout). A peer's death is no checkpoint fault: it goes on up, to end the run as
     one."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     value, error = None, None
     if not alone or is_rank_zero():
         try:
@@ -441,6 +449,9 @@ def _load_streams(path: Path) -> dict | None:
 
 def _load_shards(path: Path, model, optimizer) -> dict:
     """FSDP's sharded state, read through DCP into this rank's shapes (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)  # shapes to fill
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
@@ -483,6 +494,8 @@ def load(
             f"checkpoint {path} holds {meta['world_size']} pipeline stages: resume it on "
             f"{meta['world_size']} ranks, not {_world()}"
         )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         if full:

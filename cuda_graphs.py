@@ -21,8 +21,37 @@ from collections.abc import Callable
 
 import torch
 
+from config import Config
+
 # torch's notes: DDP needs at least 11 eager iterations before its backward can be captured.
 WARMUP_STEPS = 11
+
+
+def refusal(cfg: Config, device: torch.device) -> str | None:
+    """Why the step of this run cannot be one CUDA graph, and what to do; None where it can.
+    A graph replays the same kernels on the same addresses: nothing may be decided on the host
+    between them."""
+    if device.type != "cuda":
+        return "a CUDA graph records GPU kernels: it needs a GPU (leave the option out on a CPU)"
+    if cfg.strategy not in ("single", "ddp"):
+        return (
+            f"--strategy {cfg.strategy} cannot be captured (FSDP gathers and frees each unit "
+            "from hooks run on the host; dp copies the model at every step; a pipeline's "
+            "schedule and model parallelism's moves are decided on the host): use ddp or single"
+        )
+    if cfg.precision == "fp16":
+        return (
+            "fp16's gradient scaler has not been shown to work inside a captured step: use "
+            "--precision bf16 (no scaler)"
+        )
+    if cfg.lr_schedule != "none" or cfg.warmup_epochs:
+        return (
+            "the graph would keep the first step's learning rate: use a constant one "
+            "(--lr-schedule none, --warmup-epochs 0)"
+        )
+    if cfg.compile:
+        return "torch.compile makes CUDA graphs of its own (mode='reduce-overhead'): use one"
+    return None
 
 
 @contextlib.contextmanager

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import cuda_graphs
+from config import Config
 from utils import UsageError, env_int, is_rank_zero, read_ranks, time_stamp
 
 DEFAULT_PORT = 29500  # torchrun's, where no job gives one
@@ -161,6 +163,42 @@ def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[
             "--device cpu trains on the CPU on purpose"
         )
     return torch.device("cpu"), BACKENDS["cpu"]
+
+
+def check_device(cfg: Config) -> tuple[torch.device, str]:
+    """For `main.py --check`: the device the run would take here, or, for `--device cuda`
+    checked on a machine without a GPU (a login node planning a sweep), a GPU assumed: its
+    model is unknown here."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        return torch.device("cuda"), "cuda (no GPU here: bf16 support not checked)"
+    device, _ = pick_device(0, cfg.device)
+    return device, device.type
+
+
+def check_device_options(cfg: Config, device: torch.device) -> None:
+    """Options the device cannot do: refused by `main.py --check` (one process, which loads no
+    wrapper) and by every rank before it builds its model."""
+    if (
+        cfg.precision == "bf16"
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and not torch.cuda.is_bf16_supported()
+    ):
+        raise UsageError(
+            f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
+            "use --precision fp16 or fp32"
+        )
+    if cfg.cpu_offload and device.type != "cuda":
+        raise UsageError(
+            "--cpu-offload moves FSDP's shards from the GPU to the CPU; "
+            "without a GPU they are on the CPU already"
+        )
+    if cfg.sync_bn and device.type != "cuda":
+        raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
+    if cfg.sync_bn and cfg.strategy != "ddp":
+        raise UsageError("--sync-bn is for --strategy ddp")
+    if cfg.cuda_graphs and (why := cuda_graphs.refusal(cfg, device)):
+        raise UsageError(f"--cuda-graphs: {why}")
 
 
 def shared_gpus(owners: list[str]) -> str | None:

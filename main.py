@@ -112,13 +112,13 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         raise UsageError(f"--check: world sizes must be at least 1, got {min(world_sizes)}")
     import checkpoint  # torch loads here, once the options are known to be readable
     import data
-    import strategies
+    import distributed_utils
 
     train_size, source = data.find_data(cfg.dataset, cfg.data_dir, cfg.train_samples, cfg.download)
     for world_size in world_sizes:
         check_world(cfg, world_size, train_size)
-    device, where = strategies.check_device(cfg)
-    strategies.check_device_options(cfg, device)
+    device, where = distributed_utils.check_device(cfg)
+    distributed_utils.check_device_options(cfg, device)
     if cfg.resume not in (None, "auto"):
         checkpoint.resolve(cfg.resume, Path("."))
     elif cfg.checkpoint and cfg.checkpoint_dir:

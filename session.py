@@ -23,7 +23,6 @@ from fsdp_utils import effective_sharding, low_precision
 from model import build_model, count_parameters
 from strategies import (
     STEP_COLLECTIVES,
-    check_device_options,
     devices_per_rank,
     make_precision,
     wrap_model,
@@ -64,7 +63,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         cfg.dataset, cfg.data_dir, cfg.seed, cfg.train_samples, cfg.val_samples, cfg.download
     )
     check_world(cfg, env.world_size, len(train_set))
-    check_device_options(cfg, env.device)
+    distributed_utils.check_device_options(cfg, env.device)
     precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)
     fp32_math = set_fp32_math(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format

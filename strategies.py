@@ -1,7 +1,9 @@
 """How each `--strategy` runs: the wrapper that makes one rank's model data-parallel (DDP or
 DataParallel from ddp_utils.py, FSDP1 or FSDP2 from fsdp_utils.py, or none) or cuts it into
 parts (a pipeline stage from pipeline_utils.py, or model_parallel.py's parts on consecutive
-GPUs), how a step of it runs at a `--precision`, and what its options need of the device.
+GPUs), and how a step of it runs at a `--precision`. What its options need of the device is
+distributed_utils.py's to check (`check_device_options`): `main.py --check` asks that without
+loading the wrappers.
 
 The names of the strategies are config.py's; this module only maps them to the code that runs
 them, so that adding a strategy touches config.py (its name) and this file.
@@ -11,14 +13,12 @@ import contextlib
 
 import torch
 
-import distributed_utils
 from config import SHARDED, Config
 from cuda_graphs import side_stream
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import get_fsdp2_model, get_fsdp_model, low_precision
 from model_parallel import get_model_parallel, usable_devices
 from train import Precision
-from utils import UsageError
 
 # What a training step of each strategy waits on its peers in: a rank's last words (say_where)
 # before it died or hung name it.
@@ -101,64 +101,3 @@ def make_precision(
         scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     autocast = None if strategy in SHARDED else low_precision(precision)
     return Precision(autocast, scaler, cache=not cuda_graphs)
-
-
-def check_device_options(cfg: Config, device: torch.device) -> None:
-    """Options the device cannot do."""
-    if (
-        cfg.precision == "bf16"
-        and device.type == "cuda"
-        and torch.cuda.is_available()
-        and not torch.cuda.is_bf16_supported()
-    ):
-        raise UsageError(
-            f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
-            "use --precision fp16 or fp32"
-        )
-    if cfg.cpu_offload and device.type != "cuda":
-        raise UsageError(
-            "--cpu-offload moves FSDP's shards from the GPU to the CPU; "
-            "without a GPU they are on the CPU already"
-        )
-    if cfg.sync_bn and device.type != "cuda":
-        raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
-    if cfg.sync_bn and cfg.strategy != "ddp":
-        raise UsageError("--sync-bn is for --strategy ddp")
-    if cfg.cuda_graphs and (why := cuda_graphs_refusal(cfg, device)):
-        raise UsageError(f"--cuda-graphs: {why}")
-
-
-def cuda_graphs_refusal(cfg: Config, device: torch.device) -> str | None:
-    """Why the step of this run cannot be one CUDA graph, and what to do; None where it can.
-    A graph replays the same kernels on the same addresses: nothing may be decided on the host
-    between them."""
-    if device.type != "cuda":
-        return "a CUDA graph records GPU kernels: it needs a GPU (leave the option out on a CPU)"
-    if cfg.strategy not in ("single", "ddp"):
-        return (
-            f"--strategy {cfg.strategy} cannot be captured (FSDP gathers and frees each unit "
-            "from hooks run on the host; dp copies the model at every step; a pipeline's "
-            "schedule and model parallelism's moves are decided on the host): use ddp or single"
-        )
-    if cfg.precision == "fp16":
-        return (
-            "fp16's gradient scaler has not been shown to work inside a captured step: use "
-            "--precision bf16 (no scaler)"
-        )
-    if cfg.lr_schedule != "none" or cfg.warmup_epochs:
-        return (
-            "the graph would keep the first step's learning rate: use a constant one "
-            "(--lr-schedule none, --warmup-epochs 0)"
-        )
-    if cfg.compile:
-        return "torch.compile makes CUDA graphs of its own (mode='reduce-overhead'): use one"
-    return None
-
-
-def check_device(cfg: Config) -> tuple[torch.device, str]:
-    """The device the run would take here, or, for `--device cuda` checked on a machine without
-    a GPU (a login node planning a sweep), a GPU assumed: its model is unknown here."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        return torch.device("cuda"), "cuda (no GPU here: bf16 support not checked)"
-    device, _ = distributed_utils.pick_device(0, cfg.device)
-    return device, device.type

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import distributed_utils
 import main
-import strategies
 from conftest import (
     LONG_RUN,
     REPO,
@@ -278,9 +278,9 @@ def test_precision_the_device_cannot_do_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(UsageError, match="bf16 is not supported on Tesla V100"):
-        strategies.check_device_options(Config(precision="bf16"), torch.device("cuda", 0))
+        distributed_utils.check_device_options(Config(precision="bf16"), torch.device("cuda", 0))
     with pytest.raises(UsageError, match="--cpu-offload"):
-        strategies.check_device_options(
+        distributed_utils.check_device_options(
             Config(strategy="fsdp", cpu_offload=True), torch.device("cpu")
         )
 

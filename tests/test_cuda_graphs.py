@@ -9,10 +9,9 @@ import torch
 from checkpoint import Position
 from config import Config
 from conftest import TINY, assert_one_line_error, run_main
-from cuda_graphs import GraphedStep
+from cuda_graphs import GraphedStep, refusal
 from dist_harness import EQUAL_CFG, spawn
 from session import build_trainer
-from strategies import cuda_graphs_refusal
 
 pytestmark = pytest.mark.fast  # make test-fast
 
@@ -34,7 +33,7 @@ CHECK = [*TINY, "--cuda-graphs", "--device", "cuda", "--check", "1"]
     ],
 )
 def test_what_cannot_be_one_graph_is_refused_with_the_reason(options, reason):
-    why = cuda_graphs_refusal(Config(cuda_graphs=True, **options), torch.device("cuda"))
+    why = refusal(Config(cuda_graphs=True, **options), torch.device("cuda"))
     assert why == reason or reason in why, why
 
 

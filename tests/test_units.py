@@ -369,3 +369,36 @@ def test_a_slow_import_waits_for_the_run_that_needs_it(module, needing):
         [sys.executable, "-c", probe], capture_output=True, text=True, env=clean_environment()
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# What a data-parallel run imports but `main.py --check` must not: FSDP, DTensor and DCP, most
+# of a second of every check (run.sh's before each launch, the sweep's per configuration).
+SHARDING_IMPORTS = [
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+]
+
+
+def test_check_finds_device_data_and_checkpoint_without_the_sharding_imports(tmp_path):
+    """--check of an FSDP2 run resuming from a folder of checkpoints finds the checkpoint (or
+    it would exit 2) and loads no wrapper and no DCP."""
+    (tmp_path / "ckpt_e0001_s000000").mkdir()
+    (tmp_path / "ckpt_e0001_s000000" / "meta.pt").touch()
+    check = [*TINY, "--strategy", "fsdp2", "--resume", str(tmp_path), "--check", "1", "2"]
+    probe = (
+        "import sys, main\n"
+        f"assert main.main({check!r}) == 0\n"
+        f"loaded = [m for m in {SHARDING_IMPORTS!r} if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=clean_environment(),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "check: ok: strategy=fsdp2 world sizes 1 2" in done.stdout, done.stdout
+
