@@ -275,9 +275,11 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     knows which).
     """
     global _store, _handshake_group, _timeout
-    # What is imported by now lives as long as the process: frozen, cleanup's collections scan
-    # only what the run made (a full one scans torch's modules too: 0.15 s, twice, per rank).
+    # What is imported by now lives as long as the process: frozen, Python's collections (the
+    # training loop's, cleanup's) scan only what the run made, not torch's modules too (0.15 s
+    # each). main.py loads them with the collector off: it goes back on here.
     gc.freeze()
+    gc.enable()
     rank, local_rank, world_size = read_ranks()
     device, backend = pick_device(local_rank, wanted=device)
     if device.type == "cuda":
