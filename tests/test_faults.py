@@ -336,7 +336,7 @@ def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_pat
 
 # ----------------------------------------------------------------------------- every stop signal
 
-STOP_SIGNALS = ["SIGUSR1", "SIGUSR2", "SIGTERM"]
+STOP_SIGNALS = [sig.name for sig in stopping.STOP_SIGNALS]  # main.py's, each by name
 LONG = [*LONG_RUN, "--device", "cpu"]
 
 
