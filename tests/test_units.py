@@ -1,7 +1,6 @@
 """Launcher variables, rendezvous, device choice and model shapes: no processes needed."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -365,9 +364,7 @@ def test_a_slow_import_waits_for_the_run_that_needs_it(module, needing):
         f"{needing}\n"
         f"assert {module!r} in sys.modules\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=clean_environment()
-    )
+    done = run([sys.executable, "-c", probe], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -392,13 +389,7 @@ def test_check_finds_device_data_and_checkpoint_without_the_sharding_imports(tmp
         f"loaded = [m for m in {SHARDING_IMPORTS!r} if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=clean_environment(),
-    )
+    done = run([sys.executable, "-c", probe], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "check: ok: strategy=fsdp2 world sizes 1 2" in done.stdout, done.stdout
 
@@ -420,11 +411,5 @@ def test_a_rank_loads_torch_without_collecting_and_freezes_it():
         "assert not early, f'{len(early)} collections while torch loaded, {early.count(2)} full'\n"
         "assert gc.isenabled() and gc.get_freeze_count() > 200_000, gc.get_freeze_count()\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=clean_environment(),
-    )
+    done = run([sys.executable, "-c", probe], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
