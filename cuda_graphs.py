@@ -13,7 +13,8 @@ eagerly on a side stream (DDP's lazy buckets, the optimizer's state, cuDNN's alg
 and the optimizer keeps its step count on the device (`capturable=True`). These warm-up steps
 are real training steps, so a graphed run trains the same steps as an eager one.
 
-Not yet run on a GPU: see docs/performance.md. Where it cannot apply, config checks refuse it.
+Not yet run on a GPU: see docs/performance.md. Where it cannot apply, `refusal` says why, and
+`main.py --check` and every rank refuse the run (distributed_utils.check_device_options).
 """
 
 import contextlib
