@@ -143,6 +143,7 @@ stop_sampler() {
 # signals every step but this batch shell's.
 on_stop_signal() {
     local sig=$1
+    signalled=yes   # see wait_through_signals
     stopping=$sig
     [ "$sig" = TERM ] || requeue=yes
     [ -n "$srun_pid" ] || return 0
@@ -242,11 +243,15 @@ requeue_after_warning() {
     fi
 }
 
-# `wait` returns early when a trapped signal arrives: wait again until the process is gone.
+# The process's own exit status. `wait` returns early, with 128 + the signal's number, when a
+# trapped signal arrives (the stop traps, on_stop_signal and signal_ranks, set signalled=yes):
+# wait again, also where the process ended meanwhile (a task that saved and exited at once):
+# `wait` still reports its status, where asking whether it runs would lose it.
 wait_through_signals() {
-    local status=0
-    wait "$1" || status=$?
-    while kill -0 "$1" 2>/dev/null; do
+    local status
+    signalled=yes
+    while [ "$signalled" = yes ]; do
+        signalled=no
         status=0
         wait "$1" || status=$?
     done
@@ -256,6 +261,7 @@ wait_through_signals() {
 # Send signal $1 to the ranks, torchrun's (pid $2) child processes.
 signal_ranks() {
     local pid
+    signalled=yes   # see wait_through_signals
     [ -n "$2" ] || return 0
     for pid in $(pgrep -P "$2"); do
         kill -s "$1" "$pid" 2>/dev/null || true

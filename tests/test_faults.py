@@ -433,7 +433,8 @@ def test_every_stop_signal_to_run_sh_reaches_every_rank(repo_copy, signal_name):
 # What SLURM's binaries would do, for run.sh's batch path: the sampler's srun waits to be
 # ended; the tasks' srun "trains" until a stop signal reaches it (from run.sh, or as scancel
 # would send it), writes down which, then exits with $TASKS_STATUS; scontrol and scancel write
-# down what they were asked.
+# down what they were asked. scancel returns once the tasks have ended: run.sh's trap must then
+# still take their exit status (tasks that save and exit at once end before the trap returns).
 SLURM_STAND_INS = {
     "srun": """if [[ " $* " == *" --overlap "* ]]; then exec sleep 600; fi
 stop() { echo "srun got $1" >>"$CALLS"; exit "$TASKS_STATUS"; }
@@ -443,7 +444,10 @@ trap 'stop TERM' TERM
 echo $$ >"$CALLS.started"
 while true; do sleep 0.1; done""",
     "scontrol": 'echo "scontrol $*" >>"$CALLS"',
-    "scancel": 'echo "scancel $*" >>"$CALLS"; kill -TERM "$(cat "$CALLS.started")"',
+    "scancel": """echo "scancel $*" >>"$CALLS"
+tasks=$(cat "$CALLS.started")
+kill -TERM "$tasks"
+while kill -0 "$tasks" 2>/dev/null; do sleep 0.01; done""",
     "python": "true",
 }
 
