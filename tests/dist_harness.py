@@ -265,8 +265,10 @@ EQUAL_CFG = dict(
 
 
 def full_state(env, model) -> dict | None:
-    """The whole model's parameters, gathered from every rank's shard, on rank 0 (else None)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    """The whole model's parameters, gathered from every rank's shard, on rank 0 (else None).
+    Moved to the CPU only from a GPU: FSDP1's gather with cpu_offload of tensors already on the
+    CPU kills rank 0 with SIGSEGV (torch 2.9 and 2.10)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=env.device.type == "cuda")
     state = get_model_state_dict(model, options=options)  # every rank must take part
     return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
 

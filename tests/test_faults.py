@@ -29,7 +29,7 @@ from conftest import (
     run_main,
     start_ranks,
 )
-from dist_harness import spawn
+from dist_harness import full_state, spawn
 from helpers import start_batch_script, wait_for
 
 STATUS_CHECKPOINT = 5  # main.EXIT_STATUS["checkpoint"]
@@ -508,16 +508,6 @@ STOP_CFG = dict(
 STEPS_PER_EPOCH = 12
 
 
-def whole_model(env, model) -> dict | None:
-    """The whole model's parameters, gathered from every rank's shard, on rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
-
-
 def train_until_signalled(env, cfg, at_poll, rank, signum):
     """main.py's run on every rank, with `signum` sent to `rank` at its at_poll-th step (0:
     never). The ranks agree on a stop at every step (the next step after the signal), as main()
@@ -537,7 +527,7 @@ def train_until_signalled(env, cfg, at_poll, rank, signum):
         stopping.StopRequest.poll = poll_and_signal
     with stopping.catch_stop_signals():
         outcome = session.run(cfg, env)
-    return whole_model(env, outcome.trainer.model), outcome.stopped_at
+    return full_state(env, outcome.trainer.model), outcome.stopped_at
 
 
 @pytest.mark.slow
