@@ -79,7 +79,7 @@ TASK_SETUP='cd "$1" && shift && exec "$@"'
 # and resident memory of this run's ranks, found by the SAMPLE_TAG=<tag> in their environment,
 # from /proc). collect_results.py summarises them. Appends: a requeued job goes on.
 sample_node() {
-    local dir=$1 tag=$2 every=$3 host gpu_pid="" pid program ranks stat ppid rss tick
+    local dir=$1 tag=$2 every=$3 host gpu_pid="" pid cmdline program ranks stat ppid rss tick
     host=${SLURMD_NODENAME:-$(hostname -s)}   # SLURM's name: emulated nodes share a host
     tick=$(getconf CLK_TCK)
     mkdir -p "$dir"
@@ -95,11 +95,12 @@ sample_node() {
         ranks=" "
         for pid in $(pgrep -u "$(id -u)" -f '[m]ain[.]py'); do
             # This run's ranks only: not another run's, not srun or a shell with main.py among
-            # its arguments, not torchrun.
+            # its arguments, not torchrun. The command line is read once: torchrun ending as
+            # training ends leaves an empty one, which reads as no rank, not as one.
             grep -qsxz "SAMPLE_TAG=$tag" "/proc/$pid/environ" || continue
-            program=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n 1) || continue
-            [[ ${program##*/} == python* ]] || continue
-            grep -qs 'distributed[.]run' "/proc/$pid/cmdline" && continue
+            cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || continue
+            program=${cmdline%% *}
+            [[ ${program##*/} == python* && $cmdline != *distributed.run* ]] || continue
             ranks+="$pid "
         done
         for pid in $ranks; do
@@ -109,8 +110,9 @@ sample_node() {
             stat=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null) || continue
             read -r _ ppid _ <<<"$stat"
             [[ $ranks == *" $ppid "* ]] && continue
-            rss=$(awk '/^VmRSS:/ { print $2 }' "/proc/$pid/status" 2>/dev/null) || continue
-            echo "$stat" | awk -v t="$(date +%s.%N)" -v pid="$pid" -v rss="${rss:-0}" \
+            rss=$(awk '/^VmRSS:/ { print $2 }' "/proc/$pid/status" 2>/dev/null)
+            [ -n "$rss" ] || continue   # it has ended: its memory is gone
+            echo "$stat" | awk -v t="$(date +%s.%N)" -v pid="$pid" -v rss="$rss" \
                 -v tick="$tick" '{ printf "%.3f,%s,%.2f,%.1f\n", t, pid, ($12 + $13) / tick,
                                    rss / 1024 }' >>"$cpu_csv"
         done
