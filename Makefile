@@ -1,6 +1,7 @@
 # make install: a virtual environment in .venv; make run: the main job locally;
 # make test: install if needed, then every test (SLURM tests run when root can start SLURM;
-# GPU tests when there is a GPU). make test-gpu: the GPU tests and benchmark.py alone.
+# GPU tests when there is a GPU). make test-oldest: every test again with the oldest torch that
+# requirements.txt allows. make test-gpu: the GPU tests and benchmark.py alone.
 # make lint: ruff (lint and format check) and shellcheck, installed from requirements-dev.txt.
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 SHELL_SCRIPTS := $(wildcard *.sh) .ci/run $(wildcard .ci/*.sh .ci/slurm/*.sh tests/fake-bin/*)
 
-.PHONY: install run test test-fast test-gpu lint format clean
+.PHONY: install run test test-fast test-oldest test-gpu lint format clean
 
 install: $(STAMP)
 
@@ -32,6 +33,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m fast $(WORKERS) $(PYTEST_ARGS)
 
+# The range's other end: requirements.txt's floor (torch>=X.Y) at its newest patch release, in a
+# virtual environment of its own. The tests' own Python runs run.sh and the SLURM jobs too.
+OLDEST_VENV := .venv-oldest
+OLDEST_TORCH := $(shell sed -n 's/^torch>=\([0-9.]*\),.*/\1/p' requirements.txt)
+
+$(OLDEST_VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -r requirements.txt "torch==$(OLDEST_TORCH).*"
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/python -m pytest tests $(WORKERS) $(PYTEST_ARGS)
+
 # On a machine with a GPU: the CUDA/NCCL tests (skipped elsewhere), then the benchmark.
 test-gpu: $(STAMP)
 	$(PY) -m pytest tests -m gpu -rs $(PYTEST_ARGS)
@@ -52,4 +66,4 @@ format: $(LINT_STAMP)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache __pycache__ tests/__pycache__
+	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache __pycache__ tests/__pycache__

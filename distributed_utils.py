@@ -30,6 +30,10 @@ import cuda_graphs
 from config import Config
 from utils import UsageError, env_int, is_rank_zero, read_ranks, time_stamp
 
+# The oldest torch this project runs on; requirements.txt's floor is the same (a test checks).
+# torch 2.9's pipeline stages greet their neighbours with a tensor of another type than the one
+# they wait for, which gloo refuses and NCCL garbles (fixed for 2.10 by pytorch/pytorch#165539).
+OLDEST_TORCH = (2, 10)
 DEFAULT_PORT = 29500  # torchrun's, where no job gives one
 # The ports derived from job ids: below Linux's default range of ports for outgoing connections
 # (32768-60999), any of which the system may have handed to another program on the node.
@@ -139,6 +143,21 @@ def given_gpus(env=os.environ) -> str | None:
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 # A process group on GPUs: each device type's tensors to its own backend ("cpu:gloo,cuda:nccl").
 GPU_GROUP_BACKEND = ",".join(f"{kind}:{name}" for kind, name in BACKENDS.items())
+
+
+def check_torch(version: str | None = None) -> None:
+    """Refuse a torch (this one: torch.__version__) older than OLDEST_TORCH in one line. By its
+    release alone: NVIDIA's NGC containers carry builds such as 2.10.0a0+b4e4ee81d3, made on
+    the way to 2.10."""
+    version = version or torch.__version__
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if (major, minor) < OLDEST_TORCH:
+        oldest = ".".join(map(str, OLDEST_TORCH))
+        raise UsageError(
+            f"torch {version} is older than {oldest}, the oldest this project runs on: "
+            f"install requirements.txt (make install), or run in a container with torch {oldest} "
+            "or newer (edf.toml's, on CSCS Alps)"
+        )
 
 
 def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[torch.device, str]:

@@ -115,6 +115,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import data
     import distributed_utils
 
+    distributed_utils.check_torch()
     train_size, source = data.find_data(cfg.dataset, cfg.data_dir, cfg.train_samples, cfg.download)
     for world_size in world_sizes:
         check_world(cfg, world_size, train_size)
@@ -141,6 +142,7 @@ def train(cfg: Config, argv: list[str]) -> int:
     import session
     from train import set_deterministic
 
+    distributed_utils.check_torch()
     set_deterministic(cfg.deterministic)  # before CUDA starts
     env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
     failed = True

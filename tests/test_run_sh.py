@@ -54,7 +54,12 @@ def test_edf_is_a_cscs_environment_definition():
     assert edf["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert edf["env"]["MPICH_GPU_SUPPORT_ENABLED"] == "0"
     hook = edf["annotations"]["com"]["hooks"]["aws_ofi_nccl"]
-    assert hook == {"enabled": "true", "variant": "cuda12"}
+    # The plugin that loads the image's own CUDA runtime: no CUDA version to keep in step.
+    assert hook == {"enabled": "true", "variant": "cuda-dl"}
+    # An NGC PyTorch image (nvcr.io#nvidia/pytorch:YY.MM-py3) of 25.12 or later: 25.10 and
+    # before carry a torch older than distributed_utils.OLDEST_TORCH.
+    tag = re.fullmatch(r"nvcr\.io#nvidia/pytorch:(\d\d)\.(\d\d)-py3", edf["image"])
+    assert tag and (int(tag[1]), int(tag[2])) >= (25, 12), edf["image"]
     assert set(edf) <= {
         "image",
         "mounts",
