@@ -2,7 +2,6 @@
 CSV is one line of error; the shell script runs collect then plot from any directory."""
 
 import math
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,7 +14,7 @@ from matplotlib.colors import to_rgb
 
 import collect_results
 import plot_results
-from conftest import REPO, call_main
+from conftest import REPO, call_main, clean_environment
 from helpers import COURSE_LOGS, run_log, runs_frame
 from utils import format_comm
 
@@ -256,7 +255,8 @@ def test_missing_csv(tmp_path, capsys):
 
 
 def run_script(cwd: Path, **env) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if k != "DISPLAY"}  # open no windows
+    """plot_results.sh with the tests' Python (PYTHON), wherever the repository's .venv is."""
+    environment = {k: v for k, v in clean_environment().items() if k != "DISPLAY"}  # no windows
     return subprocess.run(
         ["bash", str(REPO / "plot_results.sh")],
         cwd=cwd,
