@@ -35,12 +35,14 @@ test-fast: $(STAMP)
 
 # The range's other end: requirements.txt's floor (torch>=X.Y) at its newest patch release, in a
 # virtual environment of its own. The tests' own Python runs run.sh and the SLURM jobs too.
+# Without pip's cache: PyPI's torch for x86-64 Linux is a CUDA build, whose wheels (about 4 GB)
+# would otherwise stay on disk beside the 7 GB they unpack to.
 OLDEST_VENV := .venv-oldest
 OLDEST_TORCH := $(shell sed -n 's/^torch>=\([0-9.]*\),.*/\1/p' requirements.txt)
 
 $(OLDEST_VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/python -m pip install -r requirements.txt "torch==$(OLDEST_TORCH).*"
+	$(OLDEST_VENV)/bin/python -m pip install --no-cache-dir -r requirements.txt "torch==$(OLDEST_TORCH).*"
 	touch $@
 
 test-oldest: $(OLDEST_VENV)/.installed
