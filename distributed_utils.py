@@ -13,6 +13,7 @@ task sees one GPU; two ranks on one GPU are refused); otherwise the CPU over glo
 silently where the job was given GPUs torch cannot see.
 """
 
+import atexit
 import datetime
 import gc
 import itertools
@@ -296,8 +297,11 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     global _store, _handshake_group, _timeout
     # What is imported by now lives as long as the process: frozen, Python's collections (the
     # training loop's, cleanup's) scan only what the run made, not torch's modules too (0.15 s
-    # each). main.py loads them with the collector off: it goes back on here.
+    # each). main.py loads them with the collector off: it goes back on here. At exit they thaw:
+    # triton (loaded by torch's FLOP counter since torch 2.15) checks then, through nanobind,
+    # that its objects were freed, and prints a line on stderr for each that was not.
     gc.freeze()
+    atexit.register(gc.unfreeze)
     gc.enable()
     rank, local_rank, world_size = read_ranks()
     device, backend = pick_device(local_rank, wanted=device)
