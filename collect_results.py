@@ -450,6 +450,20 @@ def median_after_first(run: pd.DataFrame, column: str) -> float:
     return steady.median()
 
 
+def steady_breakdown(run: pd.DataFrame) -> dict:
+    """The time parts' medians over the epochs after the first whose breakdown is reliable (all
+    four from the same epochs, so that they still add up), and how many were not
+    (breakdown=unreliable: the compute calibration overshot, train.time_breakdown)."""
+    steady = run.iloc[1:] if len(run) > 1 else run
+    flags = steady["breakdown"] if "breakdown" in steady else pd.Series("ok", index=steady.index)
+    unreliable = flags == "unreliable"
+    reliable = steady[~unreliable]
+    return {
+        **{t: reliable[t].median() if t in reliable else math.nan for t in TIME_PARTS},
+        "unreliable_epochs": int(unreliable.sum()),
+    }
+
+
 def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
     """One row per run: final-epoch quality, steady epoch time and throughput, peak memory."""
     rows = []
@@ -468,7 +482,8 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "throughput": median_after_first(run, "throughput"),
                 "peak_mem": run["peak_mem"].max(),
                 "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
-                **{t: median_after_first(run, t) for t in (*TIME_PARTS, *UTILISATION, *BUBBLE)},
+                **steady_breakdown(run),
+                **{t: median_after_first(run, t) for t in (*UTILISATION, *BUBBLE)},
                 "microbatches": final.get("microbatches", math.nan),
                 "steps": final.get("train_images", math.nan) / final.get("global_batch", math.nan),
                 "sharding": final.get("sharding", pd.NA),
@@ -488,7 +503,7 @@ UTILISATION = ("tflops", "mfu")
 # empty for the other strategies.
 BUBBLE = ("bubble", "bubble_ideal")
 # The [METRIC] numbers a run may not know (`na`): its CSV cells are then empty.
-MAY_BE_UNKNOWN = (*UTILISATION, *BUBBLE, "microbatches")
+MAY_BE_UNKNOWN = (*UTILISATION, *BUBBLE, "microbatches", "t_compute", "t_comm")
 
 
 def message_seconds(comm: pd.DataFrame, op: str, label_prefix: str) -> float:
@@ -559,6 +574,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         peak_mem=("peak_mem", "max"),
         state_mem=("state_mem", "max"),
         **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, *BUBBLE, "comm_model")},
+        unreliable_epochs=("unreliable_epochs", "sum"),
         threads_per_core=("threads_per_core", "max"),
         device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
     )

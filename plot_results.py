@@ -352,8 +352,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     x = range(len(rows))
     bottom = pd.Series(0.0, index=rows.index)
     for part in TIME_PARTS:
-        # A negative part (t_comm where the compute calibration overshot) cannot be stacked.
-        height = rows[part].clip(lower=0)
+        height = rows[part]
         ax.bar(x, height, bottom=bottom, label=PART_NAMES[part], width=BAR_WIDTH)
         bottom += height
     one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
@@ -370,7 +369,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     )
     ax.set_xticks(list(x), [f"{s}\n{g:.0f} GPU" for s, g in zip(rows["strategy"], rows["gpus"])])
     ax.set_ylabel(f"seconds per epoch ({steady(summary)})")
-    ax.set_title("Where an epoch's time goes (negative parts drawn as 0)")
+    ax.set_title("Where an epoch's time goes")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
@@ -604,14 +603,25 @@ def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
 
 def largest_costs(summary: pd.DataFrame) -> list[str]:
     """One sentence per strategy and GPU count: the largest of the four parts of an epoch, and
-    the modelled communication beside the measured where the jobs measured their collectives."""
+    the modelled communication beside the measured where the jobs measured their collectives;
+    and the epochs whose breakdown was unreliable (their compute calibration overshot the epoch:
+    left out of the parts, docs/metrics.md), where there were any."""
     sentences = []
-    for _, row in summary.dropna(subset=list(TIME_PARTS)).iterrows():
+    for _, row in summary.iterrows():
+        point = f"{row['strategy']} on {row['gpus']:.0f} GPU(s)"
+        unreliable = row.get("unreliable_epochs", 0)
+        left_out = (
+            f"{unreliable:.0f} epoch(s) left out, whose compute calibration took longer than the "
+            "epoch (breakdown=unreliable)"
+        )
+        if row[list(TIME_PARTS)].isna().any():
+            if unreliable > 0:
+                sentences.append(f"- {point}: no reliable breakdown; {left_out}.")
+            continue
         part = max(TIME_PARTS, key=lambda p: row[p])
         text = (
-            f"{row['strategy']} on {row['gpus']:.0f} GPU(s): the largest cost is "
-            f"{PART_NAMES[part]}, {row[part]:.3f} s of {row['time']:.2f} s per epoch "
-            f"({100 * row[part] / row['time']:.0f}%)"
+            f"{point}: the largest cost is {PART_NAMES[part]}, {row[part]:.3f} s of "
+            f"{row['time']:.2f} s per epoch ({100 * row[part] / row['time']:.0f}%)"
         )
         if row.get("threads_per_core", 0) > 1:
             text += "; but its ranks shared too few cores for this to be a finding"
@@ -620,6 +630,8 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
                 f"; its messages would take {row['comm_model']:.3f} s at the measured "
                 f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden"
             )
+        if unreliable > 0:
+            text += f"; {left_out}"
         sentences.append(f"- {text}.")
     return sentences or ["- The CSV has no t_compute, t_data, t_comm, t_wait: no breakdown."]
 

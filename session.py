@@ -23,12 +23,12 @@ from fsdp_utils import effective_sharding, low_precision
 from model import build_model, count_parameters
 from strategies import (
     STEP_COLLECTIVES,
+    compiled,
     devices_per_rank,
     make_precision,
     wrap_model,
 )
 from train import (
-    PROFILE_SCHEDULE,
     ComputeCalibration,
     Diverged,
     MemoryMeter,
@@ -172,8 +172,8 @@ def calibrate_compute(
     memory_format: torch.memory_format,
 ) -> ComputeCalibration:
     """An unwrapped copy of the training step for t_compute, built with the random streams
-    restored afterwards, so that training is exactly as without it. Not compiled: for --compile
-    runs t_compute is the eager model's."""
+    restored afterwards, so that training is exactly as without it: compiled where the run is
+    (--compile), one CUDA graph where the run's step is (--cuda-graphs)."""
     forked = [env.device] if env.device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked):
         model = build_model(cfg.model, spec.num_classes, spec.image_shape).to(
@@ -182,12 +182,13 @@ def calibrate_compute(
         # As one process runs it: autocast (also for FSDP, whose policy casts the real one), a
         # plain scaler (FSDP1's would all-reduce, over ranks that step different counts).
         bare = Trainer(
-            model=model,
+            model=compiled(cfg, model),
             optimizer=make_optimizer(cfg, model),
-            precision=make_precision(cfg.precision, "single", env.device),
+            precision=make_precision(cfg.precision, "single", env.device, cfg.cuda_graphs),
             env=env,
             grad_accum=cfg.grad_accum,
             clip_grad=cfg.clip_grad,
+            cuda_graphs=cfg.cuda_graphs,
         )
         return ComputeCalibration(
             bare,
@@ -214,7 +215,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     """Build, resume if asked, then train until cfg.epochs or until a stop signal (then save)."""
     trainer, resolved = build_trainer(cfg, env)
     if cfg.profile:
-        trainer.profiler = StepProfiler(profile_path(env), env.device)
+        trainer.profiler = StepProfiler(profile_path(env), env.device, cfg.cuda_graphs)
     folder = (
         distributed_utils.on_rank0(checkpoint.prepare_folder, cfg.checkpoint_dir, cfg.resume)
         if cfg.checkpoint
@@ -292,11 +293,12 @@ def profile_path(env: distributed_utils.DistEnv) -> Path:
 
 
 def profile_report(profiler: StepProfiler) -> str:
-    steps = sum(PROFILE_SCHEDULE.values())
+    steps = profiler.traced_steps
     if not profiler.saved:
-        return f"[PROFILE] no trace: the run trained fewer than {steps} steps"
+        return f"[PROFILE] no trace: the run trained fewer than {steps[-1]} steps"
     pattern = profiler.path.with_name(profiler.path.name.replace("rank0", "rank*"))
+    kind = "replays of the captured CUDA graph" if profiler.graphed else "eager"
     return (
-        f"[PROFILE] steps {steps - PROFILE_SCHEDULE['active'] + 1}-{steps} of each rank "
-        f"traced: {pattern} (open in https://ui.perfetto.dev)"
+        f"[PROFILE] steps {steps[0]}-{steps[-1]} ({kind}) of each rank traced: {pattern} "
+        "(open in https://ui.perfetto.dev)"
     )

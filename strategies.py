@@ -71,6 +71,11 @@ def wrap_model(
         model = get_dp_model(model, device)
     else:  # single
         model = model.to(device)
+    return compiled(cfg, model)
+
+
+def compiled(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
+    """The model as --compile runs it (the compute calibration's copy too)."""
     return torch.compile(model) if cfg.compile else model
 
 

@@ -15,7 +15,6 @@ import functools
 import math
 import os
 import re
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint import Position
 from config import Config
-from cuda_graphs import GraphedStep
+from cuda_graphs import WARMUP_STEPS, GraphedStep
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv, barrier, say_where
 from mfu import UNKNOWN, ModelFlops, implausible
@@ -337,27 +336,36 @@ def every_rank(value: float, device: torch.device) -> list[float]:
 
 
 def time_breakdown(segment: Segment, step_seconds: float, device: torch.device) -> dict:
-    """Where the epoch's time went, in seconds, each the mean over ranks; they add up to the
-    segment's time by construction:
+    """Where the epoch's time went, in seconds, each the mean over ranks, none negative; they add
+    up to the segment's time by construction:
 
     t_compute  the steps' forward, backward and optimizer work as one process does it on this
-               rank's local batch, unwrapped (ComputeCalibration: step_seconds x steps)
+               rank's local batch (ComputeCalibration: step_seconds x steps)
     t_data     fetching batches (the data_wait of this rank)
     t_wait     waiting for the slowest rank: the busiest rank's compute + data, minus this
                rank's own
-    t_comm     the rest: communication and the wrapper's work not hidden behind compute
+    t_comm     the rest: the epoch's time beyond its busiest rank's compute and data, that is
+               communication and the wrapper's work not hidden behind compute (the same on
+               every rank: every rank takes the slowest one's time)
 
-    and the straggler: which rank was the busiest (slowest_rank), and by how many seconds the
+    Where the rest comes out below zero, the calibration took the steps for longer than the
+    epoch did: how the epoch split between compute and communication is then unknown, and
+    both are `na`, with breakdown=unreliable (never a negative time, nor one clamped to 0).
+    Also the straggler: which rank was the busiest (slowest_rank), and by how many seconds the
     busiest and the least busy differ (rank_time_spread).
     """
     compute, data = step_seconds * segment.steps, segment.data
     busy = every_rank(compute + data, device)
     slowest = max(busy)
-    wait = slowest - (compute + data)
-    comm = segment.elapsed - compute - data - wait
-    means = [v / len(busy) for v in all_reduce([compute, data, comm, wait], device)]
+    rest = segment.elapsed - slowest
+    means = [v / len(busy) for v in all_reduce([compute, data, slowest - (compute + data)], device)]
+    reliable = rest >= 0
     return {
-        **dict(zip(("t_compute", "t_data", "t_comm", "t_wait"), means)),
+        "t_compute": means[0] if reliable else UNKNOWN,
+        "t_data": means[1],
+        "t_comm": rest if reliable else UNKNOWN,
+        "t_wait": means[2],
+        "breakdown": "ok" if reliable else "unreliable",
         "slowest_rank": busy.index(slowest),
         "rank_time_spread": slowest - min(busy),
     }
@@ -368,8 +376,11 @@ class Diverged(Exception):
 
 
 # --profile traces these steps of the first epoch trained: the first is skipped (it carries
-# one-off work), the next warm the profiler up, the last are recorded.
+# one-off work), the next warm the profiler up, the last are recorded. A graphed run's eager
+# warm-up steps and its capture are skipped too, so that the trace holds the graph's replays.
 PROFILE_SCHEDULE = {"wait": 1, "warmup": 2, "active": 3}
+# kineto's level that keeps its own lines off stderr (5 would still print its USDT markers).
+KINETO_QUIET = "6"
 
 
 class StepProfiler:
@@ -377,16 +388,30 @@ class StepProfiler:
     trace (open it in https://ui.perfetto.dev): operator by operator and, on a GPU, kernel by
     kernel, with the collectives and whether they overlap compute."""
 
-    def __init__(self, path: Path, device: torch.device):
+    def __init__(self, path: Path, device: torch.device, graphed: bool = False):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.path, self.saved = path, False
+        else:
+            # Without a GPU kineto reports at every trace that it found none ("ERROR: ...
+            # gpuGetDeviceCount failed"), and its start and stop: noise, not the user's error.
+            os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+        self.path, self.saved, self.graphed = path, False, graphed
+        self.schedule = {
+            **PROFILE_SCHEDULE,
+            "wait": PROFILE_SCHEDULE["wait"] + (WARMUP_STEPS + 1 if graphed else 0),
+        }
         self.profiler = torch.profiler.profile(
             activities=activities,
             on_trace_ready=self.save,
-            schedule=torch.profiler.schedule(**PROFILE_SCHEDULE, repeat=1),
+            schedule=torch.profiler.schedule(**self.schedule, repeat=1),
         )
+
+    @property
+    def traced_steps(self) -> range:
+        """The steps of the first epoch trained that the trace holds (1 = the first)."""
+        last = sum(self.schedule.values())
+        return range(last - self.schedule["active"] + 1, last + 1)
 
     def save(self, profiler: torch.profiler.profile) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -438,7 +463,10 @@ class Trainer:
     @functools.cached_property
     def train_step(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
         """What trains one batch: `step`, or `step` captured as a CUDA graph."""
-        return GraphedStep(self.step, self.env.device) if self.cuda_graphs else self.step
+        if not self.cuda_graphs:
+            return self.step
+        # A graph records GPU kernels: elsewhere (a CPU test) the static-buffer step alone.
+        return GraphedStep(self.step, self.env.device, capture=self.env.device.type == "cuda")
 
     @functools.cached_property
     def data_timer(self) -> StageTimer:
@@ -488,12 +516,13 @@ class Trainer:
         """
         device = self.env.device
         self.memory.reset()
+        unseen = self.replayed_bytes()
         reached, complete, segment = self.train_epoch(start, stop)
         if not complete:
             return reached, None
         # Read before the calibration and validation run: their memory is not training's (the
         # calibration's unsharded model would otherwise hide FSDP's saving).
-        own_peak, own_reserved = self.memory.training_peak(), reserved_peak_bytes(device)
+        own_peak, own_reserved = self.memory.training_peak() + unseen, reserved_peak_bytes(device)
         breakdown = time_breakdown(segment, self.compute_seconds_per_step(segment.elapsed), device)
         val = self.evaluate()
         peak, state, reserved = all_reduce(
@@ -520,6 +549,14 @@ class Trainer:
             **(self.flops.fields(throughput) if self.flops else {}),
             **self.strategy_fields(),
         }
+
+    def replayed_bytes(self) -> int:
+        """The memory an epoch's steps use that the allocator's peak does not see: where every
+        step of it replays a captured graph, the graph's reused private memory (its activations;
+        an epoch that captures sees them while capturing), so that peak_mem means the same
+        graphed as eager."""
+        step = self.train_step
+        return step.replay_bytes if isinstance(step, GraphedStep) and step.graph else 0
 
     def compute_seconds_per_step(self, epoch_seconds: float) -> float:
         """One step's compute on this rank, for t_compute (time_breakdown)."""
@@ -662,15 +699,25 @@ class Trainer:
 
 class ComputeCalibration:
     """One optimizer step's compute as one process does it on this rank's local batch: an
-    unwrapped model of its own (built by the caller), stepped like the real one (micro-batches,
-    precision, clipping) on fixed random data. Timed after every epoch's training, on every
-    rank at once, so that it sees the machine as the epoch just did; it touches neither the
-    trained model nor any random stream."""
+    unwrapped model of its own (built by the caller), stepped as the run steps (micro-batches,
+    precision, clipping; compiled, or captured as one CUDA graph, where the run's step is) on
+    fixed random data. Timed after every epoch's training, on every rank at once, so that it
+    sees the machine as the epoch just did; it touches neither the trained model nor any
+    random stream.
 
-    # Steps timed: as many as fit in a tenth of the epoch's training, at most BUDGET_S (a
+    Steps are timed in rounds of consecutive steps, the device synchronised around each round
+    only, as the training loop runs them: on a GPU the host queues a step's kernels while the
+    last step's run, and a step timed alone would add the launch latency the loop hides. A
+    step's compute is the fastest round's mean: a shared machine's other work only ever slows
+    a round down, so the fastest is the nearest to the step's own cost."""
+
+    # Rounds timed: as many as fit in a tenth of the epoch's training, at most BUDGET_S (a
     # short epoch, a tiny run's or a test's, would otherwise spend as long calibrating as
-    # training); never fewer than LEAST, for a median, nor more than MOST.
+    # training); never fewer than LEAST, nor more than MOST.
     EPOCH_SHARE, BUDGET_S, LEAST, MOST = 0.1, 0.25, 3, 10
+    # Steps a round: a CPU computes as it is called, one step is a round; a GPU's queue holds
+    # the next steps' launches while the device works, as in the training loop.
+    QUEUED_STEPS = 8
 
     def __init__(
         self,
@@ -682,26 +729,32 @@ class ComputeCalibration:
     ):
         device = bare.env.device
         self.bare = bare
+        self.step = bare.train_step  # a GraphedStep where the run's step is one
+        self.round_steps = 1 if device.type == "cpu" else self.QUEUED_STEPS
         # In the loaders' memory format: a layout conversion is not the step's compute.
         self.images = torch.randn(local_batch, *image_shape, device=device).contiguous(
             memory_format=memory_format
         )
         self.labels = torch.randint(0, num_classes, (local_batch,), device=device)
-        self.losses = torch.zeros((), device=device)  # where the steps add their loss, unread
-        self.bare.step(self.images, self.labels, self.losses)  # allocations, kernel choices
+        self.losses = bare.loss_sum  # where the steps add their loss, unread
+        # Allocations, kernel choices, compiling; a graph's eager warm-up and capture.
+        graphed = isinstance(self.step, GraphedStep)
+        for _ in range(self.step.warmup + 1 if graphed else 1):
+            self.step(self.images, self.labels, self.losses)
 
     def seconds_per_step(self, epoch_seconds: float) -> float:
-        """The median of the steps timed after an epoch of epoch_seconds' training (a median: a
-        shared machine's other work lands on some steps)."""
+        """The fastest round's step, of the rounds timed after an epoch of epoch_seconds'
+        training."""
         budget_s = min(self.BUDGET_S, self.EPOCH_SHARE * epoch_seconds)
-        device, times = self.bare.env.device, []
+        device, rounds = self.bare.env.device, []
         start = time.perf_counter()
-        while len(times) < self.MOST and (
-            len(times) < self.LEAST or time.perf_counter() - start < budget_s
+        while len(rounds) < self.MOST and (
+            len(rounds) < self.LEAST or time.perf_counter() - start < budget_s
         ):
             synchronize_device(device)
             t0 = time.perf_counter()
-            self.bare.step(self.images, self.labels, self.losses)
+            for _ in range(self.round_steps):
+                self.step(self.images, self.labels, self.losses)
             synchronize_device(device)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            rounds.append((time.perf_counter() - t0) / self.round_steps)
+        return min(rounds)

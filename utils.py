@@ -63,7 +63,8 @@ METRIC_FIELDS = (
     "slowest_rank",
     "rank_time_spread",
     "bubble",
-    "bubble_ideal",  # measured since
+    "bubble_ideal",
+    "breakdown",  # measured since
     "sharding",
     "train_images",
     "microbatches",  # labels added since (e.g. the sharding FSDP really used)

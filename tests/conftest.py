@@ -147,6 +147,21 @@ def metrics_in(text: str) -> list[dict]:
     return [m for m in map(parse_metric, text.splitlines()) if m]
 
 
+# Where an epoch went ([METRIC]): the parts add up to its time (train.time_breakdown).
+TIME_PARTS = ("t_compute", "t_data", "t_comm", "t_wait")
+
+
+def assert_breakdown_holds(m: dict) -> None:
+    """No part is negative; reliable ones add up to the epoch's time; an unreliable one says it
+    and reports neither compute nor communication."""
+    assert all(m[t] == "na" or m[t] >= 0 for t in TIME_PARTS), m
+    if m["breakdown"] == "ok":
+        assert sum(m[t] for t in TIME_PARTS) == pytest.approx(m["time"], rel=1e-3, abs=0.01)
+        assert m["t_compute"] > 0  # measured, not zero
+    else:
+        assert m["breakdown"] == "unreliable" and m["t_compute"] == m["t_comm"] == "na", m
+
+
 def assert_one_line_error(
     done: subprocess.CompletedProcess, *fragments: str, status: int = 2
 ) -> str:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from multiprocessing.reduction import DupFd
 from queue import Empty
 
@@ -278,11 +279,48 @@ def train_and_gather(env, cfg):
     return full_state(env, outcome.trainer.model), outcome.history
 
 
+# The ranks of signal_rank_then_train agree on stops every this many steps (a shorter interval
+# than the default, to stop mid-epoch).
+TEST_POLL_EVERY = 4
+
+
+def mid_epoch_stop(steps_per_epoch: int, epoch: int = 2) -> tuple[int, str]:
+    """Where to signal so that the ranks stop inside `epoch`, and the checkpoint they then save.
+
+    StopRequest counts one poll per step across epochs, starts an agreement at polls 1,
+    1 + every, ... and reads it at the next of them; an epoch's end reads the one in flight. A
+    signal at the epoch's first poll joins the first agreement that starts in the epoch, and
+    the ranks stop at the step of the agreement after it, if that still falls inside the epoch.
+    """
+    first = (epoch - 1) * steps_per_epoch + 1
+    start = first + (-(first - 1)) % TEST_POLL_EVERY
+    read = start + TEST_POLL_EVERY
+    assert read < first + steps_per_epoch, f"{steps_per_epoch} steps: no agreement ends inside"
+    return first, f"ckpt_e{epoch:04d}_s{read - first:06d}"
+
+
+def stop_mid_epoch_then_resume(folder, cfg, **spawn_options) -> tuple[str, float]:
+    """DDP on two ranks, SIGUSR1 to rank 1 alone at mid_epoch_stop's poll: the checkpoint the
+    ranks saved, and the largest difference between the resumed run's parameters and an
+    uninterrupted run's."""
+    import checkpoint
+
+    straight, _ = spawn(train_and_gather, 2, cfg, **spawn_options)[0]
+    saved = replace(cfg, checkpoint=True, checkpoint_dir=str(folder))
+    steps = cfg.train_samples // cfg.batch_size
+    at_poll, _ = mid_epoch_stop(steps)
+    spawn(signal_rank_then_train, 2, saved, at_poll, **spawn_options)
+    reached = checkpoint.latest(folder).name
+    resumed, _ = spawn(train_and_gather, 2, replace(saved, resume="auto"), **spawn_options)[0]
+    return reached, max(
+        (straight[k].float() - resumed[k].float()).abs().max().item() for k in straight
+    )
+
+
 def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
     """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step, while
-    train(env, cfg) runs. The ranks agree on stops every 4 steps (a shorter interval than the
-    default, to stop mid-epoch)."""
-    stopping.STOP_POLL_EVERY = 4
+    train(env, cfg) runs. The ranks agree on stops every TEST_POLL_EVERY steps."""
+    stopping.STOP_POLL_EVERY = TEST_POLL_EVERY
     if env.rank == rank:
         poll, calls = stopping.StopRequest.poll, []
 
@@ -295,3 +333,30 @@ def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
         stopping.StopRequest.poll = poll_and_signal
     with stopping.catch_stop_signals():  # as main() does
         return train(env, cfg)
+
+
+def calibration_of(env, cfg, stand_in_compile=False):
+    """The calibration a run of cfg makes (session.calibrate_compute, which build_trainer calls;
+    --cuda-graphs is refused on a CPU before it), and the steps its step took once made and
+    after one timing. torch.compile stood in for where asked: the mechanism, not the compiler,
+    is what is tested."""
+    import data
+    import session
+    from cuda_graphs import GraphedStep
+
+    if stand_in_compile:
+        torch.compile = lambda model: setattr(model, "compiled_here", True) or model
+    spec = data.DATASETS[cfg.dataset]
+    calibration = session.calibrate_compute(cfg, env, spec, torch.contiguous_format)
+    graphed = calibration.step if isinstance(calibration.step, GraphedStep) else None
+    made = graphed.eager_steps if graphed else None
+    calibration.seconds_per_step(0.0)
+    return {
+        "graphed": graphed is not None,
+        "captured": graphed is not None and graphed.graph is not None,
+        "made": made,
+        "timed": graphed.eager_steps - made if graphed else None,
+        "compiled": getattr(calibration.bare.model, "compiled_here", False),
+        "autocast_cache": calibration.bare.precision.cache,
+        "capturable": calibration.bare.optimizer.defaults.get("capturable"),
+    }
