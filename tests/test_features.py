@@ -286,7 +286,9 @@ def test_profile_traces_the_scheduled_steps_of_every_rank(repo_copy):
     assert done.returncode == 0, done.stderr[-3000:]
     traces = sorted((repo_copy / "logs" / "profiles").glob("local-*_rank*.json"))
     assert [t.name[-10:] for t in traces] == ["rank0.json", "rank1.json"], traces
-    assert "[PROFILE] steps 4-6 of each rank traced: logs/profiles/" in done.stdout
+    assert "[PROFILE] steps 4-6 (eager) of each rank traced: logs/profiles/" in done.stdout
+    # kineto's own lines (a CPU's "ERROR: ... gpuGetDeviceCount failed", USDT markers) stay out
+    assert "gpuGetDeviceCount" not in done.stderr and "USDT:" not in done.stderr, done.stderr
     first, last = (
         PROFILE_SCHEDULE["wait"] + PROFILE_SCHEDULE["warmup"],
         sum(PROFILE_SCHEDULE.values()),
@@ -297,3 +299,18 @@ def test_profile_traces_the_scheduled_steps_of_every_rank(repo_copy):
         assert "gloo:all_reduce" in names, trace
     plain = run_main(args, nproc=2, cwd=repo_copy)
     assert metrics_in(done.stdout)[0]["train_loss"] == metrics_in(plain.stdout)[0]["train_loss"]
+
+
+def test_a_graphed_run_profiles_replays_of_its_graph(tmp_path):
+    """--profile with --cuda-graphs traces steps after the eager warm-up and the capture, and
+    says so (the trace itself is test_gpu's: a graph runs only on a GPU)."""
+    from cuda_graphs import WARMUP_STEPS
+    from session import profile_report
+    from train import StepProfiler
+
+    profiler = StepProfiler(tmp_path / "x_rank0.json", torch.device("cpu"), graphed=True)
+    assert profiler.traced_steps[0] > WARMUP_STEPS + 1  # the capture's step is not traced
+    profiler.saved = True
+    assert "(replays of the captured CUDA graph)" in profile_report(profiler)
+    eager = StepProfiler(tmp_path / "x_rank0.json", torch.device("cpu"))
+    assert list(eager.traced_steps) == [4, 5, 6]

@@ -121,9 +121,24 @@ def test_peak_memory_counts_training_not_the_data_set():
     assert large[-1]["reserved_mem"] >= large[-1]["peak_mem"]
 
 
-def fetch_with_device_work(env, cycles: int) -> tuple[float, int]:
+def sleep_seconds(cycles: int) -> float:
+    """The GPU time of one kernel spinning `cycles` clock cycles: the fastest of a few (another
+    process sharing the GPU only ever lengthens it; the first waits for the clocks to rise)."""
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return min(times)
+
+
+def fetch_with_device_work(env, cycles: int) -> tuple[float, int, float]:
     """An epoch whose every fetch also keeps the GPU busy for `cycles` clock cycles, work that
-    the host only launches: (the last epoch's data_wait, its steps)."""
+    the host only launches: (the last epoch's data_wait, its steps, one fetch's kernel time
+    measured in this process right after)."""
     import data
     from config import Config
     from session import run as run_session
@@ -144,25 +159,21 @@ def fetch_with_device_work(env, cycles: int) -> tuple[float, int]:
         checkpoint=False,
         print_every=10**9,
     )
-    return run_session(cfg, env).history[-1]["data_wait"], 32
+    data_wait = run_session(cfg, env).history[-1]["data_wait"]
+    return data_wait, 32, sleep_seconds(cycles)
 
 
 def test_data_wait_is_device_time():
     """A fetch that launches a kernel spinning the GPU for a few ms: data_wait (CUDA events
-    around the fetch) holds every one of them, where a host clock would see only their launch
-    (microseconds)."""
+    around the fetch) holds them, where a host clock would see only their launch
+    (microseconds). The kernel's own time is measured in the same process, its fastest: on a
+    GPU that other tests share, time-slicing stretches it (0.567 s expected against 0.163 s
+    measured, H200 -n 8). Half of it still tells milliseconds from microseconds."""
     from dist_harness import spawn
 
-    cycles = 10_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    torch.cuda.synchronize()
-    per_fetch = start.elapsed_time(end) / 1000
-    ((data_wait, steps),) = spawn(fetch_with_device_work, 1, cycles)
+    ((data_wait, steps, per_fetch),) = spawn(fetch_with_device_work, 1, 10_000_000)
     print(f"data_wait {data_wait:.4f} s; the GPU was kept busy {steps * per_fetch:.4f} s")
-    assert data_wait >= 0.9 * steps * per_fetch
+    assert data_wait >= 0.5 * steps * per_fetch
 
 
 def test_checkpoint_and_resume_on_cuda_and_across_devices(tmp_path):
@@ -264,19 +275,102 @@ def test_a_dead_peer_on_nccl_ends_rank_0_with_one_line_and_status_1():
     assert elapsed < DEAD_S, elapsed
 
 
-def test_profile_records_cuda_kernels(tmp_path):
-    """--profile on a GPU: the trace holds the device's kernels, not only the CPU's operators."""
+def test_a_one_gpu_run_prints_nothing_on_stderr():
+    """Eager and graphed: no deprecated NCCL setting (TORCH_FR_BUFFER_SIZE is the name torch
+    reads), no stream mismatch warning from a graph's warm-up."""
+    for extra in ([], ["--cuda-graphs"]):
+        done = run_main([*QUICK, "--epochs", "1", *extra])
+        assert done.returncode == 0 and done.stderr == "", (extra, done.stderr[-3000:])
+
+
+@pytest.mark.parametrize("batch", [32, 256])
+@pytest.mark.parametrize("extra", [[], ["--cuda-graphs"]])
+def test_the_time_breakdown_on_cuda_is_never_negative(batch, extra):
+    """As on a CPU (test_numbers): parts that are never negative and add up, or the epoch
+    said to be unreliable; the graphed run calibrated with a graph."""
+    from conftest import assert_breakdown_holds
+
+    _, metrics = run_gpu(
+        [
+            *TINY,
+            "--train-samples",
+            "4096",
+            "--batch-size",
+            str(batch),
+            "--epochs",
+            "3",
+            "--no-checkpoint",
+            "--augment",
+            *extra,
+        ]
+    )
+    for m in metrics:
+        assert_breakdown_holds(m)
+
+
+def test_a_graphed_runs_calibration_replays_a_graph():
+    from config import Config
+    from dist_harness import calibration_of, spawn
+
+    facts = spawn(calibration_of, 1, Config(dataset="synthetic", cuda_graphs=True))[0]
+    assert facts["graphed"] and facts["captured"], facts
+
+
+def test_a_graphed_runs_peak_mem_is_an_eager_runs():
+    """The graph's private memory, which its replays reuse and the allocator no longer counts,
+    is added back: graphed and eager report the same training memory (to the pool's rounding),
+    not 10x (the H200's first run: 824-856 MB against 76 MB)."""
+    args = [
+        *TINY,
+        "--train-samples",
+        "4096",
+        "--batch-size",
+        "256",
+        "--epochs",
+        "2",
+        "--no-checkpoint",
+    ]
+    _, eager = run_gpu(args)
+    _, graphed = run_gpu([*args, "--cuda-graphs"])
+    print(
+        "peak_mem eager",
+        [m["peak_mem"] for m in eager],
+        "graphed",
+        [m["peak_mem"] for m in graphed],
+    )
+    for e, g in zip(eager, graphed, strict=True):
+        assert 0.8 * e["peak_mem"] <= g["peak_mem"] <= 1.5 * e["peak_mem"] + 16, (e, g)
+
+
+def profiled_events(folder, *extra: str) -> tuple[str, list[dict]]:
+    """--profile of 32 steps in a copy of the repository: the [PROFILE] line, the trace's events."""
     import shutil
 
     for path in REPO.glob("*.py"):
-        shutil.copy2(path, tmp_path / path.name)
-    done = run_main(
-        [*QUICK, "--epochs", "1", "--train-samples", "1024", "--profile"], cwd=tmp_path
-    )  # 16 steps: the profiler traces steps 4-6
+        shutil.copy2(path, folder / path.name)
+    args = [*QUICK, "--epochs", "1", "--train-samples", "2048", "--profile", *extra]
+    done = run_main(args, cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
-    (trace,) = (tmp_path / "logs" / "profiles").glob("*_rank0.json")
-    categories = {e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}
+    (trace,) = (folder / "logs" / "profiles").glob("*_rank0.json")
+    line = next(line for line in done.stdout.splitlines() if line.startswith("[PROFILE]"))
+    return line, json.loads(trace.read_text())["traceEvents"]
+
+
+def test_profile_records_cuda_kernels(tmp_path):
+    """--profile on a GPU: the trace holds the device's kernels, not only the CPU's operators."""
+    line, events = profiled_events(tmp_path)
+    assert "steps 4-6 (eager)" in line, line
+    categories = {e.get("cat") for e in events}
     assert "kernel" in categories, categories
+
+
+def test_a_graphed_profile_traces_the_graphs_replays(tmp_path):
+    """With --cuda-graphs the traced steps come after the capture: each is one graph launch
+    (the H200's first traces held eager warm-up steps only)."""
+    line, events = profiled_events(tmp_path, "--cuda-graphs")
+    assert "(replays of the captured CUDA graph)" in line, line
+    launches = [e for e in events if str(e.get("name")).startswith("cudaGraphLaunch")]
+    assert len(launches) >= 3, sorted({e.get("name") for e in events})[:40]
 
 
 # ----------------------------------------------------------------------------- --cuda-graphs
@@ -370,19 +464,15 @@ def test_two_ranks_on_one_gpu_train_as_one_process_and_report_global_numbers():
 
 
 def test_a_signal_to_one_rank_on_the_gpu_stops_both_and_the_resume_continues(tmp_path):
-    """SIGUSR1 to rank 1 alone: both stop at one step with a checkpoint; resumed, the run ends
-    as an uninterrupted one (1e-4, as above)."""
-    import checkpoint
+    """SIGUSR1 to rank 1 alone: both stop at one step mid-epoch with a checkpoint; resumed, the
+    run ends as an uninterrupted one (1e-4, as above). test_resume runs the same on a CPU."""
     from config import Config
-    from dist_harness import EQUAL_CFG, signal_rank_then_train, spawn, train_and_gather
+    from dist_harness import EQUAL_CFG, mid_epoch_stop, stop_mid_epoch_then_resume
 
-    common = {**EQUAL_CFG, "strategy": "ddp", "deterministic": True, "epochs": 2}
-    straight, _ = spawn(train_and_gather, 2, Config(**common), share_gpu=True)[0]
-    saved = {**common, "checkpoint": True, "checkpoint_dir": str(tmp_path)}
-    spawn(signal_rank_then_train, 2, Config(**saved), 7, share_gpu=True)
-    assert not checkpoint.latest(tmp_path).name.endswith("_s000000")  # a mid-epoch stop
-    resumed, _ = spawn(train_and_gather, 2, Config(**saved, resume="auto"), share_gpu=True)[0]
-    assert most_different(straight, resumed) <= 1e-4
+    cfg = Config(**{**EQUAL_CFG, "strategy": "ddp", "deterministic": True, "epochs": 2})
+    reached, difference = stop_mid_epoch_then_resume(tmp_path, cfg, share_gpu=True)
+    assert reached == mid_epoch_stop(cfg.train_samples // cfg.batch_size)[1]
+    assert difference <= 1e-4
 
 
 def kill_rank1_mid_training(env, cfg) -> str | None:

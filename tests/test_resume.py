@@ -5,7 +5,16 @@ import torch
 
 import checkpoint
 from config import Config
-from dist_harness import full_state, signal_rank_then_train, spawn, spawn_outcomes, train_and_gather
+from dist_harness import (
+    EQUAL_CFG,
+    full_state,
+    mid_epoch_stop,
+    signal_rank_then_train,
+    spawn,
+    spawn_outcomes,
+    stop_mid_epoch_then_resume,
+    train_and_gather,
+)
 from session import run
 
 # Augmentation on: resuming must also restore every rank's random stream.
@@ -91,6 +100,17 @@ def test_stop_on_signal_mid_epoch_then_resume_equals_straight(tmp_path, straight
 
     state, rest = spawn(train_and_gather, 2, Config(**common, resume="auto"))[0]
     assert_same_run(state, first + rest, ref_state, ref_history, epochs=[1, 2, 3, 4])
+
+
+def test_the_gpu_tests_stop_lands_mid_epoch_by_construction(tmp_path):
+    """test_gpu's stop, with its numbers, on a CPU (so that every machine checks them): 10 steps
+    an epoch, the signal at epoch 2's first poll, the agreement read 6 steps in; resumed, the
+    run ends as an uninterrupted one."""
+    cfg = Config(**{**EQUAL_CFG, "strategy": "ddp", "epochs": 2})
+    assert mid_epoch_stop(cfg.train_samples // cfg.batch_size) == (11, "ckpt_e0002_s000006")
+    reached, difference = stop_mid_epoch_then_resume(tmp_path, cfg)
+    assert reached == "ckpt_e0002_s000006"
+    assert difference <= 1e-6
 
 
 def resumed_state(env, cfg):
