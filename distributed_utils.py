@@ -271,9 +271,19 @@ SHARE_ONE_GPU = False
 FLIGHT_RECORDER_DIR = Path("logs") / "nccl-trace"
 
 
+# The ring buffer's size, under the name torch reads since 2.9 (older than every torch the
+# project runs on, OLDEST_TORCH): the old name, TORCH_NCCL_TRACE_BUFFER_SIZE, still works but
+# makes every rank warn twice that it is deprecated. A job that set either keeps its own.
+FR_BUFFER_SIZE, FR_BUFFER_SIZE_OLD, FR_BUFFER_SIZE_SINCE = (
+    "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    (2, 9),
+)
+
+
 def flight_recorder_env(job: str, folder: Path = FLIGHT_RECORDER_DIR) -> dict[str, str]:
     return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        FR_BUFFER_SIZE: "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder.resolve() / f"{job}_rank"),
     }
@@ -282,7 +292,10 @@ def flight_recorder_env(job: str, folder: Path = FLIGHT_RECORDER_DIR) -> dict[st
 def turn_on_flight_recorder(folder: Path = FLIGHT_RECORDER_DIR) -> None:
     """Before NCCL starts: the flight recorder's settings, where the job has not set its own."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name, value in flight_recorder_env(job_id(), folder).items():
+    settings = flight_recorder_env(job_id(), folder)
+    if FR_BUFFER_SIZE_OLD in os.environ:  # the job's own size, under the old name
+        del settings[FR_BUFFER_SIZE]
+    for name, value in settings.items():
         os.environ.setdefault(name, value)
 
 
