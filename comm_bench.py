@@ -1,12 +1,13 @@
 """What the interconnect delivers for the messages this model sends: a collective micro-benchmark.
 
 In an initialized process group, times `all_reduce` at the sizes DDP sends (each gradient
-bucket and the whole gradient), `all_gather_into_tensor` and `reduce_scatter_tensor` at the size
-of each FSDP unit (the flat parameter one wrapped block gathers), and each of the three over a
-sweep of message sizes. One `[COMM]` line per measurement (utils.format_comm), printed by rank 0:
-the time of one collective (on a GPU, rounds of several back to back, as nccl-tests times them;
-the median round, the slowest rank's), and nccl-tests' algorithm and bus bandwidths
-(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+bucket, and the whole gradient, its first iteration's one bucket), `all_gather_into_tensor` and
+`reduce_scatter_tensor` at the sizes FSDP sends for each unit (the flat parameter one wrapped
+block gathers, in the compute dtype; its gradients, reduce-scattered in fp32), and each of the
+three over a sweep of message sizes. One `[COMM]` line per measurement (utils.format_comm),
+printed by rank 0: the time of one collective (on a GPU, rounds of several back to back, as
+nccl-tests times them; the median round, the slowest rank's), and nccl-tests' algorithm and bus
+bandwidths (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
 
     torchrun --nproc_per_node=2 benchmark.py --comm     # alone
     main.py --comm-benchmark ...                        # once at the start of a training job
@@ -28,8 +29,9 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 GRADIENT_BYTES = 4  # both strategies reduce gradients in fp32 (docs/strategies.md, Precision)
-# DDP's bucketing (torch.nn.parallel.DistributedDataParallel): the first bucket is capped at
-# 1 MiB so that communication starts early in backward, the others at bucket_cap_mb=25.
+# DDP's bucket caps (torch.nn.parallel.DistributedDataParallel's defaults, which ddp_utils keeps):
+# once its buckets are rebuilt, the first is capped at 1 MiB so that communication starts early
+# in backward, the others at bucket_cap_mb=25.
 DDP_FIRST_BUCKET = 1 << 20
 DDP_BUCKET = 25 << 20
 # The sweep: 4 KiB, 16 KiB, ... up to the largest size (a GPU's links need large messages to be
@@ -61,19 +63,32 @@ def bandwidths(op: str, nbytes: int, world_size: int, seconds: float) -> tuple[f
     return algbw, algbw * bus_factor(op, world_size)
 
 
-def ddp_buckets(model: nn.Module) -> list[int]:
-    """The bytes of each gradient bucket DDP would all-reduce: parameters in reverse order (the
-    order backward produces their gradients), filled greedily up to the caps. DDP rebuilds its
-    buckets after the first step in the order gradients really arrived; for a sequential model
-    that is this order."""
-    buckets, current, cap = [], 0, DDP_FIRST_BUCKET
-    for p in reversed([p for p in model.parameters() if p.requires_grad]):
-        size = p.numel() * GRADIENT_BYTES
-        if current and current + size > cap:
-            buckets.append(current)
-            current, cap = 0, DDP_BUCKET
+def fill_buckets(sizes: list[int], caps: list[int]) -> list[int]:
+    """The bytes of each bucket, as DDP's reducer assigns them (reducer.cpp,
+    compute_bucket_assignment_by_size): each tensor joins the open bucket, which closes once it
+    reaches its cap; each bucket takes the next cap, the last cap repeating."""
+    buckets, current = [], 0
+    for size in sizes:
         current += size
+        if current >= caps[min(len(buckets), len(caps) - 1)]:
+            buckets.append(current)
+            current = 0
     return buckets + ([current] if current else [])
+
+
+def ddp_buckets(model: nn.Module, rebuilt: bool = True) -> list[int]:
+    """The bytes of each gradient bucket DDP all-reduces, in the order it reduces them. The first
+    iteration (rebuilt=False) reduces the whole gradient as one bucket: without
+    find_unused_parameters DDP does not know the order gradients arrive in, so it does not split
+    them (nn/parallel/distributed.py). Then it rebuilds the buckets in the order the gradients
+    did arrive, capped at DDP_FIRST_BUCKET, then DDP_BUCKET. That order is modelled as the
+    parameters' reverse order, backward's for layers that run one after the other; where a
+    gradient arrives later than that (under autocast, the CNN's first linear bias: 2,048 bytes)
+    the bucket it would close can differ by that tensor (tests/test_collectives.py)."""
+    sizes = [p.numel() * GRADIENT_BYTES for p in model.parameters() if p.requires_grad]
+    if not rebuilt:
+        return [sum(sizes)]
+    return fill_buckets(sizes[::-1], [DDP_FIRST_BUCKET, DDP_BUCKET])
 
 
 def fsdp_units(model: nn.Module, element_bytes: int) -> dict[str, int]:
@@ -102,13 +117,15 @@ def sweep_sizes(device: torch.device, largest: int | None = None) -> list[int]:
 
 def messages(model: nn.Module, element_bytes: int, sizes: list[int]) -> list[tuple[str, str, int]]:
     """(op, label, bytes) of every measurement: the model's own messages first, then the sweep."""
-    grad = sum(p.numel() for p in model.parameters() if p.requires_grad) * GRADIENT_BYTES
+    (grad,) = ddp_buckets(model, rebuilt=False)  # the whole gradient
     found = [("all_reduce", "grad", grad)]
     found += [("all_reduce", f"bucket{i}", b) for i, b in enumerate(ddp_buckets(model))]
+    # FSDP gathers parameters in their compute dtype and reduce-scatters gradients in fp32.
+    reduced = fsdp_units(model, GRADIENT_BYTES)
     for name, nbytes in fsdp_units(model, element_bytes).items():
         found += [
             ("all_gather", f"unit_{name}", nbytes),
-            ("reduce_scatter", f"unit_{name}", nbytes),
+            ("reduce_scatter", f"unit_{name}", reduced[name]),
         ]
     found += [(op, "sweep", size) for size in sizes for op in OPS]
     return found

@@ -122,7 +122,7 @@ class Config:
     )
     precision: str = option(
         "fp32",
-        "compute precision, the same numerics for DDP (autocast) "
+        "compute precision, comparable numerics for DDP (autocast) "
         "and FSDP (MixedPrecision; gradients reduced in fp32 by both): fp32 "
         "is IEEE fp32 also on GPUs, tf32 lets them use TensorFloat-32 for "
         "matrix products and convolutions, fp16 adds a gradient scaler",

@@ -25,7 +25,8 @@ def get_ddp_model(model: nn.Module, device: torch.device) -> DDP:
 def get_dp_model(model: nn.Module, device: torch.device) -> nn.Module:
     """DataParallel: one process scatters each batch over every visible GPU, replicates the
     model onto them at every forward and gathers the outputs on the first. It is what DDP
-    replaces: one Python thread drives all GPUs. Without GPUs it runs the model on the CPU as
+    replaces: one process drives all GPUs, a Python thread per GPU (parallel_apply), and the
+    threads contend for the interpreter's lock. Without GPUs it runs the model on the CPU as
     one device, and says so."""
     model = model.to(device)
     if device.type != "cuda":

@@ -8,9 +8,12 @@ optimizer state. Two APIs, one idea:
   then to the root; parameters become DTensors sharded over a device mesh.
 
 Just before a unit runs, its full parameters are all-gathered; right after, they are freed
-again; in backward, gradients are reduce-scattered so each rank keeps the shard it owns. Peak
-memory is one unit's full parameters plus this rank's shards, bought with more communication
-than DDP: worth it for models too large for one GPU, not for this small CNN.
+again; in backward, gradients are reduce-scattered so each rank keeps the shard it owns. A rank
+never holds the whole model: at its peak, in backward, it holds its shards plus the current
+unit's full parameters and gradients and the next unit's parameters, gathered ahead (FSDP1's
+default backward_prefetch=BACKWARD_PRE: torch.distributed.fsdp.BackwardPrefetch; FSDP2 also
+prefetches one unit). Bought with more communication than DDP: worth it for models too large
+for one GPU, not for this small CNN.
 
 Sharding (`--sharding`):
   full     parameters, gradients and optimizer state sharded (ZeRO-3): FULL_SHARD, or

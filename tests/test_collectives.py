@@ -1,17 +1,18 @@
-"""How each strategy communicates, counted: the collectives one training step issues on 2 gloo
-ranks, as torch dispatches them (c10d's operations under a TorchDispatchMode, the counter
-benchmark.py uses for a step's operations). Equal parameters (test_equivalence.py) prove the
-arithmetic; these counts prove the pattern: DDP all-reduces its gradient buckets, FSDP gathers
-each unit once for forward and, under full sharding, again for backward, and reduce-scatters
-each unit's gradients once."""
+"""How each strategy communicates, counted and sized: the collectives one training step issues
+on 2 gloo ranks, as torch dispatches them (c10d's operations under a TorchDispatchMode, the
+counter benchmark.py uses for a step's operations). Equal parameters (test_equivalence.py)
+prove the arithmetic; these counts prove the pattern: DDP all-reduces its gradient buckets, FSDP
+gathers each unit once for forward and, under full sharding, again for backward, and
+reduce-scatters each unit's gradients once. Their sizes are those comm_bench.py times."""
 
 import collections
 
 import pytest
+import torch
 
 from benchmark import OperationCounter
 from checkpoint import Position
-from comm_bench import ddp_buckets
+from comm_bench import ddp_buckets, messages
 from config import Config
 from dist_harness import spawn
 from model import build_model
@@ -21,26 +22,45 @@ pytestmark = pytest.mark.fast  # make test-fast
 
 # c10d's operations by the collective they run (names as torch 2.14 dispatches them).
 KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}
-SETUPS = [("ddp", "full"), ("fsdp", "full"), ("fsdp", "grad_op"), ("fsdp2", "full")]
-SETUPS += [("fsdp2", "grad_op")]
+# (strategy, sharding, precision): bf16 where the dtype of what is sent could change with it.
+SETUPS = [("ddp", "full", "fp32"), ("ddp", "full", "bf16"), ("fsdp", "full", "bf16")]
+SETUPS += [("fsdp", "grad_op", "fp32"), ("fsdp2", "full", "bf16"), ("fsdp2", "grad_op", "fp32")]
 
 
-def collectives(counts: collections.Counter) -> dict:
-    found = collections.Counter()
-    for name, n in counts.items():
+def tensor_bytes(arg) -> int:
+    """The bytes of the tensors in one argument of a c10d operation (a tensor, or lists)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.numel() * arg.element_size()
+    if isinstance(arg, (list, tuple)):
+        return sum(tensor_bytes(a) for a in arg)
+    return 0
+
+
+class MessageCounter(OperationCounter):
+    """Also each collective's kind and whole message, nccl-tests' bytes: the larger of its output
+    and input (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
         if name.startswith("c10d."):
             kind = next((k for part, k in KINDS.items() if part in name), name)
-            found[kind] += n
-    return dict(found)
+            self.messages.append((kind, max(tensor_bytes(a) for a in args[:2])))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def one_step_each(env) -> dict:
-    """The collectives of one training step (after a warm-up epoch), per strategy and sharding."""
+    """The collectives of one training step (after a warm-up epoch), per setup: (kind, bytes)
+    of each, in the order issued."""
     found = {}
-    for strategy, sharding in SETUPS:
+    for strategy, sharding, precision in SETUPS:
         cfg = Config(
             strategy=strategy,
             sharding=sharding,
+            precision=precision,
             dataset="synthetic",
             batch_size=32,
             train_samples=32 * 2,
@@ -51,24 +71,50 @@ def one_step_each(env) -> dict:
         trainer, _ = build_trainer(cfg, env)
         trainer.train_epoch(Position(1))
         images, labels = next(iter(trainer.loaders.train))
-        with OperationCounter() as counter:
+        with MessageCounter() as counter:
             trainer.step(images, labels, trainer.loss_sum)
-        found[strategy, sharding] = collectives(counter.counts)
+        found[strategy, sharding, precision] = counter.messages
     return found
 
 
+def expected_messages(strategy: str, sharding: str, precision: str) -> collections.Counter:
+    """(kind, bytes) of what comm_bench.py times for this setup, counted as one step sends
+    them: DDP each bucket once; FSDP each unit's gather once for forward and, fully sharded,
+    again for backward, and each unit's reduce-scatter once."""
+    gathered = 2 if strategy != "ddp" and precision == "bf16" else 4
+    expected = collections.Counter()
+    for op, label, size in messages(build_model("cnn"), gathered, []):
+        if strategy == "ddp" and label.startswith("bucket"):
+            expected[op, size] += 1
+        if strategy != "ddp" and label.startswith("unit_"):
+            expected[op, size] += 2 if op == "all_gather" and sharding == "full" else 1
+    return expected
+
+
 @pytest.mark.timeout(300)
-def test_each_strategy_sends_the_collectives_its_design_says():
-    counted = spawn(one_step_each, 2)
-    assert counted[0] == counted[1], "every rank takes part in every collective"
+def test_each_strategy_sends_the_collectives_its_design_says_at_the_sizes_timed():
+    """The counts by design, then the sizes: FSDP's gathers in the compute dtype (2 bytes a
+    parameter in bf16), its reduce-scatters in fp32 (reduce_dtype); DDP's buckets in fp32 also
+    under bf16. At 2 ranks no unit needs padding, so the sizes are exact."""
+    sent = spawn(one_step_each, 2, timeout=280)
+    assert sent[0] == sent[1], "every rank takes part in every collective"
     model = build_model("cnn")
     units, buckets = len(model.shard_units()), len(ddp_buckets(model))
     assert (units, buckets) == (4, 2)  # the CNN's 3 conv blocks and classifier; 2 DDP buckets
-    print(counted[0])
-    assert counted[0] == {
-        ("ddp", "full"): {"all_reduce": buckets},
-        ("fsdp", "full"): {"all_gather": 2 * units, "reduce_scatter": units},
-        ("fsdp", "grad_op"): {"all_gather": units, "reduce_scatter": units},
-        ("fsdp2", "full"): {"all_gather": 2 * units, "reduce_scatter": units},
-        ("fsdp2", "grad_op"): {"all_gather": units, "reduce_scatter": units},
+    design = {
+        "ddp": {"all_reduce": buckets},
+        "full": {"all_gather": 2 * units, "reduce_scatter": units},
+        "grad_op": {"all_gather": units, "reduce_scatter": units},
     }
+    for (strategy, sharding, precision), found in sent[0].items():
+        counted = collections.Counter(kind for kind, _ in found)
+        assert counted == design["ddp" if strategy == "ddp" else sharding], strategy
+        modelled = expected_messages(strategy, sharding, precision)
+        if (strategy, precision) == ("ddp", "bf16"):
+            # Under autocast the classifier's first bias (2,048 bytes) reaches DDP after the
+            # 1 MiB cap is reached, not before (measured: 2,117,672 and 96,384 bytes): the
+            # rebuilt buckets follow the order the gradients arrive in, which ddp_buckets
+            # models as the parameters' reverse order. The bytes are fp32's all the same.
+            assert sum(size for _, size in found) == sum(ddp_buckets(model))
+            continue
+        assert collections.Counter(found) == modelled, (strategy, sharding, precision)

@@ -38,15 +38,52 @@ def test_an_unknown_collective_is_refused():
         comm_bench.bus_factor("broadcast", 2)
 
 
+def test_a_bucket_closes_once_it_reaches_its_cap_and_the_last_cap_repeats():
+    # caps 10, then 20: 4 + 6 reaches 10; 5 + 10 + 7 passes 20; 30 alone; 1 left over.
+    assert comm_bench.fill_buckets([4, 6, 5, 10, 7, 30, 1], [10, 20]) == [10, 22, 30, 1]
+
+
 def test_message_sizes_of_the_course_cnn():
     model = build_model("cnn")
     grad = count_parameters(model) * 4
-    buckets = comm_bench.ddp_buckets(model)
-    assert sum(buckets) == grad and len(buckets) > 1  # the first bucket is capped at 1 MiB
+    assert comm_bench.ddp_buckets(model, rebuilt=False) == [grad]
+    assert sum(comm_bench.ddp_buckets(model)) == grad
     units = comm_bench.fsdp_units(model, 4)
     assert set(units) == {"conv1", "conv2", "conv3", "classifier"}  # no parameter at the root
     assert sum(units.values()) == grad
     assert comm_bench.fsdp_units(model, 2)["conv1"] * 2 == units["conv1"]  # bf16 gathers halve
+
+
+def _ddp_logged_buckets(env, names: list[str]) -> dict:
+    """DDP's own record of its buckets (bytes, in the order it reduces them), for each model
+    wrapped as ddp_utils wraps it: at construction, and as rebuilt after the first iteration."""
+    from ddp_utils import get_ddp_model
+
+    found = {}
+    for name in names:
+        model = get_ddp_model(build_model(name), env.device)
+        for _ in range(3):  # rebuilt in the second forward, logged by the third's
+            images, labels = torch.randn(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+        logged = model._get_ddp_logging_data()
+        found[name] = [
+            [int(size) for size in logged[key].split(",")]
+            for key in ("bucket_sizes", "rebuilt_bucket_sizes")
+        ]
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_the_modelled_buckets_are_those_ddp_logs():
+    """Measured (torch 2.14): the CNN's 2,214,056 bytes in one bucket, then 2,119,720 (the
+    classifier) and 94,336 (the convolutions); ResNet-18's 44,695,848 bytes, then 9,461,800,
+    26,494,976 and 8,739,072, whose middle bucket passes the 25 MiB cap."""
+    models = ["cnn", "resnet18"]
+    (logged,) = spawn(_ddp_logged_buckets, 1, models, timeout=100)
+    for name in models:
+        model = build_model(name)
+        modelled = [comm_bench.ddp_buckets(model, rebuilt=False), comm_bench.ddp_buckets(model)]
+        assert logged[name] == modelled, name
 
 
 def test_comm_line_round_trip():

@@ -51,6 +51,26 @@ def test_without_a_sampler_every_rank_sees_the_same_images_with_it_disjoint_shar
     assert sorted(shards[0] + shards[1]) == list(range(size))
 
 
+def test_without_set_epoch_every_epoch_repeats_the_first_shuffle():
+    size, world = 1000, 2
+
+    def epochs(call_set_epoch: bool) -> list[list[list[int]]]:
+        samplers = [ShardSampler(size, world, r, shuffle=True, seed=SEED) for r in range(world)]
+        orders = []
+        for epoch in range(2):
+            for sampler in samplers:
+                if call_set_epoch:  # what data.py's Loaders.set_position does every epoch
+                    sampler.set_epoch(epoch)
+            orders.append([list(sampler) for sampler in samplers])
+        return orders
+
+    without = epochs(call_set_epoch=False)
+    assert without[0] == without[1]  # the same shard, in the same order, every epoch
+    first, second = epochs(call_set_epoch=True)
+    assert first == without[0] and all(a != b for a, b in zip(first, second))
+    assert not set(second[0]) & set(second[1])  # one shared permutation: still disjoint
+
+
 # ----------------------------------------------------------------------------- zero_grad
 
 
@@ -102,6 +122,36 @@ def test_ddp_replicates_every_parameter_and_the_replicas_stay_equal():
         assert r["held"] == r["full"] == 553_514
     # Different data on each rank, yet identical parameters after the step: averaged gradients.
     assert torch.equal(ranks[0]["flat"], ranks[1]["flat"])
+
+
+def _ddp_state_on_entering_each_forward(env) -> dict:
+    from ddp_utils import get_ddp_model
+
+    torch.manual_seed(SEED + env.rank)  # every rank initialises differently
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    model = get_ddp_model(model, env.device)
+    bn = model.module[1]
+    entering = []  # what the module holds when its forward starts, after DDP's own work
+    model.module.register_forward_pre_hook(lambda *_: entering.append(bn.running_mean.clone()))
+    weights = model.module[0].weight.detach().clone()
+    x, _ = batch(seed=env.rank)  # every rank its own data
+    for _ in range(2):
+        model(x).sum().backward()
+    return {"weights": weights, "entering": entering, "after": bn.running_mean.clone()}
+
+
+def test_ddp_starts_from_rank0s_state_and_broadcasts_buffers_before_each_forward():
+    ranks = spawn(_ddp_state_on_entering_each_forward, 2, timeout=90)
+    torch.manual_seed(SEED)
+    rank0_init = torch.nn.Conv2d(3, 4, 3).weight.detach()
+    for r in ranks:  # rank 0's initial weights on both: broadcast at construction
+        assert torch.equal(r["weights"], rank0_init)
+    # A step on different data leaves different running statistics on the two ranks...
+    assert not torch.equal(ranks[0]["after"], ranks[1]["after"])
+    # ...yet each forward starts from rank 0's: broadcast before it.
+    for step in range(2):
+        assert torch.equal(ranks[0]["entering"][step], ranks[1]["entering"][step])
+    assert not torch.equal(ranks[1]["entering"][1], torch.zeros(4))  # rank 0's, updated
 
 
 def test_fsdp_full_shard_holds_about_half_the_parameters_per_rank_at_two_ranks():
@@ -208,6 +258,48 @@ def test_validation_all_reduce_turns_per_rank_accuracies_into_the_whole_sets():
     for r in ranks:
         assert r["count"] == VAL_IMAGES  # every image once: the padding repeat has weight 0
         assert r["reduced"] == pytest.approx(one_process, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- FLOPs per stage
+
+
+def unit_flop_shares() -> dict[str, float]:
+    """Each shard unit's share of the CNN's training FLOPs per image, counted by torch's
+    FlopCounterMode per module, as mfu.training_flops_per_image counts the whole."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mfu import training_flops_per_image
+
+    with torch.device("meta"):
+        model = build_model("cnn")
+        images, labels = torch.empty(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(images), labels).backward()
+    by_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    names = [name for name, child in model.named_children() if child in model.shard_units()]
+    units = {name: by_module.get(f"CNN.{name}", 0) // 2 for name in names}
+    assert sum(units.values()) == training_flops_per_image("cnn", 10, (3, 32, 32))
+    return {name: flops / sum(units.values()) for name, flops in units.items()}
+
+
+def test_the_quoted_flop_shares_and_stage_bounds_are_the_counted_ones():
+    """concepts.md's shares per unit and the speed-ups that the slowest stage bounds at 4 and 2
+    stages (model.cut: conv1+conv2 | conv3+classifier), and performance.md's reading of them."""
+    share = unit_flop_shares()
+    pct = {name: f"{100 * value:.0f}%" for name, value in share.items()}
+    assert pct["conv2"] == pct["conv3"]
+    halves = [share["conv1"] + share["conv2"], share["conv3"] + share["classifier"]]
+    concepts = " ".join(CONCEPTS.read_text().split())
+    for quoted in (
+        f"does {pct['classifier']} of the FLOPs, `conv1` {pct['conv1']}, `conv2` and `conv3` "
+        f"{pct['conv2']} each",
+        f"slowest stage, {pct['conv2']} of the work, bounds the step: at most "
+        f"{1 / max(share.values()):.1f} times",
+        f"({100 * halves[0]:.0f}% / {100 * halves[1]:.0f}%: at most {1 / max(halves):.1f} times)",
+    ):
+        assert quoted in concepts
+    performance = " ".join((REPO / "docs" / "performance.md").read_text().split())
+    assert f"do {pct['conv2']} of the FLOPs each, `conv1` {pct['conv1']}" in performance
 
 
 # ----------------------------------------------------------------------------- the document

@@ -44,6 +44,10 @@ QUICKSTART = (
     "./plot_results.sh",
 )
 QUICKSTART_LINES = 60
+# A range quoted from measured runs (FSDP 2,861-3,532 images/s): dated measurements live in
+# docs/performance.md, so a range another page quotes must be one that page records.
+QUOTED_RANGE = re.compile(r"\b\d{1,3}(?:,\d{3})+-\d{1,3}(?:,\d{3})+\b")
+PERFORMANCE = REPO / "docs" / "performance.md"
 # `train.py:531`, "line 531", "lines 40-60", a GitHub `#L531` anchor.
 LINE_REFERENCE = re.compile(r"\b[\w./-]+\.(?:py|sh):\d+\b|\blines?\s+\d+|#L\d+\b", re.I)
 
@@ -244,3 +248,21 @@ def test_the_exit_status_table_is_main_pys():
     table = text.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
     listed = [int(status) for status in re.findall(r"^\| (\d+) \|", table, re.M)]
     assert sorted(listed) == sorted(EXIT_STATUS.values())
+
+
+def unrecorded_ranges(text: str, record: str) -> list[str]:
+    """The ranges a page quotes that the record does not hold (lines joined: a range or its
+    record may be wrapped)."""
+    recorded = " ".join(record.split())
+    return [r for r in QUOTED_RANGE.findall(" ".join(text.split())) if r not in recorded]
+
+
+def test_ranges_quoted_from_measurements_are_those_performance_md_records():
+    record = PERFORMANCE.read_text()
+    found = {doc.name: unrecorded_ranges(doc.read_text(), record) for doc in documents()}
+    assert not {name: ranges for name, ranges in found.items() if ranges}
+
+
+def test_the_range_checker_finds_ranges_the_record_lacks():
+    page = "DDP 3,007-3,185 and FSDP\n2,861-3,532 images/s; ports 32768-60999, 2026-11-22"
+    assert unrecorded_ranges(page, "FSDP 2,861-3,532 and\nDDP 3,007-3,158") == ["3,007-3,185"]

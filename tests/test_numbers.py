@@ -189,7 +189,7 @@ def test_fp32_is_ieee_and_tf32_is_asked_for(precision, math_mode):
 
 @pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_ddp_and_fsdp_compute_low_and_reduce_fp32(precision, dtype):
-    """The same --precision means the same numerics and traffic for both strategies: compute in
+    """The same --precision means the same dtypes for both strategies: compute in
     the low precision, gradients reduced in fp32 (DDP: its fp32 parameters' gradients)."""
     ddp = spawn(precision_facts, 2, Config(**CFG, precision=precision))[0]
     fsdp = spawn(precision_facts, 2, Config(**CFG, precision=precision, strategy="fsdp"))[0]
