@@ -295,6 +295,32 @@ def test_a_warning_before_the_tasks_start_requeues_the_job(repo_copy, tmp_path):
     assert not (tmp_path / "calls.started").exists()  # and no task was started after it
 
 
+def loopback_commands() -> list[list[str]]:
+    """The commands suggested for the loopback cluster, as written: start.sh's header and the
+    shell block of slurm.md's section on it, continuation lines joined."""
+    header = (REPO / ".ci" / "slurm" / "start.sh").read_text().split("set -euo")[0]
+    section = (REPO / "docs" / "slurm.md").read_text().split("## Trying it without a cluster")[1]
+    lines = [line[1:].strip() for line in header.splitlines() if line.startswith("#     ")]
+    lines += section.split("```bash")[1].split("```")[0].splitlines()
+    commands = re.sub(r"\\\n\s*", " ", "\n".join(lines)).splitlines()
+    return [c.split() for c in commands if re.match(r"(sbatch|\S*python) .*run", c)]
+
+
+def test_the_loopback_cluster_commands_run_on_its_fake_gpus():
+    """Every command suggested for the loopback cluster gives main.py arguments that pass its
+    check where SLURM hands out GPUs torch cannot see, as run.sh checks them in the job."""
+    commands = loopback_commands()
+    assert len(commands) >= 2
+    for words in commands:
+        after = "--" if "--" in words else next(w for w in words if w.endswith("run.sh"))
+        main_args = words[words.index(after) + 1 :]
+        done = run(
+            [sys.executable, "main.py", *main_args, "--check", "4"],
+            CUDA_VISIBLE_DEVICES="0,1,2,3",
+        )
+        assert done.returncode == 0, f"{' '.join(words)}\n{done.stderr}"
+
+
 def test_run_sh_rejects_a_bad_nproc():
     done = run(["bash", "run.sh"], NPROC="zero")
     assert_one_line_error(done, "NPROC")
