@@ -99,7 +99,8 @@ def test_run_sh_defaults_are_the_course_job():
     assert options["--gpus-per-node"] == "4"
     assert int(options["--cpus-per-task"]) >= 1
     assert re.fullmatch(r"\d+:\d\d:\d\d", options["--time"])
-    assert options["--output"] == "train.log" and options["--error"] == "train.err"
+    # A pair of files per job: an earlier job's error line is never read as this one's.
+    assert options["--output"] == "train_%j.log" and options["--error"] == "train_%j.err"
     # Whose account and which reservation is the user's business: -A or SBATCH_ACCOUNT.
     assert not {"--account", "-A", "--reservation"} & set(options)
 
