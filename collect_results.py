@@ -36,6 +36,7 @@ from utils import (
     COMM_FIELDS,
     COURSE_FIELDS,
     METRIC_TAG,
+    SWEEP_OUTCOME,
     SWEEP_PREFIX,
     UsageError,
     fail,
@@ -278,14 +279,18 @@ def sweep_name(folder: Path) -> str:
 
 def log_files(folder: Path) -> list[Path]:
     """The files of a folder that may be run logs: run.sh's sampler CSVs beside them are read
-    by samples.py, not here, so they are not reported as logs without metrics."""
+    by samples.py, not here, and the collect job's outcome is none, so they are not reported as
+    logs without metrics."""
     if not folder.is_dir():
         raise UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
     sampled = {path for *_, path in samples.sample_files(folder)}
     files = sorted(
         p
         for p in folder.iterdir()
-        if p.is_file() and not p.name.startswith(".") and p not in sampled
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p not in sampled
+        and p.name != SWEEP_OUTCOME
     )
     if not files:
         raise UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
