@@ -75,11 +75,16 @@ class Identity:
 @contextlib.contextmanager
 def _quiet_fsdp1_state_dict():
     """FSDP1's sharded state dict is made of ShardedTensors, which torch warns it will replace
-    by DTensors (FSDP2); the warnings, once per tensor per rank, say nothing a user can act on."""
+    by DTensors (FSDP2); the warnings, once per tensor per rank, say nothing a user can act on.
+    At world size 1 FSDP runs NO_SHARD on purpose (fsdp_utils.get_fsdp_model) and warns at each
+    state dict that it gives the whole model's: what its one rank holds anyway."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*")
         warnings.filterwarnings("ignore", message=".*Multiple backends are registered.*")
+        warnings.filterwarnings(
+            "ignore", message="When using ``NO_SHARD`` .*full_state_dict will", category=UserWarning
+        )
         yield
 
 

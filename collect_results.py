@@ -36,6 +36,7 @@ from utils import (
     COMM_FIELDS,
     COURSE_FIELDS,
     METRIC_TAG,
+    SWEEP_OUTCOME,
     SWEEP_PREFIX,
     UsageError,
     fail,
@@ -278,14 +279,18 @@ def sweep_name(folder: Path) -> str:
 
 def log_files(folder: Path) -> list[Path]:
     """The files of a folder that may be run logs: run.sh's sampler CSVs beside them are read
-    by samples.py, not here, so they are not reported as logs without metrics."""
+    by samples.py, not here, and the collect job's outcome is none, so they are not reported as
+    logs without metrics."""
     if not folder.is_dir():
         raise UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
     sampled = {path for *_, path in samples.sample_files(folder)}
     files = sorted(
         p
         for p in folder.iterdir()
-        if p.is_file() and not p.name.startswith(".") and p not in sampled
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p not in sampled
+        and p.name != SWEEP_OUTCOME
     )
     if not files:
         raise UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
@@ -351,9 +356,21 @@ def collect(folders: list[Path], report: Callable[[str], None]) -> list[LoggedRu
     return runs
 
 
+def rank_unit(table: pd.DataFrame) -> tuple[str, str]:
+    """What the `gpus` column counts, singular and plural, for the figures and tables: a rank
+    per GPU where the runs trained on CUDA, processes on CPU cores where they trained on the
+    CPU. The course's CSV names no device; its runs had a GPU each."""
+    devices = set(table["device"].dropna()) - {""} if "device" in table else set()
+    if devices <= {"cuda"}:
+        return "GPU", "GPUs"
+    if devices == {"cpu"}:
+        return "CPU rank", "CPU ranks"
+    return "rank", "ranks"  # a mix of devices
+
+
 def cores_outnumbered(results: pd.DataFrame) -> str | None:
     """A warning naming the configurations whose ranks had more threads than their node had
-    CPU cores (several "GPUs" on a laptop's cores), or None: their times measure the sharing."""
+    CPU cores (several ranks on a laptop's cores), or None: their times measure the sharing."""
     if "threads_per_core" not in results:
         return None
     shared = results[pd.to_numeric(results["threads_per_core"], errors="coerce") > 1]
@@ -365,7 +382,8 @@ def cores_outnumbered(results: pd.DataFrame) -> str | None:
     ]
     return (
         f"warning: the ranks outnumbered the CPU cores of their node in {', '.join(names)} "
-        "GPU(s): their times measure how the ranks shared the cores, not the strategy"
+        f"{rank_unit(shared)[1]}: their times measure how the ranks shared the cores, not the "
+        "strategy"
     )
 
 
@@ -623,10 +641,11 @@ def scaling(results: pd.DataFrame) -> str | None:
     return None
 
 
-# (column, header, format) of the printed table.
+# (column, header, format) of the printed table; {rank} and {ranks} in a header are what the
+# `gpus` column counts (rank_unit).
 TABLE_COLUMNS = (
     ("strategy", "strategy", "{}"),
-    ("gpus", "GPUs", "{:d}"),
+    ("gpus", "{ranks}", "{:d}"),
     ("nodes", "nodes", "{}"),
     ("runs", "runs", "{:d}"),
     ("epochs", "epochs", "{:d}"),
@@ -638,7 +657,7 @@ TABLE_COLUMNS = (
     ("peak_mem", "peak mem MB", "{:.0f}"),
     ("speedup", "speedup", "{:.2f}"),
     ("efficiency", "efficiency", "{:.0f}%"),
-    ("tflops", "TFLOP/s per GPU", "{:.3g}"),
+    ("tflops", "TFLOP/s per {rank}", "{:.3g}"),
     ("mfu", "MFU %", "{:.1f}"),
     ("bubble", "bubble", "{:.2f}"),  # a pipeline's (pipeline_utils.py)
     # Communication per epoch: not hidden behind compute (measured), and what the model's
@@ -661,8 +680,10 @@ def time_range(row) -> str:
 
 def markdown_table(summary: pd.DataFrame) -> str:
     summary = summary.assign(time_range=summary.apply(time_range, axis=1))
+    rank, ranks = rank_unit(summary)
+    headers = (header.format(rank=rank, ranks=ranks) for _, header, _ in TABLE_COLUMNS)
     lines = [
-        "| " + " | ".join(header for _, header, _ in TABLE_COLUMNS) + " |",
+        "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in TABLE_COLUMNS) + "|",
     ]
     for _, row in summary.iterrows():

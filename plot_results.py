@@ -39,6 +39,7 @@ from collect_results import (  # noqa: E402
     cores_outnumbered,
     markdown_table,
     note,
+    rank_unit,
     scaling,
     side_path,
     summarize,
@@ -133,9 +134,10 @@ def leading_digit(value: float) -> int:
     return int(round(value / 10 ** math.floor(math.log10(value)), 6))
 
 
-def gpu_axis(ax, gpus) -> None:
-    log2_axis(ax, "x", gpus)
-    ax.set_xlabel("GPUs")
+def rank_axis(ax, rows: pd.DataFrame) -> None:
+    """The x axis of the rank counts, named after what ran: GPUs, or CPU ranks."""
+    log2_axis(ax, "x", rows["gpus"])
+    ax.set_xlabel(rank_unit(rows)[1])
     ax.grid(True, which="both", alpha=0.3)
 
 
@@ -160,7 +162,7 @@ def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFr
                 ecolor=styles[strategy]["color"],
                 capsize=3,
             )
-    gpu_axis(ax, rows["gpus"])
+    rank_axis(ax, rows)
     ax.set_ylabel(ylabel)
     return rows
 
@@ -238,11 +240,21 @@ def plot_epoch_time(summary: pd.DataFrame) -> Figure:
 
 
 def plot_quality(summary: pd.DataFrame) -> Figure:
+    """Final loss and accuracy on axes from 0 (accuracy up to 100%): fitted to the points, a
+    difference of 0.001 between rank counts, smaller than a rerun's, filled the panel and read
+    as a finding. Where every point is a single run, the titles say no spread was measured."""
     fig, (loss_ax, acc_ax) = figure(2)
     plot_lines(loss_ax, summary, "val_loss", "validation loss (final epoch)")
-    loss_ax.set_title("Validation loss")
     plot_lines(acc_ax, summary, "acc", "validation accuracy (%, final epoch)")
-    acc_ax.set_title("Validation accuracy")
+    once = (
+        "\n(one run per point: no run-to-run spread measured)"
+        if (summary["runs"] == 1).all()
+        else ""
+    )
+    loss_ax.set_title(f"Validation loss{once}")
+    acc_ax.set_title(f"Validation accuracy{once}")
+    loss_ax.set_ylim(0, 1.1 * summary["val_loss"].max())  # the top point clear of the edge
+    acc_ax.set_ylim(0, 100)
     for ax in (loss_ax, acc_ax):
         # The values themselves on the axis: an offset ("+1.918") makes 0.001 look like a lot.
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")
@@ -280,7 +292,8 @@ def plot_speedup(summary: pd.DataFrame) -> Figure:
     if summary["speedup"].isna().all():
         raise NotPlottable("no 1-GPU run to compare with")
     fig, (speed_ax, eff_ax) = figure(2)
-    rows = plot_lines(speed_ax, summary, "speedup", "speedup over 1 GPU (x), log scale")
+    one = rank_unit(summary)[0]
+    rows = plot_lines(speed_ax, summary, "speedup", f"speedup over 1 {one} (x), log scale")
     gpus = sorted(rows["gpus"].unique())
     speed_ax.plot(gpus, gpus, color="black", label="ideal", **IDEAL_STYLE)
     # log-log: the ideal is the diagonal. A speedup below 1 (slower than one GPU) gets ticks of
@@ -295,7 +308,7 @@ def plot_speedup(summary: pd.DataFrame) -> Figure:
             xytext=(4, -10),
             fontsize="small",
         )
-    speed_ax.set_title("Speedup (1-GPU epoch time / N-GPU epoch time)")
+    speed_ax.set_title(f"Speedup (epoch time on 1 {one} / on N)")
     speed_ax.legend()
     plot_lines(eff_ax, summary, "efficiency", "parallel efficiency (%)")
     eff_ax.axhline(100, color="black", label="ideal", **IDEAL_STYLE)
@@ -310,11 +323,12 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     TFLOP/s each GPU achieved, each point labelled with its MFU where the peak was known."""
     has_tflops = "tflops" in summary and summary["tflops"].notna().any()
     fig, axes = figure(2 if has_tflops else 1)
-    plot_lines(axes[0], summary, "throughput", "throughput (images/s, all GPUs)")
+    one, many = rank_unit(summary)
+    plot_lines(axes[0], summary, "throughput", f"throughput (images/s, all {many})")
     plot_ideal_scaling(axes[0], summary, "throughput", 1)
     axes[0].set_title(f"Training throughput ({steady(summary)}) vs ideal N x")
     if has_tflops:
-        rows = plot_lines(axes[1], summary, "tflops", "model TFLOP/s per GPU (mfu.py)")
+        rows = plot_lines(axes[1], summary, "tflops", f"model TFLOP/s per {one} (mfu.py)")
         for _, row in rows.dropna(subset=["mfu"]).iterrows():
             axes[1].annotate(
                 f"MFU {row['mfu']:.1f}%",
@@ -348,6 +362,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     if rows.empty:
         raise NotPlottable("no t_compute, t_data, t_comm, t_wait values")
     fig, (ax,) = figure()
+    one, many = rank_unit(rows)
     fig.set_figwidth(max(8.5, 0.9 * len(rows) + 4))  # room for the legend beside the bars
     x = range(len(rows))
     bottom = pd.Series(0.0, index=rows.index)
@@ -364,10 +379,13 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
         [i + BAR_WIDTH / 2 for i in x],
         color="black",
         zorder=3,
-        label="ideal: 1-GPU time / N",
+        label=f"ideal: time on 1 {one} / N",
         **IDEAL_STYLE,
     )
-    ax.set_xticks(list(x), [f"{s}\n{g:.0f} GPU" for s, g in zip(rows["strategy"], rows["gpus"])])
+    ax.set_xticks(
+        list(x),
+        [f"{s}\n{g:.0f} {one if g == 1 else many}" for s, g in zip(rows["strategy"], rows["gpus"])],
+    )
     ax.set_ylabel(f"seconds per epoch ({steady(summary)})")
     ax.set_title("Where an epoch's time goes")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -606,9 +624,9 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
     the modelled communication beside the measured where the jobs measured their collectives;
     and the epochs whose breakdown was unreliable (their compute calibration overshot the epoch:
     left out of the parts, docs/metrics.md), where there were any."""
-    sentences = []
+    sentences, (one, many) = [], rank_unit(summary)
     for _, row in summary.iterrows():
-        point = f"{row['strategy']} on {row['gpus']:.0f} GPU(s)"
+        point = f"{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
         unreliable = row.get("unreliable_epochs", 0)
         left_out = (
             f"{unreliable:.0f} epoch(s) left out, whose compute calibration took longer than the "
@@ -654,7 +672,7 @@ def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[
             "",
             markdown_table(summary),
             "",
-            "## Largest cost per strategy and GPU count",
+            f"## Largest cost per strategy and {rank_unit(summary)[0]} count",
             "",
             *largest_costs(summary),
             "",

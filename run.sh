@@ -8,8 +8,8 @@
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue
 #SBATCH --open-mode=append
-#SBATCH --output=train.log
-#SBATCH --error=train.err
+#SBATCH --output=train_%j.log
+#SBATCH --error=train_%j.err
 #
 # run.sh -- train with main.py: as a SLURM batch job, or on this machine through torchrun.
 #
@@ -22,7 +22,8 @@
 # #SBATCH lines above, and so do SBATCH_* variables (SBATCH_ACCOUNT, SBATCH_PARTITION,
 # SBATCH_TIMELIMIT, SBATCH_RESERVATION, ...): no account or reservation is written here.
 # The job runs in the directory it was submitted from, so submit from the repository (or set
-# REPO_DIR); train.log and train.err are written there. Inside an allocation (salloc),
+# REPO_DIR); train_<job id>.log and train_<job id>.err are written there, a pair per job (an
+# earlier job's error line is then never read as this one's). Inside an allocation (salloc),
 # `bash run.sh` launches with srun too.
 #
 # Preemption and time limits: two minutes before the limit (up to 30 s earlier: SLURM checks

@@ -15,7 +15,9 @@ in jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one ta
 ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script again to
 resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job
 id>.log (and .err). A last job, started once all the others have ended, runs plot_results.sh on
-the sweep's folder: results.csv and plots/ appear by themselves (its own log stays in jobs/).
+the sweep's folder: results.csv and plots/ appear by themselves (its own log stays in jobs/),
+and its outcome, one line and its log's last error, goes to the sweep's collect_outcome.txt;
+without --wait the sweep says so when it has submitted, with the sacct command for its jobs.
 Strong scaling (the default) keeps the global batch size the same for every GPU count, so the
 runs do the same steps and their times compare; --scaling weak keeps the batch per GPU instead
 (the global batch grows with the GPUs, the steps per epoch shrink). Jobs that share nodes or
@@ -45,7 +47,7 @@ from pathlib import Path
 
 import config
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import fail, next_sweep_folder, time_stamped
+from utils import SWEEP_OUTCOME, fail, next_sweep_folder, time_stamped
 
 REPO = Path(__file__).resolve().parent
 JOBS_DIR = REPO / "jobs"
@@ -460,18 +462,29 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
     return script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
 
 
+def collect_log(sweep: str, job_id: str) -> str:
+    return f"jobs/{sweep}/collect_{job_id}.log"
+
+
 def collect_script(sweep: str, args) -> str:
     command = "bash plot_results.sh"
     if args.environment:  # the host may lack pandas and matplotlib; the image has them
         command = f"srun --environment={shlex.quote(edf_value(args.environment))} {command}"
     command = f"LOGS=logs/{sweep} {command}"  # first: an assignment after srun is no assignment
-    command += '; status=$?; echo "exit status $status"; exit $status'
+    # Its exit status is the job's (sacct shows it); its outcome, with the last error line of
+    # its log, goes to the sweep's folder, where the user of a sweep not waited for looks.
+    log = collect_log(sweep, "$SLURM_JOB_ID")
+    command += (
+        f'; status=$?; echo "exit status $status"; {{ echo "collect job $SLURM_JOB_ID: exit '
+        f'status $status (0: results.csv and plots/ written), log {log}"; '
+        f'grep "^error: " {log} | tail -n 1; }} > logs/{sweep}/{SWEEP_OUTCOME}; exit $status'
+    )
     options = [
         "--parsable",
         "--job-name=bench-collect",
         "--ntasks=1",
         "--time=00:15:00",
-        f"--output=jobs/{sweep}/collect_%j.log",
+        f"--output={collect_log(sweep, '%j')}",
         *slurm_options(args),
     ]
     comment = (
@@ -558,9 +571,20 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]
         submitted = " ".join(j.job_id for j in jobs)
         hint = f" (already queued: {submitted}; scancel {submitted} to drop them)" if jobs else ""
         fail(f"{e}{hint}", code=1)
-    jobs.append(Job("collect", job_id, JOBS_DIR / sweep / f"collect_{job_id}.log"))
+    jobs.append(Job("collect", job_id, REPO / collect_log(sweep, job_id)))
     print(f"collect: job {job_id}, after all the others: results.csv and plots/", flush=True)
     return jobs
+
+
+def how_to_follow(jobs: list[Job]) -> str:
+    """What a user who does not wait for the sweep reads later, and where."""
+    sweep = jobs[0].log.parent.name
+    ids = ",".join(job.job_id for job in jobs)
+    return (
+        f"not waiting (--wait would, and report failures): when every job has ended, "
+        f"logs/{sweep}/{SWEEP_OUTCOME} says whether collecting gave results; each job's state: "
+        f"sacct -X -j {ids} --format=JobID,JobName,State,ExitCode"
+    )
 
 
 def queue_states(job_ids: list[str]) -> dict[str, str]:
@@ -914,6 +938,7 @@ def main(argv=None) -> int:
         return 0
     jobs = submit_sweep(runs, args, extra)
     if not args.wait:
+        print(how_to_follow(jobs))
         return 0
     try:
         wait_for_jobs(jobs, args.poll_interval)

@@ -95,9 +95,10 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     parameters = count_parameters(model)
     model = wrap_model(cfg, model, env.device, env.rank, env.world_size, nodes)
     optimizer = make_optimizer(cfg, model)
+    devices = env.world_size * devices_per_rank(cfg.strategy, cfg.model, env.device)
     flops = mfu.ModelFlops(
         per_image=mfu.training_flops_per_image(cfg.model, spec.num_classes, spec.image_shape),
-        devices=env.world_size * devices_per_rank(cfg.strategy, cfg.model, env.device),
+        devices=devices,
         peak_tflops=cfg.peak_tflops or mfu.device_peak_tflops(env.device, cfg.precision),
     )
 
@@ -118,8 +119,9 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         "job_id": distributed_utils.job_id(),
     }
     built = {
+        # Model parallelism on one device (a CPU) runs the model whole, as `single` does.
         "sharding": "split"
-        if cfg.strategy in LAYER_SPLIT
+        if cfg.strategy in LAYER_SPLIT and devices > 1
         else effective_sharding(model, cfg.sharding),
         "train_images": len(loaders.train) * cfg.batch_size,
         "microbatches": stage_microbatches or mfu.UNKNOWN,

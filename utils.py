@@ -192,6 +192,9 @@ def parse_config(line: str) -> dict | None:
 # A sweep's logs live in logs/sweep-<date-time>/, never mixed with another sweep's: the sweep
 # tool makes the folder, the collector reads the newest (or, when asked, several).
 SWEEP_PREFIX = "sweep-"
+# The collect job's outcome in its sweep's folder, one line: where a user of a sweep submitted
+# without --wait learns whether it gave results. The collector reads it as no log.
+SWEEP_OUTCOME = "collect_outcome.txt"
 
 
 def time_stamp() -> str:

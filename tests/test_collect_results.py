@@ -500,7 +500,7 @@ def test_ranks_that_outnumber_their_cores_are_said_so(tmp_path, capsys, cpus):
     warning = collect_results.cores_outnumbered(results)
     if cpus == 2:
         assert warning.startswith(
-            "warning: the ranks outnumbered the CPU cores of their node in ddp on 4 GPU(s): "
+            "warning: the ranks outnumbered the CPU cores of their node in ddp on 4 CPU ranks: "
         )
     else:
         assert warning is None

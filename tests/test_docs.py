@@ -29,7 +29,8 @@ TEST_COUNT = re.compile(r"\b\d[\d,]*\s+(?:tests?|passed|failed|skipped|errors?)\
 # assignments (LOGS=x python ...). Comments are left out: they may say "prefix sudo".
 COMMAND_START = r"(?:^|[;&|(])\s*(?:\w+=\S*\s+)*"
 SUDO = re.compile(COMMAND_START + r"sudo\b")
-BARE_PYTHON = re.compile(COMMAND_START + r"python3?\b")
+# Making the virtual environment needs none of the project's packages.
+BARE_PYTHON = re.compile(COMMAND_START + r"python3?\b(?! -m venv\b)")
 COMMENT = re.compile(r"(?:^|\s)#.*")
 ACTIVATE = "source .venv/bin/activate"
 DURATION = re.compile(r"\b\d[\d.]*\s*(?:s|secs?|seconds?|min|minutes?|h|hours?)\b", re.I)
@@ -203,6 +204,7 @@ def test_the_checker_finds_commands_that_fail_as_written(tmp_path):
         "sudo .ci/slurm/start.sh\n"
         ".ci/slurm/start.sh    # as root: prefix sudo if you are not\n"
         "make install && sudo make run\n"
+        "python3 -m venv .venv\n"
         "python run_benchmarks.py --gpus 1\n"
         "LOGS=logs python3 collect_results.py\n"
         ".venv/bin/python main.py --check 1 2\n"

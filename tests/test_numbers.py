@@ -1,6 +1,7 @@
 """Every reported number means what docs/metrics.md says, and no run goes wrong silently: the parts
 of the GPU path that a CPU can show (the rest is in test_gpu.py, which needs CUDA)."""
 
+import inspect
 import math
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -222,6 +223,34 @@ def sharding_of(env, cfg):
 def test_metric_line_reports_the_sharding_really_used(strategy, world_size, expected):
     """FSDP at world size 1 falls back to NO_SHARD: a 1-GPU FSDP baseline is DDP-like."""
     assert spawn(sharding_of, world_size, Config(**CFG, strategy=strategy))[0] == expected
+
+
+def warnings_of_a_run(env, cfg):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(cfg, env)
+    return [str(w.message) for w in caught]
+
+
+# torch's two warnings of FSDP's fallback at world size 1: at the wrap, and at every state dict.
+NO_SHARD_WARNINGS = ("FSDP is switching to use `NO_SHARD`", "full_state_dict will")
+
+
+def test_a_one_rank_fsdp_run_keeps_its_chosen_fallback_off_stderr(tmp_path):
+    """The 1-GPU FSDP baseline runs NO_SHARD on purpose (sharding=no_shard above): torch's
+    warnings of it, at the wrap and at each checkpoint, reach no rank's stderr, while torch
+    still issues both (else the filters would be dead)."""
+    import torch.distributed.fsdp._init_utils as wrapping
+    import torch.distributed.fsdp._state_dict_utils as state_dicts
+
+    torch_source = inspect.getsource(wrapping) + inspect.getsource(state_dicts)
+    assert all(text in torch_source for text in NO_SHARD_WARNINGS)
+    cfg = Config(**{**CFG, "checkpoint": True}, strategy="fsdp", checkpoint_dir=str(tmp_path))
+    (caught,) = spawn(warnings_of_a_run, 1, cfg)
+    assert not [m for m in caught if any(text in m for text in NO_SHARD_WARNINGS)], caught
+    assert list(tmp_path.rglob("ckpt_*")), "no checkpoint written: the second warning untested"
 
 
 def hybrid_on_fake_nodes(env, cfg, layout):

@@ -7,7 +7,7 @@ import torch
 
 import checkpoint
 from config import Config
-from conftest import TINY, assert_one_line_error, run_main
+from conftest import TINY, assert_one_line_error, metrics_in, run_main
 from dist_harness import EQUAL_CFG as CFG
 from dist_harness import signal_rank_then_train, spawn, train_and_gather
 from session import run
@@ -171,10 +171,12 @@ def test_model_parallel_takes_as_many_gpus_as_divide_the_units(monkeypatch, visi
 
 
 def test_model_parallel_on_one_device_says_so():
+    """The log line and the [METRIC] line agree: the model ran whole, nothing split."""
     args = [*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint"]
     done = run_main([*args, "--strategy", "model"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "model: one device here (cpu): the model runs whole on it" in done.stdout
+    assert [m["sharding"] for m in metrics_in(done.stdout)] == ["replicate"]
 
 
 # ----------------------------------------------------------------------------- resume

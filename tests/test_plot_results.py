@@ -308,7 +308,7 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     assert "| 2 | 4 | 1 | 0.375 | 0.200 |" in report.split("## Pipeline bubble")[1]
     # The largest part of 2.5 s: compute, 1.5 s.
     assert (
-        "- ddp on 2 GPU(s): the largest cost is compute, 1.500 s of 2.50 s per epoch (60%)"
+        "- ddp on 2 CPU ranks: the largest cost is compute, 1.500 s of 2.50 s per epoch (60%)"
         in report
     )
 
@@ -368,6 +368,44 @@ def test_quality_panels_show_their_values_and_both_have_legends():
     for ax in fig.axes:
         assert ax.get_legend() is not None
         assert ax.yaxis.get_major_formatter().get_offset() == ""
+
+
+def test_quality_axes_do_not_magnify_a_difference_within_noise():
+    """Final losses of 1.2710 and 1.2720 at 1 and 2 ranks, one run each: on a loss axis from 0
+    the difference is under 1% of the panel's height, accuracy spans 0-100%, and the titles
+    say no run-to-run spread was measured; with a repeated run they no longer say it."""
+    results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
+        val_loss=[2.0, 1.2710, 2.0, 1.2720]
+    )
+    loss, acc = plot_results.plot_quality(plot_results.summarize(results)).axes
+    low, high = loss.get_ylim()
+    assert low == 0 and 0.001 / (high - low) < 0.01, (low, high)
+    assert acc.get_ylim() == (0, 100)
+    assert all("no run-to-run spread measured" in ax.get_title() for ax in (loss, acc))
+    again = results[results["gpus"] == 1].assign(log="ddp_1gpu_again.log")
+    repeated = plot_results.plot_quality(plot_results.summarize(pd.concat([results, again])))
+    assert not any("spread" in ax.get_title() for ax in repeated.axes)
+    plt.close("all")
+
+
+def test_figures_and_report_name_the_ranks_and_their_device():
+    """What the `gpus` column counts is named after the device the runs trained on: CPU ranks
+    on a CPU, GPUs on CUDA, in every axis, tick and sentence that counts them."""
+    results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}))
+    for device, one, many in (("cpu", "CPU rank", "CPU ranks"), ("cuda", "GPU", "GPUs")):
+        ran = results.assign(device=device)
+        summary = plot_results.summarize(ran)
+        for name in ("epoch_time.png", "val_loss_acc.png", "peak_memory.png", "throughput.png"):
+            assert {ax.get_xlabel() for ax in plot_results.FIGURES[name](summary).axes} == {many}
+        speed, _ = plot_results.plot_speedup(summary).axes
+        assert speed.get_ylabel().startswith(f"speedup over 1 {one} ")
+        (bars,) = plot_results.plot_time_breakdown(summary).axes
+        ticks = [t.get_text() for t in bars.get_xticklabels()]
+        assert ticks == [f"ddp\n1 {one}", f"ddp\n2 {many}"]
+        report = plot_results.report_text(ran, None, [])
+        assert f"- ddp on 1 {one}: " in report and f"| strategy | {many} |" in report
+        assert device == "cuda" or "GPU" not in report, report
+        plt.close("all")
 
 
 def test_repeated_runs_draw_min_max_bars():

@@ -25,8 +25,8 @@ from conftest import (
     metrics_in,
     run,
 )
-from helpers import start_batch_script, wait_for
-from utils import parse_comm
+from helpers import run_log, start_batch_script, wait_for
+from utils import SWEEP_OUTCOME, parse_comm
 
 
 def benchmarks(*args, cwd=REPO, **env):
@@ -99,7 +99,8 @@ def test_run_sh_defaults_are_the_course_job():
     assert options["--gpus-per-node"] == "4"
     assert int(options["--cpus-per-task"]) >= 1
     assert re.fullmatch(r"\d+:\d\d:\d\d", options["--time"])
-    assert options["--output"] == "train.log" and options["--error"] == "train.err"
+    # A pair of files per job: an earlier job's error line is never read as this one's.
+    assert options["--output"] == "train_%j.log" and options["--error"] == "train_%j.err"
     # Whose account and which reservation is the user's business: -A or SBATCH_ACCOUNT.
     assert not {"--account", "-A", "--reservation"} & set(options)
 
@@ -295,6 +296,32 @@ def test_a_warning_before_the_tasks_start_requeues_the_job(repo_copy, tmp_path):
     assert not (tmp_path / "calls.started").exists()  # and no task was started after it
 
 
+def loopback_commands() -> list[list[str]]:
+    """The commands suggested for the loopback cluster, as written: start.sh's header and the
+    shell block of slurm.md's section on it, continuation lines joined."""
+    header = (REPO / ".ci" / "slurm" / "start.sh").read_text().split("set -euo")[0]
+    section = (REPO / "docs" / "slurm.md").read_text().split("## Trying it without a cluster")[1]
+    lines = [line[1:].strip() for line in header.splitlines() if line.startswith("#     ")]
+    lines += section.split("```bash")[1].split("```")[0].splitlines()
+    commands = re.sub(r"\\\n\s*", " ", "\n".join(lines)).splitlines()
+    return [c.split() for c in commands if re.match(r"(sbatch|\S*python) .*run", c)]
+
+
+def test_the_loopback_cluster_commands_run_on_its_fake_gpus():
+    """Every command suggested for the loopback cluster gives main.py arguments that pass its
+    check where SLURM hands out GPUs torch cannot see, as run.sh checks them in the job."""
+    commands = loopback_commands()
+    assert len(commands) >= 2
+    for words in commands:
+        after = "--" if "--" in words else next(w for w in words if w.endswith("run.sh"))
+        main_args = words[words.index(after) + 1 :]
+        done = run(
+            [sys.executable, "main.py", *main_args, "--check", "4"],
+            CUDA_VISIBLE_DEVICES="0,1,2,3",
+        )
+        assert done.returncode == 0, f"{' '.join(words)}\n{done.stderr}"
+
+
 def test_run_sh_rejects_a_bad_nproc():
     done = run(["bash", "run.sh"], NPROC="zero")
     assert_one_line_error(done, "NPROC")
@@ -367,37 +394,90 @@ def test_dry_run_passes_slurm_options_and_the_container(repo_copy):
         assert option in done.stdout
 
 
-def test_the_collect_job_runs_the_collector_in_the_container_with_its_sweep(repo_copy, tmp_path):
-    """The collect job's command, run by stand-ins for sbatch (runs --wrap) and srun (drops its
-    options, shows what it would start and with which LOGS)."""
-    done = benchmarks(
-        "--dry-run",
-        "--gpus",
-        "1",
-        "--strategies",
-        "ddp",
-        "--environment",
-        "edf.toml",
-        cwd=repo_copy,
-    )
+def stand_ins(folder: Path, **bodies: str) -> str:
+    """Bash stand-ins for SLURM's commands, by name: the PATH that finds them first."""
+    folder.mkdir()
+    for name, body in bodies.items():
+        (folder / name).write_text(f"#!/bin/bash\n{body}\n")
+        (folder / name).chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def collect_job(repo_copy: Path, *options: str) -> tuple[str, Path]:
+    """The sweep's name and its collect job's script, as a dry run writes it."""
+    done = benchmarks("--dry-run", "--gpus", "1", "--strategies", "ddp", *options, cwd=repo_copy)
     assert done.returncode == 0, done.stderr
     sweep, collect = re.search(
         r"^# ---- jobs/(sweep-[\d-]+)/collect\.sh.*?\n(.*)", done.stdout, re.MULTILINE | re.DOTALL
     ).groups()
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stand_ins = {
-        "sbatch": 'while [ "$1" != --wrap ]; do shift; done; exec bash -c "$2"',
-        "srun": 'while [[ "$1" == --* ]]; do shift; done; echo "LOGS=$LOGS starts: $*"',
-    }
-    for name, body in stand_ins.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
     job = repo_copy / "jobs" / sweep / "collect.sh"
     job.parent.mkdir(parents=True)
     job.write_text(collect)
-    ran = run(["bash", job], cwd=repo_copy, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    return sweep, job
+
+
+def test_the_collect_job_runs_the_collector_in_the_container_with_its_sweep(repo_copy, tmp_path):
+    """The collect job's command, run by stand-ins for sbatch (runs --wrap) and srun (drops its
+    options, shows what it would start and with which LOGS)."""
+    sweep, job = collect_job(repo_copy, "--environment", "edf.toml")
+    path = stand_ins(
+        tmp_path / "bin",
+        sbatch='while [ "$1" != --wrap ]; do shift; done; exec bash -c "$2"',
+        srun='while [[ "$1" == --* ]]; do shift; done; echo "LOGS=$LOGS starts: $*"',
+    )
+    ran = run(["bash", job], cwd=repo_copy, PATH=path)
     assert f"LOGS=logs/{sweep} starts: bash plot_results.sh" in ran.stdout, ran.stdout + ran.stderr
+
+
+# sbatch as SLURM runs a --wrap job: SLURM_JOB_ID set, its output into --output (%j its id).
+SBATCH_RUNS_THE_JOB = """while [ "$1" != --wrap ]; do
+    case $1 in --output=*) out=${1#--output=} ;; esac
+    shift
+done
+export SLURM_JOB_ID=77
+bash -c "$2" > "${out//%j/77}" 2>&1"""
+
+
+def test_a_failed_collect_job_says_so_in_its_status_and_the_sweeps_folder(repo_copy, tmp_path):
+    """Every job of the sweep died (a log without metrics): the collect job exits non-zero, the
+    status sacct shows, and its outcome in the sweep's folder says so with the error line;
+    once a log with metrics is there, it exits 0 and the outcome file is read as no log."""
+    sweep, job = collect_job(repo_copy)
+    logs = repo_copy / "logs" / sweep
+    logs.mkdir()
+    (logs / "ddp_1gpu_5.log").write_text("error: rank 0 died\n")
+    path = stand_ins(tmp_path / "bin", sbatch=SBATCH_RUNS_THE_JOB)
+    failed = run(["bash", job], cwd=repo_copy, PATH=path, timeout=120)
+    outcome = (logs / SWEEP_OUTCOME).read_text().splitlines()
+    assert failed.returncode != 0
+    assert outcome[0].startswith(f"collect job 77: exit status {failed.returncode} "), outcome
+    assert outcome[0].endswith(f"log jobs/{sweep}/collect_77.log")
+    assert outcome[1].startswith("error: no usable [METRIC] lines"), outcome
+    (logs / "ddp_1gpu_5.log").unlink()
+    run_log(logs, "ddp_1gpu_6.log", world_size=1, job_id="6")
+    done = run(["bash", job], cwd=repo_copy, PATH=path, timeout=120)
+    log = (repo_copy / "jobs" / sweep / "collect_77.log").read_text()
+    assert done.returncode == 0, log
+    assert (logs / SWEEP_OUTCOME).read_text().startswith("collect job 77: exit status 0 ")
+    assert SWEEP_OUTCOME not in log  # not reported as a log without metrics
+
+
+def test_a_sweep_not_waited_for_says_where_to_learn_its_outcome(repo_copy, tmp_path):
+    """Without --wait: the last line names the outcome file the collect job will write and the
+    sacct command that shows every job's state, with every job id submitted."""
+    ids = tmp_path / "last_job_id"
+    path = stand_ins(
+        tmp_path / "bin",
+        sbatch=f"n=$(($(cat {ids} 2>/dev/null || echo 100) + 1)); echo $n >{ids}; echo $n",
+    )
+    done = benchmarks(
+        "--gpus", "1", "2", "--strategies", "ddp", "--", "--device", "cpu", cwd=repo_copy, PATH=path
+    )
+    assert done.returncode == 0, done.stderr
+    (sweep,) = [p.name for p in (repo_copy / "logs").iterdir()]
+    last = done.stdout.splitlines()[-1]
+    assert f"logs/{sweep}/{SWEEP_OUTCOME} says whether collecting gave results" in last, last
+    assert "sacct -X -j 101,102,103 " in last, last
 
 
 def test_a_sweep_runs_the_pipeline_where_the_model_cuts_and_says_so_once():

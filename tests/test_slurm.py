@@ -37,6 +37,16 @@ def stderr_tails(logs) -> str:
     )
 
 
+def job_file(repo_copy, job_id, suffix: str):
+    """run.sh's output (.log) or error (.err) file of one job: a pair per job."""
+    return repo_copy / f"train_{job_id}{suffix}"
+
+
+def submitted(done: subprocess.CompletedProcess) -> str:
+    """The job id `sbatch --wait` printed."""
+    return re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+
+
 def sh(command: list, cwd, env, timeout) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
@@ -106,10 +116,10 @@ def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
         {**slurm_env, **left_over},
         220,
     )
-    log = (repo_copy / "train.log").read_text()
-    err = (repo_copy / "train.err").read_text()
-    assert done.returncode == 0, f"{done.stderr}\n--- train.log\n{log}\n--- train.err\n{err}"
-    job_id = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+    job_id = submitted(done)
+    log = job_file(repo_copy, job_id, ".log").read_text()
+    err = job_file(repo_copy, job_id, ".err").read_text()
+    assert done.returncode == 0, f"{done.stderr}\n--- log\n{log}\n--- err\n{err}"
     metrics = metrics_in(log)
     assert [m["epoch"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -149,10 +159,13 @@ def test_gpus_torch_cannot_see_are_refused_not_replaced_by_the_cpu(slurm_env, re
         100,
     )
     assert done.returncode == 2, done.stdout + done.stderr
-    err = (repo_copy / "train.err").read_text()
+    job_id = submitted(done)
+    err = job_file(repo_copy, job_id, ".err").read_text()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "GPUs, but torch" in errors[0] and "--device cpu" in errors[0], err
-    assert "Traceback" not in err and not metrics_in((repo_copy / "train.log").read_text())
+    assert "Traceback" not in err and not metrics_in(
+        job_file(repo_copy, job_id, ".log").read_text()
+    )
 
 
 def queued_jobs(env) -> list[str]:
@@ -373,8 +386,8 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
                 assert lift.returncode == 0, lift.stderr
                 held_since = None
         time.sleep(2)
-    log = (repo_copy / "train.log").read_text()
-    err = (repo_copy / "train.err").read_text()
+    log = job_file(repo_copy, job_id, ".log").read_text()
+    err = job_file(repo_copy, job_id, ".err").read_text()
     assert fields.get("JobState") == "COMPLETED", f"{fields}\n{log[-3000:]}\n{err[-3000:]}"
     assert fields["Restarts"] == "1", f"requeued {fields['Restarts']} times\n{log[-3000:]}"
     assert log.count("stopped before its time limit; requeueing it") == 1
@@ -431,7 +444,7 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
     )
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
-    deadline, log = time.monotonic() + 120, repo_copy / "train.log"
+    deadline, log = time.monotonic() + 120, job_file(repo_copy, job_id, ".log")
     while not log.exists() or "epoch 1 step" not in log.read_text(errors="replace"):
         assert time.monotonic() < deadline, "training never started"
         time.sleep(1)
@@ -448,7 +461,7 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
         assert time.monotonic() - killed_at < 90, "the job outlived its dead rank"
         time.sleep(1)
     log = log.read_text(errors="replace")
-    err = (repo_copy / "train.err").read_text(errors="replace")
+    err = job_file(repo_copy, job_id, ".err").read_text(errors="replace")
     print(f"the job ended {time.monotonic() - killed_at:.0f} s after task 1 was killed")
     assert f"run.sh: job {job_id} exit status 0" not in log
     assert "rank(s) 1 died or hung" in err or "task 1" in err, err[-2000:]

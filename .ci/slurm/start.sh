@@ -5,12 +5,15 @@
 #
 #     .ci/slurm/start.sh                        # install if needed, configure, start
 #     export SLURM_CONF=/tmp/project-slurm/etc/slurm.conf
-#     sbatch --wait --nodes=2 --ntasks-per-node=2 --cpus-per-task=1 run.sh --dataset synthetic
+#     sbatch --wait --nodes=2 --ntasks-per-node=2 --cpus-per-task=1 run.sh --device cpu \
+#         --dataset synthetic
 #     .ci/slurm/stop.sh [--purge]
 #
 # Debian 12's SLURM 22.05 (slurmctld, slurmd, slurm-client, munge), run as root without systemd:
 # one controller and one slurmd per emulated node (node1, node2), all on 127.0.0.1, each node
-# with fake GPUs. Torch sees no GPU here, so jobs train on CPU with gloo: "GPUs" are ranks.
+# with fake GPUs. Torch sees no GPU here, and main.py refuses GPUs it cannot see rather than
+# fall back to the CPU unasked: jobs pass --device cpu and train on CPU with gloo, a rank per
+# "GPU".
 #
 # The cluster is self-contained: its configuration lives in $PROJECT_SLURM_DIR/etc, not in
 # /etc/slurm, and it listens on its own ports, so a system SLURM (or another test cluster) on
