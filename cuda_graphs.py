@@ -99,9 +99,9 @@ class GraphedStep:
         self.images = self.labels = self.loss_sum = None  # static, made at the first step
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_steps = 0
-        # The graph's private memory that its replays reuse and the allocator no longer counts
-        # as allocated (the step's activations): see replay_bytes.
-        self.replay_bytes = 0
+        # The memory a replay holds, as the allocator counted it at the capture's peak: see
+        # _capture. Bytes, 0 until captured.
+        self.replay_peak = 0
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor):
         if self.images is None:
@@ -123,16 +123,14 @@ class GraphedStep:
 
     def _capture(self) -> None:
         """Record the step into a graph, on the side stream its warm-up ran on, and measure the
-        graph's private memory pool: the tensors a step makes and frees live there, and a replay
-        reuses them where the allocator, which counted them while capturing, no longer sees
-        them (peak_mem adds them back: train.Trainer.run_epoch)."""
+        memory a replay holds: the tensors a step makes and frees live in the graph's private
+        pool, which the allocator counts while capturing but not while replaying, so the
+        capture's peak is every replay's (peak_mem: train.Trainer.replay_peak). The capture's
+        step is the warm-up's: the epoch's peak before it, which measuring resets, was the
+        same step's."""
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # as capture does: the pool's segments are then all its own
-        reserved = torch.cuda.memory_reserved(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=_side_stream(self.device)):
             self.step(self.images, self.labels, self.loss_sum)
-        pool = torch.cuda.memory_reserved(self.device) - reserved
-        alive = torch.cuda.memory_allocated(self.device) - allocated  # e.g. the gradients
-        self.replay_bytes = pool - alive
+        self.replay_peak = torch.cuda.max_memory_allocated(self.device)

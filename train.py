@@ -203,8 +203,9 @@ class MemoryMeter:
     def reset(self) -> None:
         reset_peak_memory(self.device)
 
-    def training_peak(self) -> int:
-        return max(0, peak_memory_bytes(self.device) - self.baseline)
+    def training_peak(self, at_least: int = 0) -> int:
+        """Since reset(), above the baseline; at_least: a peak the allocator did not see."""
+        return max(0, max(peak_memory_bytes(self.device), at_least) - self.baseline)
 
 
 class StageTimer:
@@ -516,13 +517,13 @@ class Trainer:
         """
         device = self.env.device
         self.memory.reset()
-        unseen = self.replayed_bytes()
+        replay_peak = self.replay_peak()
         reached, complete, segment = self.train_epoch(start, stop)
         if not complete:
             return reached, None
         # Read before the calibration and validation run: their memory is not training's (the
         # calibration's unsharded model would otherwise hide FSDP's saving).
-        own_peak, own_reserved = self.memory.training_peak() + unseen, reserved_peak_bytes(device)
+        own_peak, own_reserved = self.memory.training_peak(replay_peak), reserved_peak_bytes(device)
         breakdown = time_breakdown(segment, self.compute_seconds_per_step(segment.elapsed), device)
         val = self.evaluate()
         peak, state, reserved = all_reduce(
@@ -550,13 +551,12 @@ class Trainer:
             **self.strategy_fields(),
         }
 
-    def replayed_bytes(self) -> int:
-        """The memory an epoch's steps use that the allocator's peak does not see: where every
-        step of it replays a captured graph, the graph's reused private memory (its activations;
-        an epoch that captures sees them while capturing), so that peak_mem means the same
-        graphed as eager."""
+    def replay_peak(self) -> int:
+        """The least peak of an epoch whose every step replays a captured graph: the capture's,
+        which each replay holds again where the allocator no longer sees it (an epoch that
+        captures sees it while capturing). So peak_mem means the same graphed as eager."""
         step = self.train_step
-        return step.replay_bytes if isinstance(step, GraphedStep) and step.graph else 0
+        return step.replay_peak if isinstance(step, GraphedStep) and step.graph else 0
 
     def compute_seconds_per_step(self, epoch_seconds: float) -> float:
         """One step's compute on this rank, for t_compute (time_breakdown)."""
