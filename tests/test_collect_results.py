@@ -541,3 +541,33 @@ def test_pipeline_runs_scale_against_ddps_one_gpu_and_give_the_bubble_by_microba
     assert table["bubble_ideal"].tolist() == pytest.approx([0.2, 1 / 9], rel=1e-5)
     text = collect_results.bubble_markdown(table)
     assert "| 2 | 8 | 1 | 0.250 | 0.111 |" in text.splitlines()
+
+
+# ---- the time breakdown ----
+
+
+def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(tmp_path):
+    """An epoch whose compute calibration overshot (breakdown=unreliable, t_compute and t_comm
+    na) gives no parts: the point's parts come from its reliable epochs, all four from the same
+    ones, and report.md's sentence counts those left out; a point with none left says so."""
+    import plot_results
+
+    ok = dict(t_compute=1.0, t_data=0.1, t_comm=0.3, t_wait=0.0, breakdown="ok")
+    bad = dict(t_compute="na", t_data=0.1, t_comm="na", t_wait=0.0, breakdown="unreliable")
+    epochs = [ok, {**ok, "t_compute": 1.2, "t_comm": 0.2}, bad]
+    write_log(
+        tmp_path / "ddp_1gpu_1.log",
+        [metric_fields(e, job_id="1", **parts) for e, parts in enumerate(epochs, 1)],
+    )
+    write_log(
+        tmp_path / "ddp_2gpu_2.log",
+        [metric_fields(e, world_size=2, job_id="2", **bad) for e in (1, 2)],
+    )
+    results, _ = collect(tmp_path)
+    summary = collect_results.summarize(results).set_index("gpus")
+    one, two = summary.loc[1], summary.loc[2]
+    assert (one["t_compute"], one["t_comm"], one["unreliable_epochs"]) == (1.2, 0.2, 1)
+    assert pd.isna(two["t_compute"]) and two["unreliable_epochs"] == 1
+    sentences = plot_results.largest_costs(summary.reset_index())
+    assert "1 epoch(s) left out" in sentences[0] and "compute, 1.200 s" in sentences[0]
+    assert "no reliable breakdown" in sentences[1], sentences
