@@ -195,10 +195,11 @@ class Config:
         "torch.compile the model (the first epoch then includes compiling: about 20 s on a CPU)",
         flag="--compile",
     )
-    cuda_graphs: bool = option(
-        False,
+    cuda_graphs: bool | None = option(
+        None,
         "capture the whole training step as one CUDA graph after a few eager steps and replay "
-        "it (single and ddp on a GPU; not yet run on a GPU: docs/performance.md)",
+        "it (single and ddp on a GPU). Default: on a GPU wherever it applies and has been shown "
+        "to (the [CONFIG] line notes why a run stays eager); off on a CPU",
         flag="--cuda-graphs",
     )
     seed: int = option(42, "seed for weights, data order and synthetic data", minimum=0)

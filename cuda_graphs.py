@@ -16,8 +16,10 @@ one.
 
 Run on one H200 (docs/gpu-runs/2026-11-26-h200): graphed runs train as eager ones, resume and
 stop exactly, and an epoch of 50,000 images at batch 256 takes 0.17-0.19 s against 0.45-0.53 s
-eager (docs/performance.md). Where it cannot apply, `refusal` says why, and `main.py --check`
-and every rank refuse the run (distributed_utils.check_device_options).
+eager (docs/performance.md). So on a GPU it is the default wherever it applies and a GPU run has
+shown it (`decide`; --no-cuda-graphs turns it off); elsewhere the run is eager and its
+[CONFIG] note says why. Where an explicit --cuda-graphs cannot apply, `refusal` says why, and
+`main.py --check` and every rank refuse the run (distributed_utils.check_device_options).
 """
 
 import contextlib
@@ -25,6 +27,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from config import Config
 
@@ -35,7 +38,8 @@ WARMUP_STEPS = 11
 def refusal(cfg: Config, device: torch.device) -> str | None:
     """Why the step of this run cannot be one CUDA graph, and what to do; None where it can.
     A graph replays the same kernels on the same addresses: nothing may be decided on the host
-    between them."""
+    between them (a learning-rate schedule writes its rate into a device tensor between
+    replays: make_optimizer)."""
     if device.type != "cuda":
         return "a CUDA graph records GPU kernels: it needs a GPU (leave the option out on a CPU)"
     if cfg.strategy not in ("single", "ddp"):
@@ -46,17 +50,49 @@ def refusal(cfg: Config, device: torch.device) -> str | None:
         )
     if cfg.precision == "fp16":
         return (
-            "fp16's gradient scaler has not been shown to work inside a captured step: use "
+            "fp16's gradient scaler decides on the host whether to skip each step: use "
             "--precision bf16 (no scaler)"
-        )
-    if cfg.lr_schedule != "none" or cfg.warmup_epochs:
-        return (
-            "the graph would keep the first step's learning rate: use a constant one "
-            "(--lr-schedule none, --warmup-epochs 0)"
         )
     if cfg.compile:
         return "torch.compile makes CUDA graphs of its own (mode='reduce-overhead'): use one"
+    backend = str(dist.get_backend()) if dist.is_initialized() else "nccl"
+    if dist.is_initialized() and dist.get_world_size() > 1 and "nccl" not in backend:
+        return f"{backend}'s collectives cannot be captured in a CUDA graph (NCCL's can)"
     return None
+
+
+# What a GPU run has shown captured (docs/gpu-runs/2026-11-26-h200*): the default graphs only
+# these; anything else runs eager unless --cuda-graphs asks for it, until a GPU run shows it.
+SHOWN_MODELS = ("cnn", "resnet18")
+
+
+def not_yet_shown(cfg: Config) -> str | None:
+    """Why a capturable run still runs eager by default: a part of it no GPU run has captured."""
+    if cfg.model not in SHOWN_MODELS:
+        return f"--model {cfg.model}"
+    if cfg.lr_schedule != "none" or cfg.warmup_epochs:
+        return "a learning-rate schedule"
+    if cfg.grad_accum > 1:
+        return "--grad-accum"
+    if cfg.clip_grad is not None:
+        return "--clip-grad"
+    if cfg.sync_bn:
+        return "--sync-bn"
+    return None
+
+
+def decide(cfg: Config, device: torch.device) -> tuple[bool, str | None]:
+    """Whether this run's step is one CUDA graph and, where the default (on a GPU, graphed
+    wherever it applies) leaves it eager, why. An explicit --cuda-graphs that cannot apply is
+    refused elsewhere (distributed_utils.check_device_options)."""
+    if cfg.cuda_graphs is not None:
+        return cfg.cuda_graphs, None
+    if device.type != "cuda":
+        return False, None
+    why = refusal(cfg, device)
+    if why is None and (unshown := not_yet_shown(cfg)):
+        why = f"{unshown} has not yet run captured on a GPU (--cuda-graphs asks for it)"
+    return why is None, why
 
 
 @functools.cache

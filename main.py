@@ -112,6 +112,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     if min(world_sizes) < 1:
         raise UsageError(f"--check: world sizes must be at least 1, got {min(world_sizes)}")
     import checkpoint  # torch loads here, once the options are known to be readable
+    import cuda_graphs
     import data
     import distributed_utils
 
@@ -121,13 +122,16 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         check_world(cfg, world_size, train_size)
     device, where = distributed_utils.check_device(cfg)
     distributed_utils.check_device_options(cfg, device)
+    graphed, why_eager = cuda_graphs.decide(cfg, device)
+    step = "one CUDA graph" if graphed else f"eager ({why_eager})" if why_eager else "eager"
     if cfg.resume not in (None, "auto"):
         checkpoint.resolve(cfg.resume, Path("."))
     elif cfg.checkpoint and cfg.checkpoint_dir:
         checkpoint.refuse_overwrite(Path(cfg.checkpoint_dir), cfg.resume)
     print(
         f"check: ok: strategy={cfg.strategy} world sizes {' '.join(map(str, world_sizes))}, "
-        f"global batch {cfg.batch_size}, {train_size} training images ({source}), {where}"
+        f"global batch {cfg.batch_size}, {train_size} training images ({source}), {where}; "
+        f"the step: {step}"
     )
     return EXIT_STATUS["finished"]
 

@@ -150,8 +150,6 @@ class PipelineTrainer(Trainer):
         if self.clip_grad is not None:
             clip_across_stages(self.model, self.clip_grad)
         self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
 
     def compute_seconds_per_step(self, epoch_seconds: float) -> float:
         """Measured, not calibrated: this stage's own forwards and backwards, per step."""

@@ -7,12 +7,13 @@ the wrappers load only for a command line that is good.
 """
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 import checkpoint
+import cuda_graphs
 import data
 import distributed_utils
 import mfu
@@ -64,6 +65,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     )
     check_world(cfg, env.world_size, len(train_set))
     distributed_utils.check_device_options(cfg, env.device)
+    cfg = replace(cfg, cuda_graphs=cuda_graphs.decide(cfg, env.device)[0])  # the default, resolved
     precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)
     fp32_math = set_fp32_math(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
@@ -217,7 +219,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     """Build, resume if asked, then train until cfg.epochs or until a stop signal (then save)."""
     trainer, resolved = build_trainer(cfg, env)
     if cfg.profile:
-        trainer.profiler = StepProfiler(profile_path(env), env.device, cfg.cuda_graphs)
+        trainer.profiler = StepProfiler(profile_path(env), env.device, trainer.cuda_graphs)
     folder = (
         distributed_utils.on_rank0(checkpoint.prepare_folder, cfg.checkpoint_dir, cfg.resume)
         if cfg.checkpoint
@@ -232,6 +234,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         source = checkpoint.resolve(cfg.resume, folder or Path("."))
         position = checkpoint.load_chosen(source, fits, *resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
+    if why_eager := cuda_graphs.decide(cfg, env.device)[1]:
+        log0(f"[CONFIG] note: the step runs eager, not as one CUDA graph: {why_eager}")
     if warning := distributed_utils.network_warning(resolved["nodes"], env.backend):
         log0(warning)
     if cfg.comm_benchmark:

@@ -87,15 +87,21 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     optimizer, options = (
         (torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else (torch.optim.Adam, {})
     )
-    if cfg.cuda_graphs and optimizer is torch.optim.Adam:
-        options["capturable"] = True  # its step count on the device, advanced by the graph
     params = list(model.parameters())
+    lr = cfg.lr
+    if cfg.cuda_graphs:
+        if optimizer is torch.optim.Adam:
+            options["capturable"] = True  # its step count on the device, advanced by the graph
+        if cfg.lr_schedule != "none" or cfg.warmup_epochs:
+            # A tensor the graph reads, which the scheduler fills between replays (a float
+            # would be baked into the graph at its capture).
+            lr = torch.tensor(cfg.lr, device=params[0].device)
     if not any(isinstance(p, DTensor) for p in params):
         try:
-            return optimizer(params, lr=cfg.lr, fused=True, **options)
+            return optimizer(params, lr=lr, fused=True, **options)
         except RuntimeError:  # parameters on a device without fused kernels
             pass
-    return optimizer(params, lr=cfg.lr, foreach=True, **options)
+    return optimizer(params, lr=lr, foreach=True, **options)
 
 
 def make_scheduler(
@@ -595,6 +601,8 @@ class Trainer:
                 images, labels = next(batches)
 
             self.train_step(images, labels, mean_loss_sum)
+            if self.scheduler is not None:  # on the host, outside a captured step
+                self.scheduler.step()
             if self.profiler:
                 self.profiler.profiler.step()
             seen += len(labels)
@@ -653,8 +661,6 @@ class Trainer:
             clip_gradients(model, self.clip_grad)
         scaler.step(self.optimizer)
         scaler.update()
-        if self.scheduler is not None:
-            self.scheduler.step()
 
     def predict(self, images: torch.Tensor) -> torch.Tensor | None:
         """The logits of a validation batch."""

@@ -3,15 +3,18 @@ line, also by --check; and the step it captures, fed from static buffers into th
 loss accumulator, trains exactly as the plain step (eager, on 2 gloo ranks with DDP). That a
 captured graph trains the same is shown only on a GPU (tests/test_gpu.py)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from checkpoint import Position
 from config import Config
 from conftest import TINY, assert_one_line_error, run_main
-from cuda_graphs import GraphedStep, refusal
+from cuda_graphs import GraphedStep, decide, refusal
 from dist_harness import EQUAL_CFG, spawn
 from session import build_trainer
+from train import make_optimizer, make_scheduler
 
 pytestmark = pytest.mark.fast  # make test-fast
 
@@ -25,16 +28,55 @@ CHECK = [*TINY, "--cuda-graphs", "--device", "cuda", "--check", "1"]
         ({"strategy": "fsdp2"}, "--strategy fsdp2 cannot be captured"),
         ({"strategy": "dp"}, "--strategy dp cannot be captured"),
         ({"precision": "fp16"}, "use --precision bf16"),
-        ({"lr_schedule": "cosine"}, "--lr-schedule none"),
-        ({"warmup_epochs": 1}, "--warmup-epochs 0"),
         ({"compile": True}, "torch.compile makes CUDA graphs of its own"),
         ({}, None),
+        ({"lr_schedule": "cosine", "warmup_epochs": 1}, None),
         ({"strategy": "single", "precision": "bf16", "clip_grad": 1.0, "grad_accum": 2}, None),
     ],
 )
 def test_what_cannot_be_one_graph_is_refused_with_the_reason(options, reason):
     why = refusal(Config(cuda_graphs=True, **options), torch.device("cuda"))
     assert why == reason or reason in why, why
+
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "options, device, graphed, why",
+    [
+        ({}, CUDA, True, None),  # the default on a GPU: what an H200 run showed
+        ({"strategy": "single", "model": "resnet18", "precision": "bf16"}, CUDA, True, None),
+        ({"channels_last": True, "precision": "tf32"}, CUDA, True, None),
+        ({}, CPU, False, None),  # a CPU: eager, nothing to say
+        ({"cuda_graphs": False}, CUDA, False, None),  # --no-cuda-graphs
+        ({"strategy": "fsdp"}, CUDA, False, "--strategy fsdp cannot be captured"),
+        ({"precision": "fp16"}, CUDA, False, "use --precision bf16"),
+        ({"lr_schedule": "cosine"}, CUDA, False, "a learning-rate schedule has not yet run"),
+        ({"grad_accum": 2}, CUDA, False, "--grad-accum has not yet run captured"),
+        ({"model": "resnet50"}, CUDA, False, "--model resnet50 has not yet run"),
+        ({"cuda_graphs": True, "lr_schedule": "cosine"}, CUDA, True, None),  # asked for
+    ],
+)
+def test_graphs_are_the_default_on_a_gpu_where_shown_and_eager_says_why(
+    options, device, graphed, why
+):
+    decided, note = decide(Config(**options), device)
+    assert decided == graphed
+    assert note == why or why in note, note
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ([], "the step: one CUDA graph"),
+        (["--no-cuda-graphs"], "the step: eager"),
+        (["--strategy", "fsdp"], "the step: eager (--strategy fsdp cannot be captured"),
+    ],
+)
+def test_check_says_whether_the_step_is_graphed(options, says):
+    done = run_main([*TINY, "--device", "cuda", "--check", "1", *options], timeout=120)
+    assert done.returncode == 0 and says in done.stdout, (done.stdout, done.stderr)
 
 
 def test_refusals_are_one_line_also_from_check_and_on_a_cpu():
@@ -46,18 +88,30 @@ def test_refusals_are_one_line_also_from_check_and_on_a_cpu():
     assert done.returncode == 0 and "check: ok" in done.stdout, done.stderr
 
 
-def train_two_epochs(env, static_buffers: bool):
+def train_two_epochs(env, static_buffers: bool, schedule: dict | None = None):
     """DDP's parameters and every step's loss sum after two epochs, with the plain step or the
-    static-buffer step (eager; its warm-up covers part of the first epoch)."""
-    cfg = Config(**{**EQUAL_CFG, "optimizer": "adam", "augment": True})
+    static-buffer step (eager; its warm-up covers part of the first epoch). With a learning-rate
+    schedule, the static-buffer step gets the optimizer a graphed run gets: its rate a tensor
+    that the scheduler fills between steps."""
+    cfg = Config(**{**EQUAL_CFG, "optimizer": "adam", "augment": True, **(schedule or {})})
     trainer, _ = build_trainer(cfg, env)
     if static_buffers:
         trainer.train_step = GraphedStep(trainer.step, env.device, warmup=3, capture=False)
+        if schedule:
+            graphed = replace(cfg, cuda_graphs=True)
+            trainer.optimizer = make_optimizer(graphed, trainer.model)
+            trainer.scheduler = make_scheduler(
+                graphed, trainer.optimizer, len(trainer.loaders.train)
+            )
+    rate = trainer.optimizer.param_groups[0]["lr"]
     sums = []
     for epoch in (1, 2):
         reached, complete, _ = trainer.train_epoch(Position(epoch))
         assert complete
         sums.append(reached.loss_sum)
+    if schedule and static_buffers:  # what a graph captures: one tensor, rewritten in place
+        now = trainer.optimizer.param_groups[0]["lr"]
+        assert torch.is_tensor(rate) and now is rate and float(now) != cfg.lr, (rate, now)
     step = trainer.train_step
     buffers = (step.images.data_ptr(), step.loss_sum is trainer.loss_sum) if static_buffers else ()
     return [p.detach().clone() for p in trainer.model.parameters()], sums, buffers
@@ -71,6 +125,19 @@ def test_the_static_buffer_step_trains_exactly_as_the_plain_step():
         assert sums == static_sums
         assert all(torch.equal(a, b) for a, b in zip(params, static_params))
         assert buffers[1], "the step added to the trainer's one loss accumulator"
+
+
+@pytest.mark.timeout(240)
+def test_a_schedule_read_from_a_tensor_trains_as_the_plain_one():
+    """--lr-schedule cosine with warm-up: the graphed run's optimizer (a tensor rate, filled by
+    the scheduler between steps) ends where the eager run ends."""
+    # SGD: Adam turns a rounding difference in a near-zero gradient into a whole step of lr.
+    schedule = {"lr_schedule": "cosine", "warmup_epochs": 1, "epochs": 2, "optimizer": "sgd"}
+    plain = spawn(train_two_epochs, 2, False, schedule)
+    static = spawn(train_two_epochs, 2, True, schedule)
+    for (params, sums, _), (static_params, static_sums, _) in zip(plain, static):
+        assert static_sums == pytest.approx(sums, rel=1e-5)
+        assert max((a - b).abs().max().item() for a, b in zip(params, static_params)) <= 1e-6
 
 
 def test_the_accumulator_must_be_the_runs_one_tensor():

@@ -278,13 +278,13 @@ def test_a_dead_peer_on_nccl_ends_rank_0_with_one_line_and_status_1():
 def test_a_one_gpu_run_prints_nothing_on_stderr():
     """Eager and graphed: no deprecated NCCL setting (TORCH_FR_BUFFER_SIZE is the name torch
     reads), no stream mismatch warning from a graph's warm-up."""
-    for extra in ([], ["--cuda-graphs"]):
+    for extra in (["--no-cuda-graphs"], []):  # eager, and graphed (the default)
         done = run_main([*QUICK, "--epochs", "1", *extra])
         assert done.returncode == 0 and done.stderr == "", (extra, done.stderr[-3000:])
 
 
 @pytest.mark.parametrize("batch", [32, 256])
-@pytest.mark.parametrize("extra", [[], ["--cuda-graphs"]])
+@pytest.mark.parametrize("extra", [["--no-cuda-graphs"], []])
 def test_the_time_breakdown_on_cuda_is_never_negative(batch, extra):
     """As on a CPU (test_numbers): parts that are never negative and add up, or the epoch
     said to be unreliable; the graphed run calibrated with a graph."""
@@ -330,7 +330,7 @@ def test_a_graphed_runs_peak_mem_is_an_eager_runs():
         "2",
         "--no-checkpoint",
     ]
-    _, eager = run_gpu(args)
+    _, eager = run_gpu([*args, "--no-cuda-graphs"])
     _, graphed = run_gpu([*args, "--cuda-graphs"])
     print(
         "peak_mem eager",
@@ -358,7 +358,7 @@ def profiled_events(folder, *extra: str) -> tuple[str, list[dict]]:
 
 def test_profile_records_cuda_kernels(tmp_path):
     """--profile on a GPU: the trace holds the device's kernels, not only the CPU's operators."""
-    line, events = profiled_events(tmp_path)
+    line, events = profiled_events(tmp_path, "--no-cuda-graphs")
     assert "steps 4-6 (eager)" in line, line
     categories = {e.get("cat") for e in events}
     assert "kernel" in categories, categories
@@ -396,7 +396,7 @@ def test_a_graphed_run_trains_as_the_eager_one(tmp_path, strategy):
     """The same steps replayed from one graph end with the eager run's parameters: to the bit
     is what a capture of the same kernels should give; the test allows 1e-6 and prints it."""
     args = [*GRAPHED, "--strategy", strategy, "--epochs", "2"]
-    run_gpu([*args, "--checkpoint-dir", str(tmp_path / "eager")])
+    run_gpu([*args, "--no-cuda-graphs", "--checkpoint-dir", str(tmp_path / "eager")])
     config, metrics = run_gpu([*args, "--cuda-graphs", "--checkpoint-dir", str(tmp_path / "g")])
     assert config["cuda_graphs"] == "True" and metrics[-1]["device"] == "cuda"
     difference = max_difference(
@@ -404,6 +404,14 @@ def test_a_graphed_run_trains_as_the_eager_one(tmp_path, strategy):
     )
     print(f"{strategy}: largest parameter difference, graphed vs eager: {difference:.3g}")
     assert difference <= 1e-6
+
+
+def test_graphs_are_the_default_on_a_gpu_and_an_eager_run_says_why():
+    config, _ = run_gpu([*QUICK, "--epochs", "1"])
+    assert config["cuda_graphs"] == "True"
+    done = run_main([*QUICK, "--epochs", "1", "--precision", "fp16"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[CONFIG] note: the step runs eager, not as one CUDA graph: fp16" in done.stdout
 
 
 def test_a_graphed_run_resumes_exactly(tmp_path):
