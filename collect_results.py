@@ -119,6 +119,13 @@ class Scan:
             return math.nan
 
     @property
+    def step(self) -> str | None:
+        """How the run's step ran, from the [CONFIG] line: `graph` (one CUDA graph per step) or
+        `eager`; None where the line does not say (the course's logs, older runs)."""
+        graphed = self.config.get("cuda_graphs")
+        return {"True": "graph", "False": "eager"}.get(str(graphed))
+
+    @property
     def crash(self) -> str | None:
         """The line that says best why the run died, or None."""
         exceptions = [line for line in self.crash_lines if EXCEPTION_RE.search(line)]
@@ -136,6 +143,7 @@ class LoggedRun:
     notes: list[str]
     comm: list[dict] = field(default_factory=list)  # the job's [COMM] lines
     threads_per_core: float = math.nan  # Scan.threads_per_core
+    step: str | None = None  # Scan.step
 
 
 def scan_log(text: str) -> Scan:
@@ -269,6 +277,7 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
         notes + identity_notes,
         scan.comm,
         scan.threads_per_core,
+        scan.step,
     )
 
 
@@ -387,6 +396,25 @@ def cores_outnumbered(results: pd.DataFrame) -> str | None:
     )
 
 
+def mixed_steps(results: pd.DataFrame) -> list[str]:
+    """A warning for each strategy whose points mix graphed and eager steps: its curve then
+    compares two clocks (a graph's step against an eager one's launches), not GPU counts."""
+    if "step" not in results:
+        return []
+    warnings = []
+    for strategy, rows in results.dropna(subset=["step"]).groupby("strategy"):
+        kinds = {k: sorted(set(r["gpus"])) for k, r in rows.groupby("step")}
+        if len(kinds) > 1:
+            where = "; ".join(
+                f"{k} at {', '.join(f'{g:.0f}' for g in v)}" for k, v in kinds.items()
+            )
+            warnings.append(
+                f"warning: {strategy}'s points mix graphed and eager steps ({where} "
+                f"{rank_unit(rows)[1]}): its curve compares two clocks, not only rank counts"
+            )
+    return warnings
+
+
 def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
     """A warning for each configuration whose runs come from more than one sweep."""
     sweeps_of = {}
@@ -415,6 +443,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
                     **run.identity,
                     **other,
                     "threads_per_core": run.threads_per_core,
+                    "step": run.step,
                 }
             )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
@@ -506,6 +535,7 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "steps": final.get("train_images", math.nan) / final.get("global_batch", math.nan),
                 "sharding": final.get("sharding", pd.NA),
                 "threads_per_core": final.get("threads_per_core", math.nan),
+                "step": final.get("step", pd.NA),
                 "device": final.get("device", pd.NA),
             }
         )
@@ -594,6 +624,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, *BUBBLE, "comm_model")},
         unreliable_epochs=("unreliable_epochs", "sum"),
         threads_per_core=("threads_per_core", "max"),
+        step=("step", lambda s: "/".join(sorted(set(s.dropna()))) or pd.NA),
         device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
     )
     one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
@@ -648,6 +679,7 @@ TABLE_COLUMNS = (
     ("gpus", "{ranks}", "{:d}"),
     ("nodes", "nodes", "{}"),
     ("runs", "runs", "{:d}"),
+    ("step", "step", "{}"),  # one CUDA graph or eager: which clock the row measures
     ("epochs", "epochs", "{:d}"),
     ("val_loss", "final val loss", "{:.4f}"),
     ("acc", "final acc %", "{:.2f}"),
@@ -833,6 +865,8 @@ def main(argv=None) -> int:
     if study := scaling(results):
         note(study)
     if warning := cores_outnumbered(results):
+        note(warning)
+    for warning in mixed_steps(results):
         note(warning)
     try:
         write_sample_tables(args.out, folders, results)

@@ -38,6 +38,7 @@ from collect_results import (  # noqa: E402
     bubble_table,
     cores_outnumbered,
     markdown_table,
+    mixed_steps,
     note,
     rank_unit,
     scaling,
@@ -141,6 +142,13 @@ def rank_axis(ax, rows: pd.DataFrame) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def step_mark(points: pd.DataFrame) -> str:
+    """How a curve's steps ran, for its legend: ` (CUDA graph)`, ` (eager)`, or both where its
+    points mix them; nothing where the logs do not say (the course's)."""
+    steps = points["step"].dropna().unique() if "step" in points else []
+    return f" ({'/'.join(sorted(steps)).replace('graph', 'CUDA graph')})" if len(steps) else ""
+
+
 def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFrame:
     """One line per strategy; returns the rows drawn."""
     rows = summary.dropna(subset=[column])
@@ -148,9 +156,8 @@ def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFr
         raise NotPlottable(f"no {column} values")
     styles = strategy_styles(summary)
     for strategy, points in rows.groupby("strategy"):
-        ax.plot(
-            points["gpus"], points[column], alpha=LINE_ALPHA, label=strategy, **styles[strategy]
-        )
+        label = f"{strategy}{step_mark(points)}"
+        ax.plot(points["gpus"], points[column], alpha=LINE_ALPHA, label=label, **styles[strategy])
         low, high = f"{column}_min", f"{column}_max"
         if low in points and (points["runs"] > 1).any():  # min-max over repeated runs
             spread = [points[column] - points[low], points[high] - points[column]]
@@ -214,6 +221,7 @@ def context(results: pd.DataFrame) -> str:
         parts.append(f"sweep {sweep}")
     if warning := cores_outnumbered(results):
         parts.append(warning.removeprefix("warning: "))
+    parts += [warning.removeprefix("warning: ") for warning in mixed_steps(results)]
     return " · ".join(parts)
 
 

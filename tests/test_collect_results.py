@@ -266,7 +266,7 @@ def test_cli_writes_csv_and_prints_summary(tmp_path, capsys):
     assert code == 0
     assert len(pd.read_csv(out_csv)) == 6
     assert [p.name for p in out_csv.parent.iterdir()] == ["results.csv"]  # no temp file left
-    assert "| ddp | 4 | 1 | 1 | 3 |" in out and "| 4.00 | 100% |" in out
+    assert "| ddp | 4 | 1 | 1 | n/a | 3 |" in out and "| 4.00 | 100% |" in out
     assert "wrote" in err
 
 
@@ -571,3 +571,23 @@ def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(
     sentences = plot_results.largest_costs(summary.reset_index())
     assert "1 epoch(s) left out" in sentences[0] and "compute, 1.200 s" in sentences[0]
     assert "no reliable breakdown" in sentences[1], sentences
+
+
+def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp_path, capsys):
+    """The [CONFIG] line's cuda_graphs: the table's step column per point, the figures' legend,
+    and a warning where one strategy's points mix graphed and eager steps (two clocks)."""
+    import plot_results
+
+    for gpus, graphed in ((1, True), (2, False)):
+        metrics = [metric_fields(e, world_size=gpus, job_id=str(gpus)) for e in (1, 2)]
+        (tmp_path / f"ddp_{gpus}gpu_{gpus}.log").write_text(
+            log_text(metrics, cuda_graphs=graphed)
+        )
+    results, _ = collect(tmp_path)
+    summary = collect_results.summarize(results).set_index("gpus")
+    assert (summary.loc[1, "step"], summary.loc[2, "step"]) == ("graph", "eager")
+    header, _, *rows = collect_results.markdown_table(summary.reset_index()).splitlines()
+    assert "| step |" in header and "| graph |" in rows[0] and "| eager |" in rows[1], rows
+    (warning,) = collect_results.mixed_steps(results)
+    assert "ddp's points mix graphed and eager steps (eager at 2; graph at 1" in warning
+    assert plot_results.step_mark(summary.reset_index()) == " (eager/CUDA graph)"
