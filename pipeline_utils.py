@@ -20,7 +20,6 @@ textbook's pipeline of p equal stages and m micro-batches, which communication a
 stages make larger.
 """
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from model import cut
-from train import Trainer, all_reduce, synchronize_device
+from train import StageTimer, Trainer, all_reduce
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # config.SCHEDULES' names
 
@@ -48,27 +47,21 @@ def ideal_bubble(stages: int, microbatches: int) -> float:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that adds up the seconds it computes: its forwards and backwards. On a
-    GPU it synchronizes around each, so that it times the device's work, not its launch."""
+    """A PipelineStage that times its forwards and backwards with train.StageTimer: CUDA events
+    on the stage's stream on a GPU, so that the timing waits for nothing (a synchronisation
+    around each would also wait for the stage's sends, on NCCL's streams, and keep them from
+    overlapping the next micro-batch); the host's clock on a CPU."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.busy = 0.0  # seconds
-
-    @contextlib.contextmanager
-    def _timed(self):
-        synchronize_device(self.device)
-        start = time.perf_counter()
-        yield
-        synchronize_device(self.device)
-        self.busy += time.perf_counter() - start
+        self.timer = StageTimer(self.device)
 
     def forward_one_chunk(self, *args, **kwargs):
-        with self._timed():
+        with self.timer.measure():
             return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
-        with self._timed():
+        with self.timer.measure():
             return super().backward_one_chunk(*args, **kwargs)
 
 
@@ -124,9 +117,10 @@ class PipelineTrainer(Trainer):
         return (images,) if self.first else ()
 
     def train_epoch(self, start, stop=None):
-        self.clock, busy_before = StepClock(), self.stage.busy
-        trained = super().train_epoch(start, stop)
-        self.clock.busy = self.stage.busy - busy_before
+        self.clock = StepClock()
+        self.stage.timer.reset()
+        trained = super().train_epoch(start, stop)  # ends with the device synchronised
+        self.clock.busy = self.stage.timer.total()  # training's chunks: validation's come later
         return trained
 
     def step(self, images: torch.Tensor, labels: torch.Tensor, mean_loss_sum: torch.Tensor) -> None:

@@ -580,9 +580,7 @@ def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp
 
     for gpus, graphed in ((1, True), (2, False)):
         metrics = [metric_fields(e, world_size=gpus, job_id=str(gpus)) for e in (1, 2)]
-        (tmp_path / f"ddp_{gpus}gpu_{gpus}.log").write_text(
-            log_text(metrics, cuda_graphs=graphed)
-        )
+        (tmp_path / f"ddp_{gpus}gpu_{gpus}.log").write_text(log_text(metrics, cuda_graphs=graphed))
     results, _ = collect(tmp_path)
     summary = collect_results.summarize(results).set_index("gpus")
     assert (summary.loc[1, "step"], summary.loc[2, "step"]) == ("graph", "eager")

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import checkpoint
+from checkpoint import Position
 from config import Config
 from conftest import TINY, assert_one_line_error, metrics_in, run_main
 from dist_harness import EQUAL_CFG as CFG
 from dist_harness import signal_rank_then_train, spawn, train_and_gather
-from session import run
+from session import build_trainer, run
 
 # fp32 on the CPU: the pipeline sums a step's gradient over its micro-batches, one process over
 # the whole batch; both in another order, so they agree to rounding, not to the bit.
@@ -135,6 +136,34 @@ def test_the_bubble_is_the_time_a_stage_waits_for_a_slow_neighbour():
     assert steps == 10
     assert last_busy >= steps * 4 * SLOW_FORWARD_S
     assert first_wait > 0.5 > last_wait >= 0
+
+
+def synchronisations_in_an_epoch(env, cfg):
+    """How often the device is synchronised while a pipeline stage trains an epoch."""
+    import pipeline_utils
+    import train
+
+    calls, synchronize_device = [], train.synchronize_device
+
+    def counted(device):
+        calls.append(device)
+        synchronize_device(device)
+
+    for module in (train, pipeline_utils):  # wherever a stage could reach it from
+        if hasattr(module, "synchronize_device"):
+            module.synchronize_device = counted
+    trainer = build_trainer(cfg, env)[0]
+    trainer.train_epoch(Position(1))
+    return len(calls), trainer.clock.steps
+
+
+def test_timing_a_stage_does_not_synchronise_the_device_per_chunk():
+    """A stage's forwards and backwards are timed without waiting for the device around each
+    (which on a GPU would also wait for the stage's sends and keep them from overlapping the
+    next micro-batch): the epoch synchronises at its start and end only, not per chunk."""
+    cfg = Config(**{**CFG, "epochs": 1}, strategy="pipeline", microbatches=4)
+    for calls, steps in spawn(synchronisations_in_an_epoch, 2, cfg):
+        assert steps == 10 and calls <= 2, calls  # per chunk: 2 x 2 x 4 x 10 = 160
 
 
 def test_naive_model_parallel_ends_where_one_process_ends(one_process):
