@@ -44,6 +44,7 @@ MACHINE_FIELDS = {
     "mfu",
     "slowest_rank",
     "rank_time_spread",
+    "breakdown",  # whether the calibration came out within the epoch's time
 }
 
 
