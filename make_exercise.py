@@ -17,10 +17,12 @@ tests that would give the answers away. tests/exercise_checks.py grades a comple
 """
 
 import argparse
+import io
 import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +36,7 @@ STAMP = ".student-copy"
 LEFT_OUT = ("tests/test_concepts.py", "tests/test_exercise.py")
 COMPLETE = "Complete"  # how the sheet's title of an exercise with code to write begins
 
-MARK = re.compile(r"^(?P<indent>[ \t]*)# exercise (?P<number>\d+\.\d+) (?P<side>begin|end)$")
+MARK = re.compile(r"^# exercise (?P<number>\d+\.\d+) (?P<side>begin|end)$")
 HEADING = re.compile(r"^#{2,4} (?P<number>\d+\.\d+) (?P<title>.+)$", re.M)
 
 
@@ -72,27 +74,36 @@ def stub(number: str, title: str, indent: str) -> str:
     return f'{indent}raise NotImplementedError(\n{indent}    "{message}"\n{indent})\n'
 
 
+def marks_of(path: str, text: str) -> list[tuple[int, str, str, str]]:
+    """(line index, exercise, begin or end, indent) of each mark: comments, not text that looks
+    like one in a string (this module's own docstring)."""
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type != tokenize.COMMENT or not (mark := MARK.match(token.string)):
+            continue
+        indent = token.line[: token.start[1]]
+        if indent.strip():
+            raise ExerciseError(f"{path}:{token.start[0]}: a mark must be a line of its own")
+        found.append((token.start[0] - 1, mark["number"], mark["side"], indent))
+    return found
+
+
 def regions_of(path: str, text: str) -> list[Region]:
     """The marked regions of one file; an unmatched or nested mark is an ExerciseError."""
     found, open_mark = [], None
-    for index, line in enumerate(text.splitlines()):
-        mark = MARK.match(line)
-        if mark is None:
-            if "# exercise " in line and re.search(r"# exercise \d", line):
-                raise ExerciseError(f"{path}:{index + 1}: a mark must be a line of its own")
-            continue
+    for index, number, side, indent in marks_of(path, text):
         where = f"{path}:{index + 1}"
-        if mark["side"] == "begin":
+        if side == "begin":
             if open_mark:
                 raise ExerciseError(f"{where}: exercise {open_mark[0]}'s region is still open")
-            open_mark = (mark["number"], index, mark["indent"])
-        else:
-            if not open_mark or open_mark[0] != mark["number"]:
-                raise ExerciseError(f"{where}: an end of exercise {mark['number']} without a begin")
-            if index == open_mark[1] + 1:
-                raise ExerciseError(f"{where}: exercise {mark['number']}'s region is empty")
-            found.append(Region(path, mark["number"], open_mark[1], index, open_mark[2]))
-            open_mark = None
+            open_mark = (number, index, indent)
+            continue
+        if not open_mark or open_mark[0] != number:
+            raise ExerciseError(f"{where}: an end of exercise {number} without a begin")
+        if index == open_mark[1] + 1:
+            raise ExerciseError(f"{where}: exercise {number}'s region is empty")
+        found.append(Region(path, number, open_mark[1], index, open_mark[2]))
+        open_mark = None
     if open_mark:
         raise ExerciseError(f"{path}:{open_mark[1] + 1}: exercise {open_mark[0]} never ends")
     return found
