@@ -114,6 +114,8 @@ def test_the_copy_is_the_solution_with_the_regions_cut_and_the_same_every_time(t
         elif name not in cut:
             assert filecmp.cmp(REPO / name, copied, shallow=False), name
     assert (first / mx.SHEET).is_file()
+    # The answers: concepts.md's lines quoted from the solution, checked against its code.
+    assert not (first / "tests" / "test_concepts.py").exists()
     for path in cut:
         text = (first / path).read_text()
         compile(text, path, "exec")  # every module still imports
