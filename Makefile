@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 SHELL_SCRIPTS := $(wildcard *.sh) .ci/run $(wildcard .ci/*.sh .ci/slurm/*.sh tests/fake-bin/*)
 
-.PHONY: install run test test-fast test-oldest test-gpu lint format clean
+.PHONY: install run test test-fast test-oldest test-gpu lint format clean exercise check
 
 install: $(STAMP)
 
@@ -70,6 +70,18 @@ lint: $(LINT_STAMP)
 format: $(LINT_STAMP)
 	$(VENV)/bin/ruff check --select I --fix .
 	$(VENV)/bin/ruff format .
+
+# The student's copy (make_exercise.py, docs/exercise.md): DIR=path, default exercise/ here.
+DIR ?= exercise
+
+exercise:
+	$(PYTHON) make_exercise.py $(DIR)
+
+# The checks of EXERCISES.md's parts to complete: EX=2.1 for one, all without. The module is
+# also the plugin that says each failure in one line (-p), in place of pytest's report.
+check: $(STAMP)
+	PYTHONPATH=.:tests $(PY) -m pytest tests/exercise_checks.py -p exercise_checks \
+		-p no:cacheprovider -q --no-header --tb=no -rN $(if $(EX),-k "ex$(subst .,_,$(EX))_")
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache __pycache__ tests/__pycache__

@@ -545,7 +545,9 @@ def load_files(
 ) -> tuple[Split, Split]:
     """Every rank calls this; rank 0 alone touches the network and writes files."""
     data_dir = Path(data_dir)
+    # exercise 3.1 begin
     cache = on_rank0(_prepare_on_rank0, dataset, data_dir, download, fetch_hint)
+    # exercise 3.1 end
     t = (
         torch.load(cache, mmap=True)
         if cache
@@ -895,7 +897,9 @@ class Loaders:
 
     def set_position(self, epoch: int, step: int = 0) -> None:
         """Shuffle for `epoch` (the same order on every rank) and start after `step` batches."""
+        # exercise 3.1 begin
         self.train_sampler.set_epoch(epoch)
+        # exercise 3.1 end
         self.train_sampler.skip = step * self.train.batch_size
 
 
@@ -916,8 +920,10 @@ def build_loaders(
 ) -> Loaders:
     """Shard both splits over the ranks; training uses only full global batches."""
     local_batch = global_batch // world_size
+    # exercise 3.1 begin
     train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed)
     val_sampler = ShardSampler(len(val), world_size, rank, shuffle=False)
+    # exercise 3.1 end
     train_steps = len(train) // global_batch
     val_steps = -(-len(val_sampler) // local_batch)
     gen = None

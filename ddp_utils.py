@@ -14,12 +14,14 @@ from utils import log0
 
 
 def get_ddp_model(model: nn.Module, device: torch.device) -> DDP:
+    # exercise 4.1 begin
     model = model.to(device)
     # On a GPU, name it: DDP then places inputs and its buckets there. On CPU, device_ids=None.
     device_ids = [device.index] if device.type == "cuda" else None
     # Gradients as views into DDP's all-reduce buckets: no copying between gradients and
     # buckets at every step, and one gradient-sized buffer less.
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    # exercise 4.1 end
 
 
 def get_dp_model(model: nn.Module, device: torch.device) -> nn.Module:

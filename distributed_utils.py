@@ -316,11 +316,13 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     gc.freeze()
     atexit.register(gc.unfreeze)
     gc.enable()
+    # exercise 2.1 begin
     rank, local_rank, world_size = read_ranks()
     device, backend = pick_device(local_rank, wanted=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         turn_on_flight_recorder()
+    # exercise 2.1 end
     timeout = _timeout = datetime.timedelta(seconds=timeout_s)
     if world_size == 1:
         _store = dist.HashStore()
@@ -339,6 +341,7 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
         # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
         # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
         groups_backend = GPU_GROUP_BACKEND if device.type == "cuda" else backend
+    # exercise 2.1 begin
     dist.init_process_group(
         groups_backend,
         store=dist.PrefixStore("default_pg", _store),
@@ -347,6 +350,7 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+    # exercise 2.1 end
     if world_size > 1:
         _handshake_group = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=HANDSHAKE_TIMEOUT_S)

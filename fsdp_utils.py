@@ -122,6 +122,7 @@ def get_fsdp_model(
         warnings.filterwarnings(
             "ignore", message="FSDP is switching to use `NO_SHARD`", category=UserWarning
         )
+        # exercise 4.2 begin
         return FSDP(
             model,
             auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),
@@ -139,6 +140,7 @@ def get_fsdp_model(
             # and the optimizer then sees per-layer tensors.
             use_orig_params=True,
         )
+        # exercise 4.2 end
 
 
 def get_fsdp2_model(

@@ -148,7 +148,9 @@ def train(cfg: Config, argv: list[str]) -> int:
 
     distributed_utils.check_torch()
     set_deterministic(cfg.deterministic)  # before CUDA starts
+    # exercise 5.1 begin
     env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
+    # exercise 5.1 end
     failed = True
     try:
         outcome = session.run(cfg, env)  # build this rank's trainer, resume it, train it
@@ -164,7 +166,9 @@ def train(cfg: Config, argv: list[str]) -> int:
         print(f"error: {distributed_utils.describe_peer_failure(e)}", file=sys.stderr, flush=True)
         return EXIT_STATUS["peer_failed"]
     finally:
+        # exercise 5.1 begin
         distributed_utils.cleanup(failed)
+        # exercise 5.1 end
     return status
 
 

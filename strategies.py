@@ -56,9 +56,13 @@ def wrap_model(
     if cfg.strategy == "ddp":
         # A step captured as a CUDA graph must find none of DDP's set-up on the default stream.
         with side_stream(device) if cfg.cuda_graphs else contextlib.nullcontext():
+            # exercise 5.1 begin
             model = get_ddp_model(model, device)
+            # exercise 5.1 end
     elif cfg.strategy == "fsdp":
+        # exercise 5.1 begin
         model = get_fsdp_model(model, device, **shard)
+        # exercise 5.1 end
     elif cfg.strategy == "fsdp2":
         model = get_fsdp2_model(model, device, **shard)
     elif cfg.strategy == "pipeline":

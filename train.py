@@ -580,7 +580,9 @@ class Trainer:
         Returns the position reached, its sums global (all ranks) and including `start`'s,
         whether the epoch is complete, and this rank's own timing of what it trained.
         """
+        # exercise 6.1 begin
         self.model.train()
+        # exercise 6.1 end
         device = self.env.device
         mean_loss_sum = self.loss_sum.zero_()  # of the steps' mean losses
         seen = 0  # images: known on the host, no device work per step
@@ -637,7 +639,9 @@ class Trainer:
         micro-batches whose gradients are reduced over the ranks once, after the last. Adds the
         share's mean loss to `mean_loss_sum` (on the device: no host synchronisation)."""
         model, scaler = self.model, self.precision.scaler
+        # exercise 6.1 begin
         self.optimizer.zero_grad(set_to_none=True)
+        # exercise 6.1 end
         micro = (
             ((images, labels),)
             if self.grad_accum == 1
@@ -653,14 +657,18 @@ class Trainer:
                 # no operation). Without fp16 the scaler passes everything through.
                 weight = len(y) / len(labels)
                 weighted = loss if weight == 1 else loss * weight
+                # exercise 6.1 begin
                 scaler.scale(weighted).backward()
+                # exercise 6.1 end
             with torch.no_grad():  # no graph, and so no detach
                 mean_loss_sum += weighted
         if self.clip_grad is not None:
             scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             clip_gradients(model, self.clip_grad)
+        # exercise 6.1 begin
         scaler.step(self.optimizer)
         scaler.update()
+        # exercise 6.1 end
 
     def predict(self, images: torch.Tensor) -> torch.Tensor | None:
         """The logits of a validation batch."""
@@ -670,7 +678,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Loss and accuracy over the whole validation set, each image counted exactly once."""
+        # exercise 6.1 begin
         self.model.eval()
+        # exercise 6.1 end
         loaders, device = self.loaders, self.env.device
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device)
@@ -693,7 +703,9 @@ class Trainer:
             count += weights.sum()
         synchronize(device)
         elapsed = time.perf_counter() - start
+        # exercise 6.1 begin
         loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
+        # exercise 6.1 end
         assert int(count) == loaders.val_size, (count, loaders.val_size)
         return {
             "val_loss": loss_sum / count,

@@ -57,6 +57,7 @@ def documents() -> list[Path]:
     return [
         README,
         REPO / "CONTRIBUTING.md",
+        REPO / "EXERCISES.md",
         REPO / "tests" / "README.md",
         *sorted((REPO / "docs").rglob("*.md")),
     ]

@@ -1,0 +1,216 @@
+"""The student's copy of the repository (`make exercise DIR=path`): the solution with the parts
+a student completes cut out, each replaced by a stub that names its exercise on the sheet.
+
+The sheet, EXERCISES.md, owns the exercises: a heading `### 2.1 Complete the set-up` gives an
+exercise its number, its title and its anchor; those whose title starts with "Complete" have
+code to write. The code owns where that code is: comment lines around it,
+
+    # exercise 2.1 begin
+    ...the lines a student writes...
+    # exercise 2.1 end
+
+(an exercise may have several regions). The copy keeps the marks and puts in each region's
+place `raise NotImplementedError("exercise 2.1: ...; see EXERCISES.md#21-...")`, so that every
+module still imports and a stub says where to read. Everything else is copied as it is but the
+tests that would give the answers away. tests/exercise_checks.py grades a completed part:
+`make check EX=2.1` (docs/exercise.md).
+"""
+
+import argparse
+import io
+import re
+import shutil
+import subprocess
+import sys
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+SHEET = "EXERCISES.md"
+DEFAULT_DIR = REPO / "exercise"  # git-ignored
+# Written into every copy: the only folder besides an empty one that a build may replace.
+STAMP = ".student-copy"
+# Not in the copy: the lines docs/concepts.md quotes are checked against the solution's code
+# (they would name every answer), and the tests of the cut itself.
+LEFT_OUT = ("tests/test_concepts.py", "tests/test_exercise.py")
+COMPLETE = "Complete"  # how the sheet's title of an exercise with code to write begins
+
+MARK = re.compile(r"^# exercise (?P<number>\d+\.\d+) (?P<side>begin|end)$")
+HEADING = re.compile(r"^#{2,4} (?P<number>\d+\.\d+) (?P<title>.+)$", re.M)
+
+
+class ExerciseError(Exception):
+    """A mark or the sheet is not as this tool needs it: one line saying where."""
+
+
+@dataclass(frozen=True)
+class Region:
+    path: str  # relative to the repository
+    number: str
+    begin: int  # the index of the begin mark's line
+    end: int  # the index of the end mark's line
+    indent: str
+
+
+def sheet_exercises(repo: Path = REPO) -> dict[str, str]:
+    """The sheet's exercises: number -> title, in the sheet's order."""
+    return {m["number"]: m["title"].strip() for m in HEADING.finditer((repo / SHEET).read_text())}
+
+
+def to_complete(exercises: dict[str, str]) -> set[str]:
+    return {number for number, title in exercises.items() if title.startswith(COMPLETE)}
+
+
+def anchor(number: str, title: str) -> str:
+    """GitHub's anchor of the sheet's heading `number title`."""
+    text = re.sub(r"[^\w\- ]", "", f"{number} {title}".lower())
+    return text.replace(" ", "-")
+
+
+def stub(number: str, title: str, indent: str) -> str:
+    """What takes a region's place: a NotImplementedError naming the exercise and the sheet."""
+    message = f"exercise {number}: {title}; see {SHEET}#{anchor(number, title)}"
+    return f'{indent}raise NotImplementedError(\n{indent}    "{message}"\n{indent})\n'
+
+
+def marks_of(path: str, text: str) -> list[tuple[int, str, str, str]]:
+    """(line index, exercise, begin or end, indent) of each mark: comments, not text that looks
+    like one in a string (this module's own docstring)."""
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type != tokenize.COMMENT or not (mark := MARK.match(token.string)):
+            continue
+        indent = token.line[: token.start[1]]
+        if indent.strip():
+            raise ExerciseError(f"{path}:{token.start[0]}: a mark must be a line of its own")
+        found.append((token.start[0] - 1, mark["number"], mark["side"], indent))
+    return found
+
+
+def regions_of(path: str, text: str) -> list[Region]:
+    """The marked regions of one file; an unmatched or nested mark is an ExerciseError."""
+    found, open_mark = [], None
+    for index, number, side, indent in marks_of(path, text):
+        where = f"{path}:{index + 1}"
+        if side == "begin":
+            if open_mark:
+                raise ExerciseError(f"{where}: exercise {open_mark[0]}'s region is still open")
+            open_mark = (number, index, indent)
+            continue
+        if not open_mark or open_mark[0] != number:
+            raise ExerciseError(f"{where}: an end of exercise {number} without a begin")
+        if index == open_mark[1] + 1:
+            raise ExerciseError(f"{where}: exercise {number}'s region is empty")
+        found.append(Region(path, number, open_mark[1], index, open_mark[2]))
+        open_mark = None
+    if open_mark:
+        raise ExerciseError(f"{path}:{open_mark[1] + 1}: exercise {open_mark[0]} never ends")
+    return found
+
+
+def repository_files(repo: Path = REPO, outside: Path | None = None) -> list[str]:
+    """The repository's files as git knows them (tracked, and new ones it does not ignore)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    files = sorted({name for name in listed if name and (repo / name).is_file()})
+    if outside is not None and outside.resolve().is_relative_to(repo.resolve()):
+        inner = outside.resolve().relative_to(repo.resolve()).as_posix() + "/"
+        files = [name for name in files if not name.startswith(inner)]
+    return files
+
+
+def all_regions(repo: Path = REPO) -> list[Region]:
+    """Every marked region of the repository's Python files."""
+    return [
+        region
+        for name in repository_files(repo)
+        if name.endswith(".py")
+        for region in regions_of(name, (repo / name).read_text())
+    ]
+
+
+def cut(text: str, regions: list[Region], exercises: dict[str, str]) -> str:
+    """The text with each region's lines replaced by its exercise's stub (marks kept)."""
+    lines = text.splitlines(keepends=True)
+    for region in sorted(regions, key=lambda r: r.begin, reverse=True):
+        lines[region.begin + 1 : region.end] = [
+            stub(region.number, exercises[region.number], region.indent)
+        ]
+    return "".join(lines)
+
+
+def check_marks(regions: list[Region], exercises: dict[str, str]) -> None:
+    """Every region belongs to an exercise with code to write, and every such one has one."""
+    for region in regions:
+        if region.number not in to_complete(exercises):
+            raise ExerciseError(
+                f"{region.path}:{region.begin + 1}: exercise {region.number} is not an "
+                f"exercise of {SHEET} whose title begins with {COMPLETE!r}"
+            )
+    missing = sorted(to_complete(exercises) - {region.number for region in regions})
+    if missing:
+        raise ExerciseError(f"{SHEET}'s exercise {', '.join(missing)} has no marked region")
+
+
+def prepare(dest: Path, repo: Path) -> None:
+    """An empty dest: a new folder, an empty one, or a copy made before (replaced)."""
+    dest, repo = dest.resolve(), repo.resolve()
+    if dest == repo or repo.is_relative_to(dest):
+        raise ExerciseError(f"{dest} holds the repository itself: give another DIR")
+    if dest.exists() and any(dest.iterdir()):
+        if not (dest / STAMP).is_file():
+            raise ExerciseError(f"{dest} is not empty and not a student's copy: give another DIR")
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+
+
+def build(dest: Path, repo: Path = REPO, keep: frozenset[str] = frozenset()) -> list[Region]:
+    """Write the student's copy into dest; the exercises in `keep` keep their solution (for
+    the tests of the cut). Returns the regions cut."""
+    exercises = sheet_exercises(repo)
+    regions = all_regions(repo)
+    check_marks(regions, exercises)
+    prepare(dest, repo)
+    cut_here = [region for region in regions if region.number not in keep]
+    for name in repository_files(repo, outside=dest):
+        if name in LEFT_OUT:
+            continue
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        mine = [region for region in cut_here if region.path == name]
+        if mine:
+            target.write_text(cut((repo / name).read_text(), mine, exercises))
+            shutil.copymode(repo / name, target)
+        else:
+            shutil.copy2(repo / name, target)
+    (dest / STAMP).write_text("a student's copy, made by make exercise (make_exercise.py)\n")
+    return cut_here
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "dir", nargs="?", default=DEFAULT_DIR, type=Path, help="where (default: exercise/)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        regions = build(args.dir)
+    except ExerciseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    numbers = sorted({region.number for region in regions})
+    print(
+        f"student's copy in {args.dir}: {len(regions)} regions cut for exercises "
+        f"{', '.join(numbers)}; the sheet is {SHEET}, make check EX=N.M grades one"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
