@@ -3,7 +3,7 @@ ranks, as torch dispatches them (c10d's operations under a TorchDispatchMode, th
 benchmark.py uses for a step's operations). Equal parameters (test_equivalence.py) prove the
 arithmetic; these counts prove the pattern: DDP all-reduces its gradient buckets, FSDP gathers
 each unit once for forward and, under full sharding, again for backward, and reduce-scatters
-each unit's gradients once."""
+each unit's gradients once; with --grad-accum, once per optimizer step, not per micro-batch."""
 
 import collections
 
@@ -21,8 +21,11 @@ pytestmark = pytest.mark.fast  # make test-fast
 
 # c10d's operations by the collective they run (names as torch 2.14 dispatches them).
 KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}
-SETUPS = [("ddp", "full"), ("fsdp", "full"), ("fsdp", "grad_op"), ("fsdp2", "full")]
-SETUPS += [("fsdp2", "grad_op")]
+MICRO = 4  # micro-batches per optimizer step where the setup accumulates (--grad-accum)
+# (strategy, sharding, --grad-accum)
+SETUPS = [("ddp", "full", 1), ("fsdp", "full", 1), ("fsdp", "grad_op", 1), ("fsdp2", "full", 1)]
+SETUPS += [("fsdp2", "grad_op", 1)]
+SETUPS += [("ddp", "full", MICRO), ("fsdp", "full", MICRO), ("fsdp2", "full", MICRO)]
 
 
 def collectives(counts: collections.Counter) -> dict:
@@ -35,12 +38,13 @@ def collectives(counts: collections.Counter) -> dict:
 
 
 def one_step_each(env) -> dict:
-    """The collectives of one training step (after a warm-up epoch), per strategy and sharding."""
+    """The collectives of one training step (after a warm-up epoch), per setup."""
     found = {}
-    for strategy, sharding in SETUPS:
+    for strategy, sharding, accum in SETUPS:
         cfg = Config(
             strategy=strategy,
             sharding=sharding,
+            grad_accum=accum,
             dataset="synthetic",
             batch_size=32,
             train_samples=32 * 2,
@@ -53,7 +57,7 @@ def one_step_each(env) -> dict:
         images, labels = next(iter(trainer.loaders.train))
         with OperationCounter() as counter:
             trainer.step(images, labels, trainer.loss_sum)
-        found[strategy, sharding] = collectives(counter.counts)
+        found[strategy, sharding, accum] = collectives(counter.counts)
     return found
 
 
@@ -66,9 +70,14 @@ def test_each_strategy_sends_the_collectives_its_design_says():
     assert (units, buckets) == (4, 2)  # the CNN's 3 conv blocks and classifier; 2 DDP buckets
     print(counted[0])
     assert counted[0] == {
-        ("ddp", "full"): {"all_reduce": buckets},
-        ("fsdp", "full"): {"all_gather": 2 * units, "reduce_scatter": units},
-        ("fsdp", "grad_op"): {"all_gather": units, "reduce_scatter": units},
-        ("fsdp2", "full"): {"all_gather": 2 * units, "reduce_scatter": units},
-        ("fsdp2", "grad_op"): {"all_gather": units, "reduce_scatter": units},
+        ("ddp", "full", 1): {"all_reduce": buckets},
+        ("fsdp", "full", 1): {"all_gather": 2 * units, "reduce_scatter": units},
+        ("fsdp", "grad_op", 1): {"all_gather": units, "reduce_scatter": units},
+        ("fsdp2", "full", 1): {"all_gather": 2 * units, "reduce_scatter": units},
+        ("fsdp2", "grad_op", 1): {"all_gather": units, "reduce_scatter": units},
+        # Accumulating, the gradients are reduced once a step, after the last micro-batch
+        # (train.gradient_sync), while every micro-batch's forward and backward gathers.
+        ("ddp", "full", MICRO): {"all_reduce": buckets},
+        ("fsdp", "full", MICRO): {"all_gather": 2 * units * MICRO, "reduce_scatter": units},
+        ("fsdp2", "full", MICRO): {"all_gather": 2 * units * MICRO, "reduce_scatter": units},
     }
