@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from model import cut
-from train import Trainer, all_reduce, synchronize_device
+from train import Trainer, all_reduce, loss_input, synchronize_device
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # config.SCHEDULES' names
 
@@ -82,7 +82,7 @@ def clip_across_stages(stage: nn.Module, max_norm: float) -> None:
 
 
 def _mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels)
+    return F.cross_entropy(loss_input(logits), labels)
 
 
 @dataclass
