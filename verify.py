@@ -56,10 +56,11 @@ STOPPED_STATUS = EXIT_STATUS["stopped"]
 # NCCL's reduction; kernels chosen by batch size and thread count): a few ulps per operation.
 # In fp32 that is 1e-7 of a value, and a ReLU or max-pool input that close to its tie tips to
 # the other side in one run and not in the other, sending one image's gradient elsewhere: 1e-4
-# after 10 steps, as often as not at 4 ranks (a sound cluster FAILed). In fp64 an ulp is 1e-16:
-# such a tie is about 1e9 times rarer, and the runs end 1e-16 apart (5.6e-17 measured at 4
-# ranks). 1e-9 lies 7 orders above that and 7 below a rank's share missing or doubled (1e-2
-# and more: the planted bug in tests/test_verify.py). docs/verify.md says more.
+# after 10 steps, in every run at 4 ranks reported (a sound cluster FAILed). In fp64 an ulp is
+# 1e-16, 5e8 times finer: an input must lie that much closer to its tie to tip, and the runs
+# end 1e-16 apart (5.6e-17 measured at 4 ranks). 1e-9 lies 7 orders above that and 7 below a
+# rank's share missing or doubled (1e-2 and more: the planted bug in tests/test_verify.py).
+# docs/verify.md says more.
 TOLERANCE = 1e-9
 COMPARED = "fp64"  # the --precision of the runs whose parameters are compared
 
