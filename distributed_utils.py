@@ -465,11 +465,21 @@ class Pulse:
         self.server.close()
 
 
-def answers(rank: int) -> bool:
-    """Whether rank's pulse answers: its process runs."""
-    host, port = _store.get(f"pulse/{rank}").decode().split()
+def pulse_address(rank: int) -> tuple[str, int] | None:
+    """Where rank's pulse answers; None for a rank that died before it had one."""
+    key = f"pulse/{rank}"
+    if not _store.check([key]):
+        return None
+    host, port = _store.get(key).decode().split()
+    return host, int(port)
+
+
+def answers(address: tuple[str, int] | None) -> bool:
+    """Whether the pulse at address answers: its rank's process runs."""
+    if address is None:
+        return False
     try:
-        with socket.create_connection((host, int(port)), timeout=PULSE_WAIT_S) as connection:
+        with socket.create_connection(address, timeout=PULSE_WAIT_S) as connection:
             return connection.recv(1) == b"1"
     except OSError:  # refused: nobody listens; a timeout: nobody answers
         return False
@@ -494,7 +504,8 @@ def silent_ranks(grace_s: float = 3.0) -> tuple[list[int], list[int]]:
             break
         time.sleep(0.1)
     with ThreadPoolExecutor(max(len(missing), 1)) as pool:  # PULSE_WAIT_S at most, for all
-        alive = [r for r, answered in zip(missing, pool.map(answers, missing)) if answered]
+        answered = pool.map(answers, [pulse_address(r) for r in missing])
+        alive = [r for r, answer in zip(missing, answered) if answer]
     return [r for r in missing if r not in alive], alive
 
 
