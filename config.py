@@ -25,7 +25,7 @@ SCHEDULES = ("gpipe", "1f1b")
 # The units each model is cut at (len(model.shard_units()), which tests/test_units.py checks):
 # here, without torch, so that --check and the sweep know which world sizes a pipeline takes.
 MODEL_UNITS = {"cnn": 4, "cnn-wide": 4, "resnet18": 4, "resnet50": 4}
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp64")
 SHARDINGS = ("full", "grad_op", "hybrid")
 OPTIMIZERS = ("adam", "sgd")
 MODELS = ("cnn", "cnn-wide", "resnet18", "resnet50")
@@ -125,7 +125,8 @@ class Config:
         "compute precision, comparable numerics for DDP (autocast) "
         "and FSDP (MixedPrecision; gradients reduced in fp32 by both): fp32 "
         "is IEEE fp32 also on GPUs, tf32 lets them use TensorFloat-32 for "
-        "matrix products and convolutions, fp16 adds a gradient scaler",
+        "matrix products and convolutions, fp16 adds a gradient scaler; fp64 "
+        "stores and computes everything in float64 (verify.py's equivalence check)",
         choices=PRECISIONS,
     )
     device: str = option(

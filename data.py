@@ -694,8 +694,9 @@ class Normalize:
         # (x / 255 - mean) / std as one multiply-add of the uint8 pixels: x * scale + shift.
         mean = torch.tensor(spec.mean, dtype=torch.float64).view(1, 3, 1, 1)
         std = torch.tensor(spec.std, dtype=torch.float64).view(1, 3, 1, 1)
-        self.scale = (1 / (255 * std)).float().to(device)
-        self.shift = (-mean / std).float().to(device)
+        dtype = torch.get_default_dtype()  # the run's (session.build_trainer)
+        self.scale = (1 / (255 * std)).to(device, dtype)
+        self.shift = (-mean / std).to(device, dtype)
         self.memory_format = memory_format
 
     @property
@@ -704,7 +705,8 @@ class Normalize:
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(self.device, non_blocking=True)
-        # One operation per batch: addcmul reads the uint8 pixels and writes float32.
+        # One operation per batch: addcmul reads the uint8 pixels and writes float32 (fp64's
+        # float64).
         return torch.addcmul(self.shift, x, self.scale).contiguous(memory_format=self.memory_format)
 
 
@@ -859,7 +861,7 @@ class ClassicLoader:
     def __iter__(self):
         remaining = self.sampler.steps_left(self.steps, self.batch_size)
         for _, (images, labels) in zip(range(remaining), self.loader):
-            images = images.to(self.device, non_blocking=True)
+            images = images.to(self.device, torch.get_default_dtype(), non_blocking=True)
             yield (
                 images.contiguous(memory_format=self.memory_format),
                 labels.to(self.device, non_blocking=True),

@@ -60,12 +60,20 @@ DTYPES = {
     "tf32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
+    "fp64": torch.float64,
 }
 
 
 def low_precision(precision: str) -> torch.dtype | None:
+    """The 16-bit dtype a step computes in (autocast, FSDP's mixed precision), or None."""
     dtype = DTYPES[precision]
-    return None if dtype == torch.float32 else dtype
+    return dtype if dtype.itemsize < 4 else None
+
+
+def storage_dtype(precision: str) -> torch.dtype:
+    """What parameters, gradients, batches and sums are held in: float64 for fp64; float32
+    otherwise (bf16 and fp16 compute in theirs from fp32 parameters)."""
+    return max(DTYPES[precision], torch.float32, key=lambda dtype: dtype.itemsize)
 
 
 def check_ranks_by_node(ranks_per_node: int) -> None:

@@ -67,7 +67,7 @@ def device_peak_tflops(device: torch.device, precision: str) -> float | None:
 
 
 def peak_for_name(name: str, precision: str) -> float | None:
-    return next((by[precision] for part, by in PEAK_TFLOPS if part in name), None)
+    return next((by.get(precision) for part, by in PEAK_TFLOPS if part in name), None)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from model import cut
-from train import StageTimer, Trainer, all_reduce
+from train import StageTimer, Trainer, all_reduce, loss_input
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # config.SCHEDULES' names
 
@@ -75,7 +75,7 @@ def clip_across_stages(stage: nn.Module, max_norm: float) -> None:
 
 
 def _mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels)
+    return F.cross_entropy(loss_input(logits), labels)
 
 
 @dataclass

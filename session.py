@@ -20,7 +20,7 @@ import mfu
 import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world, microbatches
-from fsdp_utils import effective_sharding, low_precision
+from fsdp_utils import effective_sharding, low_precision, storage_dtype
 from model import build_model, count_parameters
 from strategies import (
     STEP_COLLECTIVES,
@@ -68,6 +68,8 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     cfg = replace(cfg, cuda_graphs=cuda_graphs.decide(cfg, env.device)[0])  # the default, resolved
     precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)
     fp32_math = set_fp32_math(cfg.precision)
+    # Every tensor made without a dtype from here on: the models, the batches, the sums.
+    torch.set_default_dtype(storage_dtype(cfg.precision))
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     shards = data_world(cfg.strategy, env.world_size)  # a pipeline's stages: one, the whole set
     loaders = data.build_loaders(
@@ -285,7 +287,7 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     low = low_precision(cfg.precision)  # what FSDP's all-gathers carry (fsdp_utils)
-    gathered = low.itemsize if cfg.strategy in SHARDED and low else 4
+    gathered = (low if cfg.strategy in SHARDED and low else storage_dtype(cfg.precision)).itemsize
     run_comm_benchmark(model, env.device, gathered, extra={"job_id": distributed_utils.job_id()})
 
 

@@ -125,6 +125,11 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def loss_input(logits: torch.Tensor) -> torch.Tensor:
+    """Logits computed in bf16 or fp16, in fp32 for the loss; fp32's and fp64's as they are."""
+    return logits.float() if logits.dtype.itemsize < 4 else logits
+
+
 def synchronize_device(device: torch.device) -> None:
     """Wait until this rank's queued device work is done."""
     if device.type == "cuda":
@@ -651,7 +656,7 @@ class Trainer:
             with gradient_sync(model, enabled=i == len(micro) - 1):
                 with self.precision.autocast(x.device):
                     logits = model(x)
-                loss = F.cross_entropy(logits.float(), y)
+                loss = F.cross_entropy(loss_input(logits), y)
                 # Weighted by its share of the rank's batch, a micro-batch's mean loss gives
                 # gradients that add up to those of the share's mean (one micro-batch: weight 1,
                 # no operation). Without fp16 the scaler passes everything through.
@@ -697,7 +702,7 @@ class Trainer:
             logits = self.predict(images)
             if logits is None:  # this rank computes no logits: its sums stay zero
                 continue
-            losses = F.cross_entropy(logits.float(), labels, reduction="none")
+            losses = F.cross_entropy(loss_input(logits), labels, reduction="none")
             loss_sum += (losses * weights).sum()
             correct += ((logits.argmax(dim=1) == labels).float() * weights).sum()
             count += weights.sum()

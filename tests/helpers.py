@@ -5,6 +5,7 @@ another: what two of them need lives here."""
 
 import os
 import pickle
+import signal
 import subprocess
 import threading
 import time
@@ -183,6 +184,21 @@ def end_rank1_during_training(args: list, signal_sent) -> tuple[str, int, float]
             rank.kill()
             rank.communicate()
     return error, status, elapsed
+
+
+def kill_during_training(args: list, world_size: int, victim: int) -> list[str]:
+    """world_size ranks train; rank `victim` is killed (SIGKILL). Every rank's stderr."""
+    ranks = start_ranks([*args, "--pg-timeout", PG_TIMEOUT_S], world_size)
+    watchdog = threading.Timer(150, lambda: [rank.kill() for rank in ranks])
+    watchdog.start()
+    try:
+        wait_for_training(ranks[0])
+        os.kill(ranks[victim].pid, signal.SIGKILL)
+        return [rank.communicate(timeout=60)[1] for rank in ranks]
+    finally:
+        watchdog.cancel()
+        for rank in ranks:
+            rank.kill()
 
 
 def start_batch_script(

@@ -3,7 +3,8 @@ on 2 gloo ranks, as torch dispatches them (c10d's operations under a TorchDispat
 counter benchmark.py uses for a step's operations). Equal parameters (test_equivalence.py)
 prove the arithmetic; these counts prove the pattern: DDP all-reduces its gradient buckets, FSDP
 gathers each unit once for forward and, under full sharding, again for backward, and
-reduce-scatters each unit's gradients once. Their sizes are those comm_bench.py times."""
+reduce-scatters each unit's gradients once; with --grad-accum, the reductions once per optimizer
+step, not per micro-batch. Their sizes are those comm_bench.py times."""
 
 import collections
 
@@ -22,9 +23,13 @@ pytestmark = pytest.mark.fast  # make test-fast
 
 # c10d's operations by the collective they run (names as torch 2.14 dispatches them).
 KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}
-# (strategy, sharding, precision): bf16 where the dtype of what is sent could change with it.
-SETUPS = [("ddp", "full", "fp32"), ("ddp", "full", "bf16"), ("fsdp", "full", "bf16")]
-SETUPS += [("fsdp", "grad_op", "fp32"), ("fsdp2", "full", "bf16"), ("fsdp2", "grad_op", "fp32")]
+MICRO = 4  # micro-batches per optimizer step where the setup accumulates (--grad-accum)
+# (strategy, sharding, precision, --grad-accum): bf16 where the dtype of what is sent could change.
+SETUPS = [("ddp", "full", "fp32", 1), ("ddp", "full", "bf16", 1), ("fsdp", "full", "bf16", 1)]
+SETUPS += [("fsdp", "grad_op", "fp32", 1), ("fsdp2", "full", "bf16", 1)]
+SETUPS += [("fsdp2", "grad_op", "fp32", 1)]
+SETUPS += [("ddp", "full", "fp32", MICRO), ("fsdp", "full", "fp32", MICRO)]
+SETUPS += [("fsdp2", "full", "fp32", MICRO)]
 
 
 def tensor_bytes(arg) -> int:
@@ -56,11 +61,12 @@ def one_step_each(env) -> dict:
     """The collectives of one training step (after a warm-up epoch), per setup: (kind, bytes)
     of each, in the order issued."""
     found = {}
-    for strategy, sharding, precision in SETUPS:
+    for strategy, sharding, precision, accum in SETUPS:
         cfg = Config(
             strategy=strategy,
             sharding=sharding,
             precision=precision,
+            grad_accum=accum,
             dataset="synthetic",
             batch_size=32,
             train_samples=32 * 2,
@@ -73,7 +79,7 @@ def one_step_each(env) -> dict:
         images, labels = next(iter(trainer.loaders.train))
         with MessageCounter() as counter:
             trainer.step(images, labels, trainer.loss_sum)
-        found[strategy, sharding, precision] = counter.messages
+        found[strategy, sharding, precision, accum] = counter.messages
     return found
 
 
@@ -106,9 +112,16 @@ def test_each_strategy_sends_the_collectives_its_design_says_at_the_sizes_timed(
         "full": {"all_gather": 2 * units, "reduce_scatter": units},
         "grad_op": {"all_gather": units, "reduce_scatter": units},
     }
-    for (strategy, sharding, precision), found in sent[0].items():
+    for (strategy, sharding, precision, accum), found in sent[0].items():
         counted = collections.Counter(kind for kind, _ in found)
-        assert counted == design["ddp" if strategy == "ddp" else sharding], strategy
+        expected = dict(design["ddp" if strategy == "ddp" else sharding])
+        if "all_gather" in expected:
+            # Accumulating, every micro-batch's forward and backward gathers, while the
+            # gradients are reduced once a step, after the last one (train.gradient_sync).
+            expected["all_gather"] *= accum
+        assert counted == expected, (strategy, sharding, accum)
+        if accum > 1:
+            continue  # the sizes: those of one micro-batch's step, below
         modelled = expected_messages(strategy, sharding, precision)
         if (strategy, precision) == ("ddp", "bf16"):
             # Under autocast the classifier's first bias (2,048 bytes) reaches DDP after the

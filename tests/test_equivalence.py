@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import verify
 from config import Config
 from dist_harness import EQUAL_CFG as CFG
 from dist_harness import spawn, train_and_gather
@@ -45,6 +46,32 @@ def test_same_parameters_as_one_process(reference, strategy, sharding, world_siz
         assert mine["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-5)
         assert mine["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
         assert mine["acc"] == ref["acc"]
+
+
+def train_on_threads(env, cfg, threads: int):
+    torch.set_num_threads(threads)
+    return train_and_gather(env, cfg)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_in_fp64_no_rounding_tie_tips_verifys_comparison(world_size):
+    """verify.py's equivalence check as it runs (16 images a rank, 10 SGD steps, its precision):
+    one process on 2 threads, DDP and FSDP2 on `world_size` ranks of 1 thread each, every sum
+    in another order, end within verify.TOLERANCE, and in float64. (In fp32 this comparison
+    ended 1.2e-4 to 2e-4 apart at 4 ranks: a ReLU or max-pool tie, tipped.)"""
+    batch = 16 * world_size
+    cfg = dict(
+        CFG, batch_size=batch, train_samples=10 * batch, val_samples=batch, epochs=1,
+        augment=False, precision=verify.COMPARED,
+    )  # fmt: skip
+    ((ref_state, _),) = spawn(train_on_threads, 1, Config(**cfg, strategy="single"), 2)
+    assert all(v.dtype == torch.float64 for v in ref_state.values())
+    for strategy in ("ddp", "fsdp2"):
+        state, _ = spawn(train_on_threads, world_size, Config(**cfg, strategy=strategy), 1)[0]
+        assert all(v.dtype == torch.float64 for v in state.values())
+        diff = max((state[k] - ref_state[k]).abs().max().item() for k in state)
+        print(f"{strategy} at {world_size} ranks, {verify.COMPARED}: max |param diff| {diff:.3g}")
+        assert diff <= verify.TOLERANCE
 
 
 # ----------------------------------------------------------------------------- what FSDP holds

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import distributed_utils
-from helpers import ARGS, DEAD_S, HUNG_S, end_rank1_during_training
+from helpers import ARGS, DEAD_S, HUNG_S, end_rank1_during_training, kill_during_training
 
 
 @pytest.mark.timeout(180)
@@ -27,6 +27,53 @@ def test_a_dead_or_hung_peer_ends_rank_0_with_one_line_and_status_1(failure, sig
     assert seen == ["0", "1"], error
     assert status == 1
     assert elapsed < bound, elapsed
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_rank_is_named_apart_from_the_ranks_that_lost_it():
+    """Of 4 ranks, rank 3 killed: its neighbours in gloo's ring fail at once, while another
+    (rank 1, seen every time) stays blocked in the all-reduce, waiting for ranks that have left
+    it, until they exit. Rank 0 names rank 3 alone as dead, and any rank it names beside it as
+    alive (its pulse went on). No rank's stderr holds a C++ backtrace."""
+    errors = kill_during_training([*ARGS, "--device", "cpu"], 4, victim=3)
+    line = next(line for line in errors[0].splitlines() if line.startswith("error:"))
+    print(line)
+    blocked = r"(rank\(s\) [\d, ]+ alive, blocked in a collective with them; )?"
+    assert re.match(rf"error: rank 0: rank\(s\) 3 died or hung; {blocked}last seen: ", line)
+    assert not any("Exception raised from" in err for err in errors), errors
+
+
+def describe_after_rank_0_has_left(env) -> tuple[str, str] | None:
+    """Rank 0 leaves, and the rendezvous store it hosts with it; then rank 1 meets a failed
+    collective. Its line, and what it wrote to stderr's file descriptor meanwhile."""
+    import os
+    import tempfile
+
+    if env.rank == 0:
+        return None
+    with tempfile.TemporaryFile() as native:
+        saved = os.dup(2)
+        os.dup2(native.fileno(), 2)
+        try:
+            time.sleep(3)  # rank 0's process ends (its pulse and this rank's stop on the way)
+            line = distributed_utils.describe_peer_failure(RuntimeError("gloo: connection closed"))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        native.seek(0)
+        return line, native.read().decode(errors="replace")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_outlives_the_store_says_so_in_one_line():
+    """Reading the store that rank 0 took with it, torch's C++ client logs the broken
+    connection with a 20-frame backtrace: kept out, the rank's one line says it."""
+    from dist_harness import spawn
+
+    _, (line, native) = spawn(describe_after_rank_0_has_left, 2, timeout=100)
+    print(line)
+    assert line.startswith("rank 1: the rendezvous store is gone too: rank 0 has ended"), line
+    assert native == "", native
 
 
 # The run's --pg-timeout in the next three tests: a wait longer than this is not one that

@@ -101,6 +101,57 @@ def test_a_pipeline_stage_holds_only_its_own_layers():
     assert results[0][2][0]["state_mem"] == 3 * 4 * max(counts)
 
 
+def schedule_order(env, cfg) -> str:
+    """The order in which this stage ran one training step's forwards (F) and backwards (B)."""
+    from checkpoint import Position
+    from session import build_trainer
+
+    trainer, _ = build_trainer(cfg, env)
+    trainer.train_epoch(Position(1))  # one-off work (buffers, shapes) out of the step recorded
+    order, stage = [], trainer.stage
+
+    def recording(letter: str, run):
+        def recorded(*args, **kwargs):
+            order.append(letter)
+            return run(*args, **kwargs)
+
+        return recorded
+
+    stage.forward_one_chunk = recording("F", stage.forward_one_chunk)
+    stage.backward_one_chunk = recording("B", stage.backward_one_chunk)
+    images, labels = next(iter(trainer.loaders.train))
+    trainer.step(images, labels, trainer.loss_sum)
+    return "".join(order)
+
+
+def most_held(order: str) -> int:
+    """The most micro-batches whose activations a stage held at once: forwarded, not yet
+    backwarded."""
+    held = peak = 0
+    for letter in order:
+        held += 1 if letter == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_schedule_runs_its_order_and_holds_its_activations(schedule):
+    """At 2 stages and 8 micro-batches, each stage runs every forward and backward once. GPipe:
+    all 8 forwards, then the 8 backwards, so a stage holds 8 micro-batches' activations. 1F1B:
+    a stage forwards p - rank micro-batches, then alternates a backward and a forward, so it
+    holds p - rank at most (2 and 1): the memory 1F1B is chosen for (docs/concepts.md)."""
+    cfg = Config(**{**CFG, "epochs": 1}, strategy="pipeline", microbatches=8, schedule=schedule)
+    orders = spawn(schedule_order, 2, cfg)
+    print(schedule, orders)
+    assert all(sorted(order) == ["B"] * 8 + ["F"] * 8 for order in orders)
+    if schedule == "gpipe":
+        assert orders == ["F" * 8 + "B" * 8] * 2
+        assert [most_held(order) for order in orders] == [8, 8]
+    else:
+        assert orders == ["FF" + "BF" * 6 + "BB", "FB" * 8]
+        assert [most_held(order) for order in orders] == [2, 1]
+
+
 SLOW_FORWARD_S = 0.02
 
 
