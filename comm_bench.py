@@ -92,11 +92,14 @@ def ddp_buckets(model: nn.Module, rebuilt: bool = True) -> list[int]:
 
 
 def fsdp_units(model: nn.Module, element_bytes: int) -> dict[str, int]:
-    """The flat parameter bytes each FSDP unit gathers: one per `shard_units()` block, and the
-    root for the parameters no block holds (fsdp_utils wraps the same units)."""
+    """The flat parameter bytes each FSDP unit gathers: one per block of fsdp_utils.own_units,
+    and the root for the parameters no such block holds."""
+    # Imported here: FSDP's modules take seconds to import, which a --check never needs.
+    from fsdp_utils import own_units
+
     units, inside = {}, set()
     for name, module in model.named_children():
-        if any(module is unit for unit in model.shard_units()):
+        if any(module is unit for unit in own_units(model)):
             params = list(module.parameters())
             inside |= {id(p) for p in params}
             units[name] = sum(p.numel() for p in params) * element_bytes
