@@ -83,14 +83,14 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     """--optimizer: Adam, or SGD with momentum 0.9. Fused (one kernel for every parameter) where
     torch has it for the parameters, else foreach (one per operation over all of them): torch's
     default on a CPU is a loop of about ten operations per parameter and step. FSDP2's DTensor
-    parameters have no sharding rule for the fused kernels (torch 2.14), only for foreach."""
+    parameters have sharding rules for fused Adam (since torch 2.4), not for fused SGD."""
     optimizer, options = (
         (torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else (torch.optim.Adam, {})
     )
     if cfg.cuda_graphs and optimizer is torch.optim.Adam:
         options["capturable"] = True  # its step count on the device, advanced by the graph
     params = list(model.parameters())
-    if not any(isinstance(p, DTensor) for p in params):
+    if optimizer is torch.optim.Adam or not any(isinstance(p, DTensor) for p in params):
         try:
             return optimizer(params, lr=cfg.lr, fused=True, **options)
         except RuntimeError:  # parameters on a device without fused kernels
