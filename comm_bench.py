@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distributed_utils import BACKENDS
-from utils import format_comm, log0
+from utils import FSDP_ROOT_UNIT, format_comm, log0
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # The new names of all_gather_into_tensor and reduce_scatter_tensor (the old ones warn on every
@@ -105,7 +105,7 @@ def fsdp_units(model: nn.Module, element_bytes: int) -> dict[str, int]:
             units[name] = sum(p.numel() for p in params) * element_bytes
     root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
     if root:
-        units["root"] = root * element_bytes
+        units[FSDP_ROOT_UNIT] = root * element_bytes
     return units
 
 
