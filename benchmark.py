@@ -9,7 +9,10 @@
    a GPU, as one CUDA graph (--cuda-graphs), the operations torch dispatches per step (each
    one a kernel launch on a GPU; its N = 1 row is also the first table's), and the epoch time
    that implies: the best each sweep point can do before any communication;
-5. DDP and FSDP at world sizes 1, 2 and 4, one GPU each, as many as there are GPUs (1 and 2
+5. each strategy of the study (single, ddp, fsdp, fsdp2) on one rank: the operations it
+   dispatches per step, and its step at local batch 256 and 32, eager and, where it can be
+   captured (cuda_graphs.refusal), as one CUDA graph;
+6. DDP and FSDP at world sizes 1, 2 and 4, one GPU each, as many as there are GPUs (1 and 2
    on a CPU), launched by torchrun as users do: images/s and scaling efficiency.
 
 Every number comes from the project's own code paths (data.py, train.py, session.py), so a
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import cuda_graphs
 import data
 import distributed_utils
 from checkpoint import Position
@@ -121,19 +125,28 @@ class OperationCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def counted_epoch(trainer, position: Position) -> collections.Counter:
+    """The operations of one training epoch (from `position`), by name."""
+    with OperationCounter() as counter:
+        trainer.train_epoch(position)
+    return counter.counts
+
+
 def operations_per_step(trainer, epoch: int = 2, steps: int = 10) -> collections.Counter:
     """The operations one more training step costs: an epoch trained from `steps` before its
     end, subtracted from the whole epoch, per step. What an epoch does once (gathering and
     augmenting its images, the closing all-reduces) cancels out."""
     total = len(trainer.loaders.train)
     assert total > steps, (total, steps)
-    counted = []
-    for first in (total - steps, 0):
-        with OperationCounter() as counter:
-            trainer.train_epoch(Position(epoch, first))
-        counted.append(counter.counts)
+    counted = [counted_epoch(trainer, Position(epoch, first)) for first in (total - steps, 0)]
     more = counted[1] - counted[0]  # only the positive differences: every op is per step
     return collections.Counter({op: n / (total - steps) for op, n in more.items()})
+
+
+def operations_per_epoch_step(trainer, epoch: int = 2) -> float:
+    """A whole epoch's operations over its steps: the step's and, shared out, the epoch's own
+    (what issue 35 counted to compare the strategies, whose per-epoch work differs)."""
+    return sum(counted_epoch(trainer, Position(epoch)).values()) / len(trainer.loaders.train)
 
 
 def one_rank_config(batch: int, steps: int) -> Config:
@@ -196,16 +209,19 @@ SWEEP_GPUS = (1, 2, 4, 8)  # run_benchmarks.py's default GPU counts
 EPOCH_IMAGES = 50_000  # a CIFAR-10 epoch
 
 
-def seconds_per_step(cfg: Config, env, rounds: int = 3) -> tuple[float, float]:
-    """One rank's training step at cfg's batch, alone (world size 1, DDP: what each rank of a
-    sweep point computes, without the others): the median over `rounds` epochs after a warm-up
+def seconds_per_step(cfg: Config, env, rounds: int = 3) -> tuple[float, dict]:
+    """One rank's training step at cfg's batch, alone (world size 1: what each rank of a sweep
+    point computes, without the others): the median over `rounds` epochs after a warm-up
     epoch (which, with --cuda-graphs, holds the eager steps and the capture), and the
-    operations it dispatches (eager only: a graph's replay dispatches none of them)."""
+    operations it dispatches (eager only: a graph's replay dispatches none of them): "step",
+    one more step's (operations_per_step), and "epoch", an epoch's per step
+    (operations_per_epoch_step)."""
     trainer, _ = build_trainer(cfg, env)
     steps = len(trainer.loaders.train)
-    operations = math.nan
+    operations = {"step": math.nan, "epoch": math.nan}
     if not cfg.cuda_graphs:
-        operations = sum(operations_per_step(trainer, steps=steps // 2).values())
+        operations["step"] = sum(operations_per_step(trainer, steps=steps // 2).values())
+        operations["epoch"] = operations_per_epoch_step(trainer)
     trainer.train_epoch(Position(1))
     times = [trainer.train_epoch(Position(epoch))[0].time for epoch in range(2, rounds + 2)]
     return statistics.median(times) / steps, operations
@@ -242,7 +258,7 @@ def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tup
                 (
                     n,
                     local,
-                    f"{operations:.0f}",
+                    f"{operations['step']:.0f}",
                     f"{1000 * eager:.2f}",
                     f"{eager * epoch_steps:.2f}",
                     "no GPU" if math.isnan(graphed) else f"{1000 * graphed:.2f}",
@@ -252,6 +268,56 @@ def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tup
     finally:
         distributed_utils.cleanup()
     return rows
+
+
+# The strategies of the scaling study, each timed alone by strategy_steps.
+STEP_STRATEGIES = ("single", "ddp", "fsdp", "fsdp2")
+# The most operations per step (operations_per_epoch_step) each FSDP may dispatch, in DDP's:
+# issue 35's budgets, which tests/test_step_cost.py holds them to (per-block units: 2.6x, 2.1x).
+OPERATIONS_AGAINST_DDP = {"fsdp": 2.0, "fsdp2": 1.5}
+SMALL_BATCH = 32  # the local batch of the sweep's 8-GPU point at the default global batch
+
+
+def strategy_steps(batch: int, steps: int, device: torch.device) -> list[tuple]:
+    """Rows of the per-strategy table: one rank's operations per step (the epoch's own shared
+    out, operations_per_epoch_step) at `batch`, and its step at `batch` and SMALL_BATCH, eager
+    and, where cuda_graphs.refusal allows, as one CUDA graph."""
+    local_batches = (batch, SMALL_BATCH)
+    rows = [
+        (
+            "strategy",
+            "operations per step",
+            *(f"step at {n}, eager (ms)" for n in local_batches),
+            *(f"step at {n}, CUDA graph (ms)" for n in local_batches),
+        )
+    ]
+    env = distributed_utils.setup()
+    try:
+        for strategy in STEP_STRATEGIES:
+            eager, graphed = [], []
+            for local in local_batches:
+                cfg = dataclasses.replace(
+                    one_rank_config(local, steps), strategy=strategy, cuda_graphs=False
+                )
+                seconds, operations = seconds_per_step(cfg, env)
+                eager.append(f"{1000 * seconds:.2f}")
+                graphed.append(graphed_step(cfg, env, device))
+                if local == batch:
+                    counted = f"{operations['epoch']:.0f}"
+            rows.append((strategy, counted, *eager, *graphed))
+    finally:
+        distributed_utils.cleanup()
+    return rows
+
+
+def graphed_step(cfg: Config, env, device: torch.device) -> str:
+    """The step of cfg as one CUDA graph in ms, or why it is not measured."""
+    if device.type != "cuda":
+        return "no GPU"
+    if cuda_graphs.refusal(cfg, device):
+        return "eager only"
+    seconds, _ = seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)
+    return f"{1000 * seconds:.2f}"
 
 
 def scaling_run(
@@ -371,6 +437,20 @@ def main(argv=None) -> None:
         f"{smallest[0]}-GPU point to scale)\n",
         flush=True,
     )
+
+    per_strategy = strategy_steps(b, steps // 2, device)
+    print(
+        "Each strategy of the study on one rank (world size 1): the operations torch "
+        f"dispatches per step at batch {b} (an epoch's, the epoch's own work shared out), and "
+        f"the step at local batch {b} and {SMALL_BATCH}:\n"
+    )
+    print(table(per_strategy))
+    operations = {row[0]: float(row[1]) for row in per_strategy[1:]}
+    ratios = ", ".join(
+        f"{strategy} {operations[strategy] / operations['ddp']:.2f}x (target <= {most}x)"
+        for strategy, most in OPERATIONS_AGAINST_DDP.items()
+    )
+    print(f"\nOperations per step against DDP's: {ratios}\n", flush=True)
 
     rows = [
         (

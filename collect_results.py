@@ -35,6 +35,7 @@ import samples
 from utils import (
     COMM_FIELDS,
     COURSE_FIELDS,
+    FSDP_ROOT_UNIT,
     METRIC_TAG,
     SWEEP_OUTCOME,
     SWEEP_PREFIX,
@@ -573,12 +574,13 @@ def comm_model_time(strategy: str, steps: float, sharding, comm: pd.DataFrame) -
         return steps * message_seconds(comm, "all_reduce", "grad")  # FSDP at 1 rank: DDP-like
     if strategy in ("fsdp", "fsdp2"):
         # grad_op keeps each unit gathered from forward to backward; full and hybrid (full
-        # within a node) gather again; FSDP's default is full, for logs that do not say.
-        gathers = 1 if str(sharding) == "grad_op" else 2
-        return steps * (
-            gathers * message_seconds(comm, "all_gather", "unit_")
-            + message_seconds(comm, "reduce_scatter", "unit_")
-        )
+        # within a node) gather again, all but the root, kept for backward under every
+        # sharding; FSDP's default is full, for logs that do not say.
+        gathered = message_seconds(comm, "all_gather", "unit_")
+        if str(sharding) != "grad_op":
+            root = message_seconds(comm, "all_gather", f"unit_{FSDP_ROOT_UNIT}")
+            gathered += gathered - (0.0 if math.isnan(root) else root)
+        return steps * (gathered + message_seconds(comm, "reduce_scatter", "unit_"))
     return math.nan  # dp and single send nothing through the process group
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distributed_utils import BACKENDS
-from utils import format_comm, log0
+from utils import FSDP_ROOT_UNIT, format_comm, log0
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # The new names of all_gather_into_tensor and reduce_scatter_tensor (the old ones warn on every
@@ -92,17 +92,20 @@ def ddp_buckets(model: nn.Module, rebuilt: bool = True) -> list[int]:
 
 
 def fsdp_units(model: nn.Module, element_bytes: int) -> dict[str, int]:
-    """The flat parameter bytes each FSDP unit gathers: one per `shard_units()` block, and the
-    root for the parameters no block holds (fsdp_utils wraps the same units)."""
+    """The flat parameter bytes each FSDP unit gathers: one per block of fsdp_utils.own_units,
+    and the root for the parameters no such block holds."""
+    # Imported here: FSDP's modules take seconds to import, which a --check never needs.
+    from fsdp_utils import own_units
+
     units, inside = {}, set()
     for name, module in model.named_children():
-        if any(module is unit for unit in model.shard_units()):
+        if any(module is unit for unit in own_units(model)):
             params = list(module.parameters())
             inside |= {id(p) for p in params}
             units[name] = sum(p.numel() for p in params) * element_bytes
     root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
     if root:
-        units["root"] = root * element_bytes
+        units[FSDP_ROOT_UNIT] = root * element_bytes
     return units
 
 

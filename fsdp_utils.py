@@ -2,10 +2,20 @@
 optimizer state. Two APIs, one idea:
 
 - `--strategy fsdp`: `FullyShardedDataParallel` (FSDP1, what the course uses). A wrap policy
-  makes each of the model's `shard_units()` (the CNN's conv blocks and classifier, a ResNet's
-  stages) its own FSDP unit.
+  makes each unit of `own_units` its own FSDP unit.
 - `--strategy fsdp2`: `fully_shard` (PyTorch's current FSDP), applied explicitly to each unit,
   then to the root; parameters become DTensors sharded over a device mesh.
+
+The units (`own_units`): each of the model's `shard_units()` (the CNN's conv blocks and
+classifier, a ResNet's stages) that holds at least MIN_UNIT_PARAMS parameters; the root holds
+the rest (the CNN's three conv blocks, 4% of its parameters, a ResNet's stem and head). A unit
+costs the host the same hooks and copies whatever its size, and a tiny one's gather is all
+latency: one unit per block cost the CNN's step far more host operations than DDP's, for no
+memory saved (counts: docs/performance.md; budgets: tests/test_step_cost.py). Both APIs keep
+the root's parameters from forward to backward, which needs them first (torchtitan likewise
+does not reshard its last block): a root of small blocks is gathered once a step. The CNN's
+classifier stays resharded after forward under `full`: it is 96% of the model, and keeping it
+would make ZeRO-3 ZeRO-2.
 
 Just before a unit runs, its full parameters are all-gathered; right after, they are freed
 again; in backward, gradients are reduce-scattered so each rank keeps the shard it owns. A rank
@@ -55,6 +65,11 @@ SHARDING = {
 }
 
 # The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs).
+# The fewest parameters a shard unit needs for a unit of its own (as torch's
+# size_based_auto_wrap_policy's min_num_params, 1e8 by default, sized for this project's models):
+# 400 KB in fp32, a few microseconds on NVLink, less than the fixed cost of gathering it.
+MIN_UNIT_PARAMS = 100_000
+
 DTYPES = {
     "fp32": torch.float32,
     "tf32": torch.float32,
@@ -74,6 +89,15 @@ def storage_dtype(precision: str) -> torch.dtype:
     """What parameters, gradients, batches and sums are held in: float64 for fp64; float32
     otherwise (bf16 and fp16 compute in theirs from fp32 parameters)."""
     return max(DTYPES[precision], torch.float32, key=lambda dtype: dtype.itemsize)
+
+
+def own_units(model: nn.Module) -> list[nn.Module]:
+    """The shard units that become FSDP units of their own; the root holds the others."""
+    return [
+        unit
+        for unit in model.shard_units()
+        if sum(p.numel() for p in unit.parameters()) >= MIN_UNIT_PARAMS
+    ]
 
 
 def check_ranks_by_node(ranks_per_node: int) -> None:
@@ -120,8 +144,8 @@ def get_fsdp_model(
     cpu_offload: bool = False,
     ranks_per_node: int | None = None,
 ) -> FSDP:
-    """FSDP1: the wrap policy makes every shard unit of the model an FSDP unit."""
-    units = {id(unit) for unit in model.shard_units()}
+    """FSDP1: the wrap policy makes each of `own_units` an FSDP unit."""
+    units = {id(unit) for unit in own_units(model)}
     dtype = low_precision(precision)
     with warnings.catch_warnings():
         # At world size 1 FSDP runs NO_SHARD whatever was asked, and warns so on stderr: the
@@ -159,7 +183,7 @@ def get_fsdp2_model(
     cpu_offload: bool = False,
     ranks_per_node: int | None = None,
 ) -> nn.Module:
-    """FSDP2: fully_shard each unit, then the root (which holds what no unit does)."""
+    """FSDP2: fully_shard each of `own_units`, then the root (which holds what no unit does)."""
     world = torch.distributed.get_world_size()
     mesh = (
         hybrid_mesh(device, ranks_per_node)
@@ -177,9 +201,11 @@ def get_fsdp2_model(
     )
     options = {k: v for k, v in options.items() if v is not None}
     model = model.to(device)
-    for unit in model.shard_units():
+    for unit in own_units(model):
         fully_shard(unit, **options)
-    fully_shard(model, **options)
+    # Backward needs the root's parameters first: keep them (as FSDP1 always does; FSDP2 has
+    # resharded a root told True since torch 2.8).
+    fully_shard(model, **{**options, "reshard_after_forward": False})
     return model
 
 

@@ -83,7 +83,7 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     """--optimizer: Adam, or SGD with momentum 0.9. Fused (one kernel for every parameter) where
     torch has it for the parameters, else foreach (one per operation over all of them): torch's
     default on a CPU is a loop of about ten operations per parameter and step. FSDP2's DTensor
-    parameters have no sharding rule for the fused kernels (torch 2.14), only for foreach."""
+    parameters have sharding rules for fused Adam (since torch 2.4), not for fused SGD."""
     optimizer, options = (
         (torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else (torch.optim.Adam, {})
     )
@@ -96,7 +96,7 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
             # A tensor the graph reads, which the scheduler fills between replays (a float
             # would be baked into the graph at its capture).
             lr = torch.tensor(cfg.lr, device=params[0].device)
-    if not any(isinstance(p, DTensor) for p in params):
+    if optimizer is torch.optim.Adam or not any(isinstance(p, DTensor) for p in params):
         try:
             return optimizer(params, lr=lr, fused=True, **options)
         except RuntimeError:  # parameters on a device without fused kernels

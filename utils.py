@@ -237,6 +237,12 @@ COMM_TAG = "[COMM]"
 COMM_FIELDS = ("op", "label", "bytes", "world_size", "time_us", "algbw_gbps", "busbw_gbps")
 
 
+# The FSDP unit of the parameters no unit of their own holds (comm_bench.fsdp_units; its
+# messages are labelled unit_root): kept from forward to backward (fsdp_utils), so full
+# sharding gathers it once a step, every other unit twice (collect_results.comm_model_time).
+FSDP_ROOT_UNIT = "root"
+
+
 def format_comm(fields: dict) -> str:
     ordered = [*COMM_FIELDS, *(k for k in fields if k not in COMM_FIELDS)]
     return " ".join([COMM_TAG, *(f"{k}={format_value(fields[k])}" for k in ordered)])

@@ -3,8 +3,9 @@ on 2 gloo ranks, as torch dispatches them (c10d's operations under a TorchDispat
 counter benchmark.py uses for a step's operations). Equal parameters (test_equivalence.py)
 prove the arithmetic; these counts prove the pattern: DDP all-reduces its gradient buckets, FSDP
 gathers each unit once for forward and, under full sharding, again for backward, and
-reduce-scatters each unit's gradients once; with --grad-accum, the reductions once per optimizer
-step, not per micro-batch. Their sizes are those comm_bench.py times."""
+reduce-scatters each unit's gradients once; the root, kept from forward to backward, is gathered
+once; with --grad-accum, the reductions once per optimizer step, not per micro-batch. Their sizes
+are those comm_bench.py times."""
 
 import collections
 
@@ -16,6 +17,7 @@ from checkpoint import Position
 from comm_bench import ddp_buckets, messages
 from config import Config
 from dist_harness import spawn
+from fsdp_utils import own_units
 from model import build_model
 from session import build_trainer
 
@@ -86,14 +88,16 @@ def one_step_each(env) -> dict:
 def expected_messages(strategy: str, sharding: str, precision: str) -> collections.Counter:
     """(kind, bytes) of what comm_bench.py times for this setup, counted as one step sends
     them: DDP each bucket once; FSDP each unit's gather once for forward and, fully sharded,
-    again for backward, and each unit's reduce-scatter once."""
+    again for backward, but the root's, kept from forward to backward; and each unit's
+    reduce-scatter once."""
     gathered = 2 if strategy != "ddp" and precision == "bf16" else 4
     expected = collections.Counter()
     for op, label, size in messages(build_model("cnn"), gathered, []):
         if strategy == "ddp" and label.startswith("bucket"):
             expected[op, size] += 1
         if strategy != "ddp" and label.startswith("unit_"):
-            expected[op, size] += 2 if op == "all_gather" and sharding == "full" else 1
+            again = op == "all_gather" and sharding == "full" and label != "unit_root"
+            expected[op, size] += 2 if again else 1
     return expected
 
 
@@ -105,11 +109,12 @@ def test_each_strategy_sends_the_collectives_its_design_says_at_the_sizes_timed(
     sent = spawn(one_step_each, 2, timeout=280)
     assert sent[0] == sent[1], "every rank takes part in every collective"
     model = build_model("cnn")
-    units, buckets = len(model.shard_units()), len(ddp_buckets(model))
-    assert (units, buckets) == (4, 2)  # the CNN's 3 conv blocks and classifier; 2 DDP buckets
+    # fsdp_utils.own_units: the classifier alone; the root holds the 3 conv blocks. 2 DDP buckets.
+    units, buckets = 1 + len(own_units(model)), len(ddp_buckets(model))
+    assert (units, buckets) == (2, 2)
     design = {
         "ddp": {"all_reduce": buckets},
-        "full": {"all_gather": 2 * units, "reduce_scatter": units},
+        "full": {"all_gather": 2 * units - 1, "reduce_scatter": units},  # the root's once
         "grad_op": {"all_gather": units, "reduce_scatter": units},
     }
     for (strategy, sharding, precision, accum), found in sent[0].items():

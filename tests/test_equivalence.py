@@ -94,11 +94,14 @@ def parameters_held(env, cfg):
 
 
 @pytest.mark.parametrize("sharding,resharded_after_forward", [("full", True), ("grad_op", False)])
-def test_fsdp_shards_per_block_and_full_reshards_after_forward(sharding, resharded_after_forward):
-    """ZeRO-3 (full) frees each block's gathered parameters right after its forward; ZeRO-2
-    (grad_op) keeps them until backward. Both hold half of the parameters at rest."""
+def test_fsdp_shards_per_unit_and_full_reshards_after_forward(sharding, resharded_after_forward):
+    """ZeRO-3 (full) reshards its units right after their forward: the parameters seen are
+    the shards again; ZeRO-2 (grad_op) keeps them gathered until backward. Both hold half of
+    the parameters at rest. (The root's gathered copy is kept for backward under both, out of
+    the parameters' sight: tests/test_collectives.py counts its one gather a step.)"""
     cfg = Config(**CFG, strategy="fsdp", sharding=sharding)
     for units, before, after_forward, total in spawn(parameters_held, 2, cfg):
-        assert units == ["CNN", "ConvBlock", "ConvBlock", "ConvBlock", "Classifier"]
+        # The conv blocks are too small for units of their own (fsdp_utils.own_units).
+        assert units == ["CNN", "Classifier"]
         assert before == pytest.approx(total / 2, abs=8)  # a shard may carry padding
         assert after_forward == (before if resharded_after_forward else total)
