@@ -457,9 +457,12 @@ class Pulse:
     def __init__(self, store, rank: int, rendezvous_addr: str):
         # The address this node reaches rank 0's at: rank 0 reaches this one's there too.
         family, _, _, _, rank0 = socket.getaddrinfo(rendezvous_addr, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(rank0)  # a datagram socket: nothing is sent
-            host = probe.getsockname()[0]
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(rank0)  # a datagram socket: nothing is sent
+                host = probe.getsockname()[0]
+        except OSError:  # no route known to it: the node's name is the best guess left
+            host = socket.gethostname()
         self.server = socket.create_server(("", 0), family=family)
         self.server.settimeout(1.0)  # where shutdown() does not wake accept() (not Linux)
         store.set(f"pulse/{rank}", f"{host} {self.server.getsockname()[1]}")

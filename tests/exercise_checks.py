@@ -24,7 +24,7 @@ from checkpoint import Position
 from config import Config
 from ddp_utils import get_ddp_model
 from dist_harness import in_fresh_process, spawn, spawn_outcomes
-from fsdp_utils import get_fsdp_model
+from fsdp_utils import get_fsdp_model, own_units
 from helpers import write_cifar_dir
 from model import build_model
 from train import Precision, Trainer
@@ -220,7 +220,7 @@ def fsdp_made(env, sharding: str, precision: str) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     model = build_model("cnn")
-    units = len(model.shard_units())
+    units = len(own_units(model))
     wrapped = get_fsdp_model(model, env.device, sharding=sharding, precision=precision)
     mixed = getattr(wrapped, "mixed_precision", None)
     return {
@@ -240,7 +240,7 @@ def test_ex4_2_fsdp_units_sharding_and_precision():
     )
     assert full["units"] == full["expected_units"], (
         f"{full['units']} FSDP units inside the root, not one for each of the model's "
-        f"{full['expected_units']} shard_units(): is the wrap policy given?"
+        f"{full['expected_units']} own_units(): is the wrap policy given?"
     )
     assert full["strategy"] == "FULL_SHARD", f"--sharding full runs {full['strategy']}"
     assert (full["param_dtype"], full["reduce_dtype"]) == ("torch.bfloat16", "torch.float32"), (
