@@ -147,13 +147,11 @@ def metrics_in(text: str) -> list[dict]:
     return [m for m in map(parse_metric, text.splitlines()) if m]
 
 
-# Where an epoch went ([METRIC]): the parts add up to its time (train.time_breakdown).
-TIME_PARTS = ("t_compute", "t_data", "t_comm", "t_wait")
-
-
 def assert_breakdown_holds(m: dict) -> None:
     """No part is negative; reliable ones add up to the epoch's time; an unreliable one says it
     and reports neither compute nor communication."""
+    from collect_results import TIME_PARTS  # the parts' one list (pandas: imported here only)
+
     assert all(m[t] == "na" or m[t] >= 0 for t in TIME_PARTS), m
     if m["breakdown"] == "ok":
         assert sum(m[t] for t in TIME_PARTS) == pytest.approx(m["time"], rel=1e-3, abs=0.01)

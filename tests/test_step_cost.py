@@ -109,22 +109,21 @@ def test_where_an_fp16_step_makes_the_host_wait(strategy, optimizer, synchronise
     assert (ops.get(HOST_SYNC, 0) > 0) == synchronises, ops.get(HOST_SYNC)
 
 
+def benchmark_table(call: str) -> list:
+    """The rows of one of benchmark.py's tables, `benchmark.<call>`, made in a fresh process as
+    benchmark.py makes them (header first)."""
+    code = f"import benchmark, torch, json; print(json.dumps(benchmark.{call}))"
+    done = run([sys.executable, "-c", code], timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 @pytest.mark.timeout(300)
 def test_the_sweeps_floor_table_times_each_local_batch_of_strong_scaling():
     """benchmark.py's floor: one row per GPU count of the sweep, at global batch / N images a
     step, whose epoch time is its step time x the CIFAR-10 epoch's steps; no graphed column
     without a GPU (never a number that did not run)."""
-    done = run(
-        [
-            sys.executable,
-            "-c",
-            "import benchmark, torch, json; "
-            "print(json.dumps(benchmark.sweep_floor(64, 4, torch.device('cpu'))))",
-        ],
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    header, *rows = json.loads(done.stdout.splitlines()[-1])
+    header, *rows = benchmark_table("sweep_floor(64, 4, torch.device('cpu'))")
     assert [(n, local) for n, local, *_ in rows] == [(1, 64), (2, 32), (4, 16), (8, 8)]
     for _, _, operations, step_ms, epoch_s, graph_step, graph_epoch in rows:
         assert float(operations) <= BUDGET
@@ -137,17 +136,7 @@ def test_the_per_strategy_table_has_a_row_per_strategy_and_no_graph_without_a_gp
     """benchmark.py's per-strategy table: each strategy of the study, its operations per step
     as operations_per_epoch_step counts them, eager steps at both local batches, and no
     graphed column without a GPU (never a number that did not run)."""
-    done = run(
-        [
-            sys.executable,
-            "-c",
-            "import benchmark, torch, json; "
-            "print(json.dumps(benchmark.strategy_steps(64, 2, torch.device('cpu'))))",
-        ],
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    header, *rows = json.loads(done.stdout.splitlines()[-1])
+    header, *rows = benchmark_table("strategy_steps(64, 2, torch.device('cpu'))")
     assert header[2:] == [
         "step at 64, eager (ms)",
         "step at 32, eager (ms)",
