@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import stopping
 from config import LAUNCHER_OPTION, Config, add_options, check_world, validate
-from utils import CheckpointError, UsageError, log0, read_ranks
+from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
 
 if TYPE_CHECKING:  # only named here: session.py loads torch
     from session import Outcome
@@ -37,6 +37,9 @@ EXIT_STATUS = {
     "checkpoint": 5,  # a checkpoint could not be saved or read: one `error:` line says which,
     # why, and what is intact (docs/reliability.md)
 }
+# How long a rank other than 0 that met bad input waits for its launcher to end it once rank 0
+# has said why and exited (stopping.await_stop_signal): rank 0 may still be starting Python.
+PEER_EXIT_WAIT_S = 30.0
 
 # ----------------------------------------------------------------------------- parse
 
@@ -228,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, OptionError):
                 log0(USAGE, file=sys.stderr)
             log0(f"error: {e}", file=sys.stderr)
+            if not is_rank_zero():  # rank 0 exits first; its launcher then ends this one
+                stopping.await_stop_signal(timeout_s=PEER_EXIT_WAIT_S)
             if isinstance(e, CheckpointError):
                 return EXIT_STATUS["checkpoint"]
             return EXIT_STATUS["usage"]

@@ -13,6 +13,7 @@ on the stop over the ranks, imports torch.distributed, when it is made.
 import contextlib
 import datetime
 import signal
+import time
 
 from utils import read_ranks
 
@@ -55,6 +56,19 @@ def catch_stop_signals():
 
 def stop_signal() -> str | None:
     """The name of the stop signal this process received, if any."""
+    return _stop_signal
+
+
+def await_stop_signal(timeout_s: float) -> str | None:
+    """Wait, stop signals taken, until one comes or timeout_s passes; its name, or None.
+
+    A rank other than 0 that meets bad input says nothing (rank 0 says it) and must not exit
+    before rank 0 has: torchrun and srun --kill-on-bad-exit end the other ranks with SIGTERM as
+    soon as one exits non-zero, and rank 0, still starting up, would die with its error unsaid.
+    """
+    deadline = time.monotonic() + timeout_s
+    while _stop_signal is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     return _stop_signal
 
 
