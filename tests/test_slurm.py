@@ -468,7 +468,10 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
 
 
 @pytest.mark.timeout(600)
-def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy):
+@pytest.mark.parametrize("ranks_per_node", [1, 2])
+def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy, ranks_per_node):
+    """A sound cluster passes every check, at 2 ranks (one a node) and 4 (two a node: the
+    equivalence check once failed there on a rounding tie, issue 38)."""
     done = sh(
         [
             sys.executable,
@@ -476,9 +479,9 @@ def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy
             "--verify",
             "--wait",
             "--gpus",
-            "2",
+            str(2 * ranks_per_node),
             "--gpus-per-node",
-            "1",
+            str(ranks_per_node),
             "--cpus-per-task",
             "1",
             "--poll-interval",
@@ -499,7 +502,7 @@ def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy
     rows = {row.check: row for row in verify.read_rows(report.read_text())}
     assert list(rows) == list(verify.CHECKS) and all(r.passed for r in rows.values())
     assert "- nodes: node1 node2" in report.read_text()
-    assert "- world size: 2" in report.read_text()
+    assert f"- world size: {2 * ranks_per_node}" in report.read_text()
     # The stop went to the ranks' step, never to a run.sh batch shell: no run requeued the job.
     assert "stopped on SIGUSR1" in (report.parent / "stop-resume.log").read_text()
     for log in report.parent.glob("*.log"):
