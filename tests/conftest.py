@@ -18,7 +18,7 @@ from utils import parse_metric
 # One torch thread per process, for the tests' own training and every process they start, as
 # torchrun does per rank: make test runs two workers on two cores (pytest_xdist_make_scheduler),
 # and torch's default of a thread per core had each worker's runs contend for both cores
-# (docs/performance.md#test-tiers). Set before any test module imports torch.
+# (docs/development.md#test-tiers). Set before any test module imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent

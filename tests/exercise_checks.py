@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
+import dataset_files
 import distributed_utils
 import main
 import strategies
@@ -150,8 +151,8 @@ def download_then_load(env, root):
         (data_dir / f"downloaded_by_rank_{env.rank}").touch()
         write_cifar_dir(data_dir)
 
-    data.download_cifar10 = fake_download
-    train, val = data.load_cifar10(root, download=True)
+    dataset_files.download_cifar10 = fake_download
+    train, val = data.load_files("cifar10", root, download=True)
     return len(train), len(val)
 
 

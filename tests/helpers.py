@@ -103,13 +103,13 @@ def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame
 
 def write_cifar_dir(root, n_train_per_file=20, n_test=30, seed=0):
     """A small data set in CIFAR-10's own python format."""
-    import data  # loads torch: only the tests that write CIFAR-10 files pay for it
+    import dataset_files  # loads torch: only the tests that write CIFAR-10 files pay for it
 
     rng = np.random.default_rng(seed)
-    folder = root / data.CIFAR10_FOLDER
+    folder = root / dataset_files.CIFAR10_FOLDER
     folder.mkdir(parents=True)
-    for name, n in [(f, n_train_per_file) for f in data.CIFAR10_TRAIN_FILES] + [
-        (data.CIFAR10_TEST_FILE, n_test)
+    for name, n in [(f, n_train_per_file) for f in dataset_files.CIFAR10_TRAIN_FILES] + [
+        (dataset_files.CIFAR10_TEST_FILE, n_test)
     ]:
         batch = {
             b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),

@@ -9,6 +9,7 @@ from PIL import Image
 from torch.utils.data import DistributedSampler
 
 import data
+import dataset_files
 from config import Config
 from dist_harness import full_state, spawn, spawn_outcomes
 from helpers import write_cifar_dir
@@ -208,28 +209,28 @@ def test_validation_weights_mask_only_the_padding():
 
 def test_loads_any_directory_in_the_cifar10_python_format(tmp_path):
     folder = write_cifar_dir(tmp_path)
-    train, val = data.load_cifar10(tmp_path, download=False)
+    train, val = data.load_files("cifar10", tmp_path, download=False)
     assert train.images.shape == (100, 3, 32, 32) and val.images.shape == (30, 3, 32, 32)
     with open(folder / "data_batch_2", "rb") as f:
         second = pickle.load(f, encoding="bytes")
     assert torch.equal(train.images[20:40].reshape(20, -1), torch.from_numpy(second[b"data"]))
     assert train.labels[20:40].tolist() == second[b"labels"]
-    assert (tmp_path / data.CACHE_FILE).is_file()
+    assert dataset_files.cache_path("cifar10", tmp_path).is_file()
 
 
 def test_cache_is_decoded_once_and_again_when_a_source_file_changes(tmp_path, monkeypatch):
     folder = write_cifar_dir(tmp_path)
     decodes = []
-    decode = data.decode_cifar10
-    monkeypatch.setattr(data, "decode_cifar10", lambda f: decodes.append(f) or decode(f))
+    decode = dataset_files.decode_cifar10
+    monkeypatch.setattr(dataset_files, "decode_cifar10", lambda f: decodes.append(f) or decode(f))
     for _ in range(3):
-        assert len(data.load_cifar10(tmp_path, download=False)[1]) == 30
+        assert len(data.load_files("cifar10", tmp_path, download=False)[1]) == 30
     assert len(decodes) == 1, "the second and third loads read the cache"
     write_cifar_dir(tmp_path / "other", n_test=5)
     (folder / "test_batch").write_bytes(
-        (tmp_path / "other" / data.CIFAR10_FOLDER / "test_batch").read_bytes()
+        (tmp_path / "other" / dataset_files.CIFAR10_FOLDER / "test_batch").read_bytes()
     )
-    assert len(data.load_cifar10(tmp_path, download=False)[1]) == 5
+    assert len(data.load_files("cifar10", tmp_path, download=False)[1]) == 5
     assert len(decodes) == 2, "a changed source file rebuilds the cache"
 
 
@@ -240,12 +241,12 @@ def test_corrupt_cifar_file_is_a_clear_error(tmp_path, damage):
     blob = path.read_bytes()
     path.write_bytes(blob[: len(blob) // 2] if damage == "truncate" else b"not a pickle")
     with pytest.raises(UsageError, match="data_batch_3"):
-        data.load_cifar10(tmp_path, download=False)
+        data.load_files("cifar10", tmp_path, download=False)
 
 
 def test_missing_data_without_download_says_how_to_fetch(tmp_path):
     with pytest.raises(UsageError, match="python data.py --download"):
-        data.load_cifar10(tmp_path / "nothing", download=False)
+        data.load_files("cifar10", tmp_path / "nothing", download=False)
 
 
 def fake_download_then_load(env, root, fail):
@@ -255,8 +256,8 @@ def fake_download_then_load(env, root, fail):
             raise ConnectionError("no route to host")
         write_cifar_dir(data_dir)
 
-    data.download_cifar10 = fake_download  # the real one needs internet
-    train, val = data.load_cifar10(root, download=True)
+    dataset_files.download_cifar10 = fake_download  # the real one needs internet
+    train, val = data.load_files("cifar10", root, download=True)
     return len(train), len(val)
 
 

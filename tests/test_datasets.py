@@ -13,6 +13,7 @@ from PIL import Image
 
 import data
 from conftest import assert_one_line_error, main_on_ranks, metrics_in, run_main
+from dataset_files import FASHION_FILES, FASHION_FOLDER, FASHION_URL, TINY_FOLDER, TINY_URL
 from model import build_model
 from utils import UsageError, parse_config
 
@@ -45,7 +46,7 @@ FASHION_GZIPPED = {
 def write_fashion_dir(root, n_train=40, n_val=16, seed=0) -> dict[str, np.ndarray]:
     """A small Fashion-MNIST in torchvision's layout (root/FashionMNIST/raw); what was written."""
     rng = np.random.default_rng(seed)
-    folder = root / data.FASHION_FOLDER
+    folder = root / FASHION_FOLDER
     folder.mkdir(parents=True)
     arrays = {
         "train_images": rng.integers(0, 256, (n_train, 28, 28)),
@@ -53,14 +54,14 @@ def write_fashion_dir(root, n_train=40, n_val=16, seed=0) -> dict[str, np.ndarra
         "val_images": rng.integers(0, 256, (n_val, 28, 28)),
         "val_labels": rng.integers(0, 10, n_val),
     }
-    for key, (name, _) in data.FASHION_FILES.items():
+    for key, (name, _) in FASHION_FILES.items():
         write_idx(folder / name, arrays[key], FASHION_GZIPPED[key])
     return arrays
 
 
 def fashion_file(root, key: str):
-    name = data.FASHION_FILES[key][0]
-    return root / data.FASHION_FOLDER / (name + ".gz" * FASHION_GZIPPED[key])
+    name = FASHION_FILES[key][0]
+    return root / FASHION_FOLDER / (name + ".gz" * FASHION_GZIPPED[key])
 
 
 def test_fashionmnist_decodes_to_padded_3_channel_images_with_their_labels(tmp_path):
@@ -85,10 +86,10 @@ def test_fashionmnist_download_uses_torchvisions_urls_and_md5s():
     """No download can run here: the table must be what torchvision's FashionMNIST fetches."""
     from torchvision.datasets import FashionMNIST
 
-    ours = [(data.FASHION_URL + name + ".gz", md5) for name, md5 in data.FASHION_FILES.values()]
+    ours = [(FASHION_URL + name + ".gz", md5) for name, md5 in FASHION_FILES.values()]
     theirs = [(FashionMNIST.mirrors[0] + name, md5) for name, md5 in FashionMNIST.resources]
     assert ours == theirs
-    assert data.FASHION_FOLDER == "FashionMNIST/raw"
+    assert FASHION_FOLDER == "FashionMNIST/raw"
 
 
 def test_fashionmnist_download_fetches_the_missing_files_into_torchvisions_folder(
@@ -106,9 +107,9 @@ def test_fashionmnist_download_fetches_the_missing_files_into_torchvisions_folde
 
     monkeypatch.setattr(tv_utils, "download_and_extract_archive", fake_download)
     _, val = data.load_files("fashionmnist", tmp_path, download=True)
-    name, md5 = data.FASHION_FILES["val_labels"]
+    name, md5 = FASHION_FILES["val_labels"]
     assert calls == [
-        (data.FASHION_URL + name + ".gz", str(tmp_path / data.FASHION_FOLDER), name + ".gz", md5)
+        (FASHION_URL + name + ".gz", str(tmp_path / FASHION_FOLDER), name + ".gz", md5)
     ]
     assert val.labels.tolist() == written["val_labels"].tolist()
 
@@ -160,7 +161,7 @@ def write_tiny_dir(root, classes=3, per_class=8, n_val=9, grey=(0, 5)):
     """A small Tiny ImageNet in the zip's layout. Image i (training, then validation) has
     colour(i); the images listed in `grey` (by that index) are single-channel JPEGs. Returns
     the wnids and, per split, the (colour index, label) pairs in the order the set lists them."""
-    folder = root / data.TINY_FOLDER
+    folder = root / TINY_FOLDER
     wnids = [f"n0{1000 + 17 * k}" for k in range(classes)]
     folder.mkdir(parents=True)
     (folder / "wnids.txt").write_text("\n".join(wnids) + "\n")
@@ -188,7 +189,7 @@ def write_tiny_dir(root, classes=3, per_class=8, n_val=9, grey=(0, 5)):
 def test_tinyimagenet_decodes_64x64_rgb_images_with_their_labels(tmp_path):
     wnids, written_train, written_val = write_tiny_dir(tmp_path)
     train, val = data.load_files("tinyimagenet", tmp_path, download=False)
-    folder = tmp_path / data.TINY_FOLDER
+    folder = tmp_path / TINY_FOLDER
     for split, written in ((train, written_train), (val, written_val)):
         assert split.images.shape == (len(written), 3, 64, 64)
         assert split.labels.tolist() == [label for _, label in written]
@@ -210,7 +211,7 @@ def test_tinyimagenet_cache_is_rebuilt_when_images_are_added(tmp_path):
     wnids, _, _ = write_tiny_dir(tmp_path)
     assert len(data.load_files("tinyimagenet", tmp_path)[0]) == 24
     assert (tmp_path / "tinyimagenet_uint8.pt").is_file()
-    write_jpeg(tmp_path / data.TINY_FOLDER / "train" / wnids[1] / "images" / "extra.JPEG", 99)
+    write_jpeg(tmp_path / TINY_FOLDER / "train" / wnids[1] / "images" / "extra.JPEG", 99)
     train, _ = data.load_files("tinyimagenet", tmp_path)
     assert len(train) == 25 and train.labels.tolist().count(1) == 9
 
@@ -253,7 +254,7 @@ def wrong_size(folder):
 )
 def test_damaged_tinyimagenet_is_a_clear_error(tmp_path, damage):
     write_tiny_dir(tmp_path)
-    message = damage(tmp_path / data.TINY_FOLDER)
+    message = damage(tmp_path / TINY_FOLDER)
     with pytest.raises(UsageError, match=message):
         data.load_files("tinyimagenet", tmp_path)
 
@@ -264,7 +265,7 @@ def test_tinyimagenet_without_files_says_where_to_get_it(tmp_path):
             data.load_files("tinyimagenet", tmp_path / "none", download=download)
         message = str(caught.value)
         assert "\n" not in message
-        assert data.TINY_URL in message and f"unzip it in {tmp_path / 'none'}" in message
+        assert TINY_URL in message and f"unzip it in {tmp_path / 'none'}" in message
 
 
 # ----------------------------------------------------------------------------- augmentation, model
@@ -383,16 +384,16 @@ def missing_fashion(root):
 
 def corrupt_tiny(root):
     write_tiny_dir(root)
-    return garble_jpeg(root / data.TINY_FOLDER)
+    return garble_jpeg(root / TINY_FOLDER)
 
 
 def missing_tiny(root):
     write_tiny_dir(root)
-    return remove_val_image(root / data.TINY_FOLDER)
+    return remove_val_image(root / TINY_FOLDER)
 
 
 def no_tiny(root):
-    return ("Tiny ImageNet not found in", data.TINY_URL, f"unzip it in {root}")
+    return ("Tiny ImageNet not found in", TINY_URL, f"unzip it in {root}")
 
 
 @pytest.mark.parametrize(

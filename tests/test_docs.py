@@ -46,9 +46,12 @@ QUICKSTART = (
 )
 QUICKSTART_LINES = 60
 # A range quoted from measured runs (FSDP 2,861-3,532 images/s): dated measurements live in
-# docs/performance.md, so a range another page quotes must be one that page records.
+# docs/performance.md (the product's) and docs/development.md (the test suite's), so a range
+# another page quotes must be one that they record.
 QUOTED_RANGE = re.compile(r"\b\d{1,3}(?:,\d{3})+-\d{1,3}(?:,\d{3})+\b")
-PERFORMANCE = REPO / "docs" / "performance.md"
+RECORDS = [REPO / "docs" / "performance.md", REPO / "docs" / "development.md"]
+# tests/README.md's table of the tests of each module: | `data.py` | `test_data.py`, ... |
+MODULE_ROW = re.compile(r"^\| `([\w.]+\.(?:py|sh))` \| (.+) \|$", re.M)
 # `train.py:531`, "line 531", "lines 40-60", a GitHub `#L531` anchor.
 LINE_REFERENCE = re.compile(r"\b[\w./-]+\.(?:py|sh):\d+\b|\blines?\s+\d+|#L\d+\b", re.I)
 
@@ -260,8 +263,8 @@ def unrecorded_ranges(text: str, record: str) -> list[str]:
     return [r for r in QUOTED_RANGE.findall(" ".join(text.split())) if r not in recorded]
 
 
-def test_ranges_quoted_from_measurements_are_those_performance_md_records():
-    record = PERFORMANCE.read_text()
+def test_ranges_quoted_from_measurements_are_those_the_records_hold():
+    record = "\n".join(path.read_text() for path in RECORDS)
     found = {doc.name: unrecorded_ranges(doc.read_text(), record) for doc in documents()}
     assert not {name: ranges for name, ranges in found.items() if ranges}
 
@@ -269,3 +272,81 @@ def test_ranges_quoted_from_measurements_are_those_performance_md_records():
 def test_the_range_checker_finds_ranges_the_record_lacks():
     page = "DDP 3,007-3,185 and FSDP\n2,861-3,532 images/s; ports 32768-60999, 2026-11-22"
     assert unrecorded_ranges(page, "FSDP 2,861-3,532 and\nDDP 3,007-3,158") == ["3,007-3,185"]
+
+
+def module_table(root: Path = REPO) -> dict[str, list[str]]:
+    """tests/README.md's table: module -> the test files listed for it."""
+    rows = MODULE_ROW.findall((root / "tests" / "README.md").read_text())
+    return {module: re.findall(r"`(test_\w+\.py)`", tests) for module, tests in rows}
+
+
+def names_in(path: Path, files: set[str]) -> set[str]:
+    """The project's files that one file imports (anywhere in it) or names (`data.py`)."""
+    text = path.read_text()
+    return {
+        f
+        for f in files
+        if re.search(
+            rf"^\s*(?:import|from) {Path(f).stem}\b|(?<![\w.]){re.escape(f)}(?!\w)", text, re.M
+        )
+    }
+
+
+def reached(path: Path, graph: dict[str, set[str]]) -> set[str]:
+    """What a test file imports, names or runs: its own names, then theirs, and so on."""
+    seen, todo = set(), list(names_in(path, set(graph)))
+    while todo:
+        if (name := todo.pop()) not in seen:
+            seen.add(name)
+            todo += graph[name]
+    return seen
+
+
+def module_table_problems(root: Path = REPO) -> list[str]:
+    """What is wrong with tests/README.md's table of the tests of each module."""
+    tests, table = root / "tests", module_table(root)
+    modules = {p.name for p in root.glob("*.py")}
+    # The tests' helpers are nodes too: a test that runs main.py through conftest runs it.
+    where = {p.name: p for p in tests.glob("*.py") if not p.name.startswith("test_")}
+    where |= {name: root / name for name in modules | set(table) if (root / name).is_file()}
+    graph = {f: names_in(path, set(where) - {f}) for f, path in where.items()}
+    bad = [
+        f"tests/README.md: {m} has no row in its table of the tests of each module"
+        for m in sorted(modules - set(table))
+    ]
+    for module, test_files in table.items():
+        if module not in where:
+            bad.append(f"tests/README.md: {module}: no such module")
+        for test in test_files if module in where else []:
+            if not (tests / test).is_file():
+                bad.append(f"tests/README.md: {module}: {test}: no such test file")
+            elif module not in reached(tests / test, graph):
+                bad.append(f"tests/README.md: {module}: {test} neither imports, names nor runs it")
+    return bad
+
+
+def test_every_module_has_its_tests_in_tests_readme():
+    bad = module_table_problems()
+    assert not bad, "\n".join(bad)
+
+
+def test_the_module_table_checker_finds_what_is_wrong(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "main.py").write_text("def main():\n    import lib\n")
+    (tmp_path / "lib.py").write_text("X = 1\n")
+    (tmp_path / "new.py").write_text("Y = 2\n")
+    (tmp_path / "tests" / "conftest.py").write_text("MAIN = 'main.py'\n")
+    (tmp_path / "tests" / "test_lib.py").write_text("from conftest import MAIN\n")
+    (tmp_path / "tests" / "test_other.py").write_text("import os\n")
+    (tmp_path / "tests" / "README.md").write_text(
+        "| module | tests |\n| --- | --- |\n"
+        "| `main.py` | `test_lib.py` |\n"
+        "| `lib.py` | `test_lib.py`, `test_other.py`, `test_gone.py` |\n"
+        "| `old.py` | `test_lib.py` |\n"
+    )
+    assert module_table_problems(tmp_path) == [
+        "tests/README.md: new.py has no row in its table of the tests of each module",
+        "tests/README.md: lib.py: test_other.py neither imports, names nor runs it",
+        "tests/README.md: lib.py: test_gone.py: no such test file",
+        "tests/README.md: old.py: no such module",
+    ]

@@ -452,7 +452,7 @@ def test_a_rank_loads_torch_without_collecting_and_freezes_it():
     """main.py loads torch and the project with Python's collector off, and setup() freezes
     what they made and turns it back on: no collection runs between torch's import and the
     freeze, and the later ones (the training loop's, cleanup()'s) skip those objects
-    (docs/performance.md: what each saves, and what the thaw costs). At exit they thaw, so that
+    (docs/development.md: what each saves, and what the thaw costs). At exit they thaw, so that
     Python's teardown frees them: frozen, triton's (torch 2.15) are reported by nanobind as
     leaked, a line each on stderr. An exit hook registered first runs last, after the thaw."""
     probe = (
