@@ -4,7 +4,7 @@
     python plot_results.py --csv FILE --out-dir DIR
 
 Reads the CSV of collect_results.py, or the course's results_*.csv (`method,gpus,epoch,time,
-val_loss,acc,peak_mem`). The points are collect_results.summarize's, so the plots and the
+val_loss,acc,peak_mem`). The points are results_summary.summarize's, so the plots and the
 printed table agree: steady epoch time and throughput are medians of the epochs after the
 first, loss and accuracy are the final epoch's, memory is per rank as measured (max over
 ranks). Every figure says under its title what ran: device, data set and images per epoch,
@@ -27,32 +27,33 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
-from collect_results import (  # noqa: E402
-    COMM_CSV,
+from layout import COMM_CSV, DEFAULT_RESULTS, GPU_TIMELINE_CSV, side_path  # noqa: E402
+from results_summary import (  # noqa: E402
     COURSE_COLUMNS,
-    DEFAULT_OUT,
-    GPU_TIMELINE_CSV,
-    MAY_BE_UNKNOWN,
-    TIME_PARTS,
     bubble_markdown,
     bubble_table,
     cores_outnumbered,
     markdown_table,
     mixed_steps,
-    note,
     rank_unit,
     scaling,
-    side_path,
     summarize,
+)
+from utils import (  # noqa: E402
+    LABEL,
+    MAY_BE_NA,
+    TIME_PARTS,
+    UsageError,
+    fail,
+    note,
     write_atomically,
 )
-from utils import UsageError, fail  # noqa: E402
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
 REQUIRED = ("strategy", "gpus", *COURSE_COLUMNS)
 NUMERIC = ("gpus", *COURSE_COLUMNS)
 # Numbers where known (the course's CSV has no throughput; `na` where a run has no such number).
-MAY_BE_EMPTY = ("throughput", *MAY_BE_UNKNOWN)
+MAY_BE_EMPTY = ("throughput", *MAY_BE_NA)
 IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
 
 
@@ -226,7 +227,7 @@ def context(results: pd.DataFrame) -> str:
 
 
 def steady(summary: pd.DataFrame) -> str:
-    """How the points' epoch times were taken (collect_results.median_after_first): the median
+    """How the points' epoch times were taken (results_summary.median_after_first): the median
     of the epochs after the first, or a run's only epoch where it logged one (the course's CSV
     keeps only the last)."""
     logged = summary["epochs_logged"]
@@ -352,14 +353,6 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     return fig
 
 
-PART_NAMES = {
-    "t_compute": "compute",
-    "t_data": "data",
-    "t_comm": "communication",
-    "t_wait": "waiting",
-}
-
-
 BAR_WIDTH = 0.7
 
 
@@ -376,7 +369,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     bottom = pd.Series(0.0, index=rows.index)
     for part in TIME_PARTS:
         height = rows[part]
-        ax.bar(x, height, bottom=bottom, label=PART_NAMES[part], width=BAR_WIDTH)
+        ax.bar(x, height, bottom=bottom, label=LABEL[part], width=BAR_WIDTH)
         bottom += height
     one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
     ideal = rows["strategy"].map(one_gpu) / rows["gpus"]
@@ -603,7 +596,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--csv",
         type=Path,
-        default=DEFAULT_OUT,
+        default=DEFAULT_RESULTS,
         help="collect_results.py's CSV, or the course's results_*.csv",
     )
     p.add_argument("--out-dir", type=Path, default=Path("plots"), help="folder for the PNGs")
@@ -646,7 +639,7 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
             continue
         part = max(TIME_PARTS, key=lambda p: row[p])
         text = (
-            f"{point}: the largest cost is {PART_NAMES[part]}, {row[part]:.3f} s of "
+            f"{point}: the largest cost is {LABEL[part]}, {row[part]:.3f} s of "
             f"{row['time']:.2f} s per epoch ({100 * row[part] / row['time']:.0f}%)"
         )
         if row.get("threads_per_core", 0) > 1:

@@ -33,48 +33,55 @@ SBATCH_PARTITION and SBATCH_ACCOUNT.
 """
 
 import argparse
-import functools
-import math
 import os
-import re
 import shlex
-import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import config
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import SWEEP_OUTCOME, fail, next_sweep_folder, time_stamped
-
-REPO = Path(__file__).resolve().parent
-JOBS_DIR = REPO / "jobs"
-LOGS_DIR = REPO / "logs"
+from layout import (
+    ERR_SUFFIX,
+    JOBS_DIR,
+    LOGS_DIR,
+    REPO,
+    SWEEP_OUTCOME,
+    collect_log,
+    log_stem,
+    next_sweep_folder,
+    relative,
+    run_name,
+    time_stamped,
+)
+from slurm_jobs import (
+    Job,
+    SubmitError,
+    check_device,
+    check_main,
+    checking_python,
+    count,
+    edf_value,
+    job_size,
+    main_option,
+    main_value,
+    nodes_for,
+    option_dest,
+    require,
+    script,
+    slurm_options,
+    split_argv,
+    submit,
+    wait_for_jobs,
+    without_slurm,
+    write,
+)
+from utils import fail
+from verify_job import run_verify
 
 # The course's sweep; config.STRATEGIES has more (fsdp2, pipeline, and the one-process model,
 # dp and single).
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
-
-# squeue states after which a job no longer runs (COMPLETED is the only good one).
-ENDED = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "REVOKED",
-    "SPECIAL_EXIT",
-}
-# The last line run.sh (and the collection job) writes: the exit status outlives the job, which
-# SLURM forgets MinJobAge seconds after it ends (and there may be no sacct to ask).
-EXIT_LINE = re.compile(r"exit status (\d+)\s*$", re.MULTILINE)
-SQUEUE_RETRIES = 5  # a busy controller may time out now and then
 
 
 @dataclass(frozen=True)
@@ -88,21 +95,11 @@ class Configuration:
 
     @property
     def name(self) -> str:
-        return f"{self.strategy}_{self.gpus}gpu"
+        return run_name(self.strategy, self.gpus)
 
     @property
     def tasks_per_node(self) -> int:
         return self.gpus // self.nodes
-
-
-@dataclass
-class Job:
-    """A submitted job, and what became of it."""
-
-    name: str
-    job_id: str
-    log: Path
-    state: str = "PENDING"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,31 +208,6 @@ SWEEP_OPTION = {
 }
 
 
-@functools.cache
-def main_options() -> dict[str, argparse.Action]:
-    """main.py's option strings (`--batch-size`, `--batch_size`), each with its action."""
-    return config.add_options(argparse.ArgumentParser())._option_string_actions
-
-
-def main_option(token: str) -> str | None:
-    """The Config field a main.py option sets (`--batch-size=64`, an alias or an abbreviation
-    argparse would accept), or None when the token names no single one."""
-    return option_dest(token, main_options())
-
-
-def option_dest(token: str, actions: dict[str, argparse.Action]) -> str | None:
-    """The destination an option of a parser with these actions sets, or None."""
-    if not token.startswith("--"):
-        return None
-    name = token.split("=", 1)[0]
-    dests = (
-        {actions[name].dest}
-        if name in actions
-        else {action.dest for option, action in actions.items() if option.startswith(name)}
-    )
-    return dests.pop() if len(dests) == 1 else None
-
-
 # The sweep's options that size each job. A launcher's option after `--` (--gpus, --nodes:
 # config.LAUNCHER_OPTION) is no option of main.py: it would fail every job, and main.py's check
 # before submitting, which refuses it, runs only where the jobs' Python has torch.
@@ -275,14 +247,6 @@ def parse_args(ours: list[str]) -> argparse.Namespace:
     return args
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Our arguments, and main.py's (those after the first `--`)."""
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1 :]
-    return argv, []
-
-
 def check_args(args) -> None:
     for name in ("gpus_per_node", "epochs", "batch_size", "cpus_per_task", "repeats"):
         value = getattr(args, name)
@@ -309,17 +273,6 @@ def check_args(args) -> None:
             fail(f"--batch-size {args.batch_size} does not split evenly over {gpus} GPUs")
 
 
-def nodes_for(gpus: int, gpus_per_node: int) -> int:
-    """Nodes for one task per GPU; a job that spans nodes must fill every one equally."""
-    nodes = math.ceil(gpus / gpus_per_node)
-    if gpus % nodes:
-        fail(
-            f"{gpus} GPUs do not spread evenly over {nodes} nodes of {gpus_per_node} GPUs: "
-            f"use a multiple of {nodes}, or another --gpus-per-node"
-        )
-    return nodes
-
-
 def plan(args) -> list[Configuration]:
     gpu_counts = list(dict.fromkeys(args.gpus))  # without repeats, in the order given
     nodes = {g: nodes_for(g, args.gpus_per_node) for g in gpu_counts}
@@ -337,16 +290,6 @@ def plan(args) -> list[Configuration]:
 def model_of(extra: list[str]) -> str:
     """The --model that main.py's arguments choose (a bad one is main.py's check to refuse)."""
     return main_value(extra, "model")
-
-
-def main_value(extra: list[str], dest: str):
-    """The value of a Config field that main.py's arguments choose, or its default (a bad
-    value is main.py's check to refuse)."""
-    parser = config.add_options(argparse.ArgumentParser(add_help=False, exit_on_error=False))
-    try:
-        return getattr(parser.parse_known_args(extra)[0], dest)
-    except argparse.ArgumentError:
-        return getattr(config.Config, dest)
 
 
 def without_uncuttable(runs: list[Configuration], model: str) -> list[Configuration]:
@@ -386,65 +329,13 @@ def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
     return [*chosen, "--comm-benchmark", *extra]  # every job measures its collectives (comm.csv)
 
 
-def count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
-
-
-def edf_value(environment: str) -> str:
-    """An EDF file as an absolute path (jobs start in the repository); a bare name (found by
-    the Container Engine in ~/.edf) unchanged."""
-    path = Path(environment)
-    return str(path.resolve()) if path.is_file() else environment
-
-
-def script(comment: str, sbatch_options: list[str], target: list[str], env: dict) -> str:
-    """A job script: from the repository, sbatch with these options (and the caller's, "$@")."""
-    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
-    options = " \\\n    ".join(shlex.quote(o) for o in sbatch_options)
-    return (
-        "#!/bin/bash\n"
-        f"{comment}"
-        'cd "$(dirname "$0")/../.." || exit  # from jobs/<sweep>/ to the repository\n'
-        f"{exports}"
-        f"exec sbatch \\\n    {options} \\\n"
-        f'    "$@" \\\n'
-        f"    {shlex.join(target)}\n"
-    )
-
-
-def slurm_options(args) -> list[str]:
-    options = []
-    for flag, value in (("--partition", args.partition), ("--account", args.account)):
-        if value:
-            options.append(f"{flag}={value}")
-    return options
-
-
-def job_size(nodes: int, tasks_per_node: int, args) -> list[str]:
-    """sbatch's options for one task per GPU on `nodes` nodes, and the CPUs of each."""
-    options = [
-        f"--nodes={nodes}",
-        f"--ntasks-per-node={tasks_per_node}",
-        f"--gpus-per-node={tasks_per_node}",
-    ]
-    if args.cpus_per_task:
-        options.append(f"--cpus-per-task={args.cpus_per_task}")
-    if args.exclusive:
-        options.append("--exclusive")
-    return options
-
-
-def relative(path: Path) -> str:
-    return str(path.relative_to(REPO))
-
-
 def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
-    log = f"logs/{sweep}/{run.name}_%j"
+    log = f"logs/{sweep}/{log_stem(run.name, '%j')}"
     options = [
         "--parsable",
         f"--job-name=bench-{run.name}",
         f"--output={log}.log",
-        f"--error={log}.err",
+        f"--error={log}{ERR_SUFFIX}",
         *slurm_options(args),
         *job_size(run.nodes, run.tasks_per_node, args),
     ]
@@ -460,10 +351,6 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
         "# run.sh is the launch recipe; these options size the job and name its logs.\n"
     )
     return script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
-
-
-def collect_log(sweep: str, job_id: str) -> str:
-    return f"jobs/{sweep}/collect_{job_id}.log"
 
 
 def collect_script(sweep: str, args) -> str:
@@ -496,43 +383,6 @@ def collect_script(sweep: str, args) -> str:
     return script(comment, options, ["--wrap", command], {})
 
 
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
-
-
-def last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
-
-
-class SubmitError(Exception):
-    """sbatch refused a job."""
-
-
-def submit(job_script: Path, *sbatch_options: str) -> str:
-    """Submits through the job script; returns the job id, or ends with sbatch's complaint."""
-    done = subprocess.run(
-        ["bash", str(job_script), *sbatch_options], cwd=REPO, capture_output=True, text=True
-    )
-    job_id = done.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
-    if done.returncode != 0 or not job_id.isdigit():
-        raise SubmitError(
-            f"sbatch refused {job_script.relative_to(REPO)}: "
-            f"{last_line(done.stderr or done.stdout)}"
-        )
-    return job_id
-
-
-def require(*commands: str) -> None:
-    """Ends with one line, status 2 like other bad input, where a command is not on PATH."""
-    for command in commands:
-        if shutil.which(command) is None:
-            fail(f"{command} not found on PATH: run this on a SLURM login node, or use --local")
-
-
 def repeated(runs: list[Configuration], repeats: int):
     """(configuration, name) R times each, one configuration after the other; the name says
     which repeat (a repeat's log differs by its job id or time stamp alone)."""
@@ -557,7 +407,7 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]
                 write(JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)),
                 *after,
             )
-            jobs.append(Job(name, job_id, logs / f"{run.name}_{job_id}.log"))
+            jobs.append(Job(name, job_id, logs / f"{log_stem(run.name, job_id)}.log"))
             print(
                 f"{name}: job {job_id} ({count(run.nodes, 'node')} x "
                 f"{count(run.tasks_per_node, 'task')}), log {relative(jobs[-1].log)}",
@@ -587,61 +437,10 @@ def how_to_follow(jobs: list[Job]) -> str:
     )
 
 
-def queue_states(job_ids: list[str]) -> dict[str, str]:
-    """{job id: state} of the jobs SLURM still knows; finished ones drop out after a while."""
-    for attempt in range(SQUEUE_RETRIES):
-        done = subprocess.run(
-            [
-                "squeue",
-                "--noheader",
-                "--states=all",
-                "--format=%i %T",
-                "--jobs=" + ",".join(job_ids),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode == 0:
-            return dict(line.split()[:2] for line in done.stdout.splitlines() if line.strip())
-        if "Invalid job id" in done.stderr:  # none of them is known any more
-            return {}
-        time.sleep(2**attempt)
-    fail(f"squeue keeps failing: {last_line(done.stderr)}", code=1)
-
-
-def state_from_log(log: Path) -> str:
-    """The end state of a job SLURM has forgotten, from the exit status its log ends with."""
-    try:
-        statuses = EXIT_LINE.findall(log.read_text(errors="replace"))
-    except OSError:
-        statuses = []
-    if not statuses:
-        return "UNKNOWN"
-    return "COMPLETED" if statuses[-1] == "0" else "FAILED"
-
-
-def wait_for_jobs(jobs: list[Job], poll_interval: float) -> None:
-    running = {j.job_id: j for j in jobs}
-    print(f"waiting for {len(jobs)} jobs (squeue every {poll_interval:g} s)...", flush=True)
-    while running:
-        states = queue_states(list(running))
-        for job_id, job in list(running.items()):
-            if job_id in states:
-                job.state = states[job_id]
-                if job.state not in ENDED:
-                    continue
-            else:  # ended and already forgotten between two looks
-                job.state = state_from_log(job.log)
-            del running[job_id]
-            print(f"{job.name}: job {job_id} {job.state}", flush=True)
-        if running:
-            time.sleep(poll_interval)
-
-
 def report(jobs: list[Job]) -> int:
     failed = [j for j in jobs if j.state != "COMPLETED"]
     for job in failed:
-        err = job.log.with_suffix(".err")
+        err = job.log.with_suffix(ERR_SUFFIX)
         where = err if err.exists() and err.stat().st_size else job.log
         print(
             f"failed: {job.name} job {job.job_id} {job.state}, see {relative(where)}",
@@ -662,42 +461,6 @@ def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
     )
 
 
-def job_python(in_container: bool) -> str:
-    """The Python run.sh gives the jobs (pick_python.sh decides, for both): the sweep checks
-    them with it, whichever Python runs the sweep itself."""
-    done = subprocess.run(
-        [
-            "bash",
-            "-c",
-            'source "$1/pick_python.sh" && pick_python "$@"',
-            "pick",
-            str(REPO),
-            "yes" if in_container else "no",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout.strip() or sys.executable
-
-
-def has_torch(python: str) -> bool:
-    try:
-        return (
-            subprocess.run(
-                [
-                    python,
-                    "-c",
-                    "import importlib.util, sys; "
-                    "sys.exit(importlib.util.find_spec('torch') is None)",
-                ],
-                capture_output=True,
-            ).returncode
-            == 0
-        )
-    except OSError:  # no such interpreter: the jobs will say so
-        return False
-
-
 def check_configurations(runs: list[Configuration], args, extra: list[str]) -> None:
     """main.py --check for each strategy at every GPU count of the sweep, before anything is
     written or submitted: a typo fails here, in seconds, not in the queue."""
@@ -715,40 +478,6 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> N
         )
 
 
-def checking_python(args) -> str | None:
-    """The jobs' Python, to check main.py's options with; None, said once, if it lacks torch."""
-    python = job_python(bool(args.environment))
-    if has_torch(python):
-        return python
-    print(
-        f"note: no torch in {python}: main.py's options are not checked before submitting",
-        file=sys.stderr,
-        flush=True,
-    )
-    return None
-
-
-def check_device(args, extra: list[str]) -> list[str]:
-    """A login node has no GPU: unless the jobs say where they run, check for the GPU nodes'."""
-    return [] if args.local or "--device" in extra else ["--device", "cuda"]
-
-
-def check_main(python: str, argv: list[str], what: str) -> None:
-    """main.py --check; its one line, ending this program, where it refuses."""
-    done = subprocess.run(
-        [python, "main.py", *argv], cwd=REPO, capture_output=True, text=True, env=without_slurm()
-    )
-    if done.returncode:  # main.py's one line, or argparse's "main.py: error: ..."
-        error = last_line(done.stderr or done.stdout).split("error: ", 1)[-1]
-        fail(f"main.py {what}: {error} (nothing submitted)")
-
-
-def without_slurm() -> dict:
-    """This environment without SLURM's variables: inside an allocation, run.sh would otherwise
-    launch with srun, and main.py would take the allocation's ranks for its own."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-
-
 def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     """The same sweep through run.sh without SLURM: torchrun, one configuration at a time."""
     logs = next_sweep_folder(LOGS_DIR)
@@ -764,9 +493,9 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     failed = []
     for run, name in repeated(runs, args.repeats):
         # <sweep>/<name>_local-<time>.log: the place of a job id, never an earlier run's file.
-        log = time_stamped(logs, f"{run.name}_local-", ".log")
+        log = time_stamped(logs, log_stem(run.name, "local-"), ".log")
         print(f"{name}: {count(run.gpus, 'process')} here, log {relative(log)}", flush=True)
-        with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+        with open(log, "w") as out, open(log.with_suffix(ERR_SUFFIX), "w") as err:
             status = subprocess.run(
                 ["bash", "run.sh", *main_args(run, args, extra)],
                 cwd=REPO,
@@ -777,7 +506,7 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
         if status:
             failed.append(name)
             print(
-                f"{name}: exit status {status}, see {relative(log.with_suffix('.err'))}",
+                f"{name}: exit status {status}, see {relative(log.with_suffix(ERR_SUFFIX))}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -793,10 +522,7 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- --verify
-# verify.py builds on this module (job_python, without_slurm, main_option): it is imported where
-# --verify needs it, not at the top, where the two would import each other.
 
-VERIFY_TIME = "00:30:00"  # the checks take minutes; a hung one ends at its own bound
 # The sweep's options that choose its runs: --verify chooses its own (verify.py).
 SWEEP_ONLY = (
     "strategies",
@@ -826,92 +552,6 @@ def verify_gpus(args) -> list[int]:
     if args.gpus == [1]:  # nothing to compare one process with, no peer to kill
         fail("--verify needs at least 2 GPUs: its checks are between ranks")
     return args.gpus or [2 * args.gpus_per_node]
-
-
-def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) -> str:
-    command = shlex.join([job_python(False), "verify.py", "--", *extra])
-    command += '; status=$?; echo "exit status $status"; exit $status'
-    options = [
-        "--parsable",
-        "--job-name=verify",
-        "--no-requeue",  # a node's failure must not rerun the checks into the same folder
-        f"--time={args.time or VERIFY_TIME}",
-        f"--output=jobs/{folder}/verify_%j.log",
-        *slurm_options(args),
-        *job_size(nodes, gpus // nodes, args),
-    ]
-    env = {"EDF": edf_value(args.environment)} if args.environment else {}
-    comment = (
-        f"# The cluster's acceptance test on {count(gpus, 'GPU')} ({count(nodes, 'node')}): "
-        "verify.py runs its checks inside the job.\n# Its report: logs/verify-<job id>/"
-        f"report.md. Submit again with: bash jobs/{folder}/verify.sh\n"
-    )
-    return script(comment, options, ["--wrap", command], env)
-
-
-def verify_report(job: Job) -> int:
-    """After the job: the report's path, each failed check's line; 0 only if all passed."""
-    import verify
-
-    report = verify.job_folder(job.job_id) / verify.REPORT
-    if not report.is_file():
-        print(
-            f"error: verify: job {job.job_id} ended {job.state} without a report; see "
-            f"{relative(job.log)}",
-            file=sys.stderr,
-        )
-        return 1
-    rows = verify.read_rows(report.read_text())
-    print(f"report: {relative(report)}")
-    for line in verify.warning_lines(report.read_text()):
-        print(line, file=sys.stderr)
-    for row in rows:
-        if not row.passed:
-            print(row.error_line(), file=sys.stderr)
-    return 0 if job.state == "COMPLETED" and rows and all(r.passed for r in rows) else 1
-
-
-def run_verify(args, extra: list[str]) -> int:
-    import verify
-
-    verify.refuse_verify_options(extra)
-    gpus = args.gpus[0]
-    nodes = nodes_for(gpus, args.gpus_per_node)
-    if python := checking_python(args):
-        check_main(
-            python,
-            [*verify.DEFAULTS, *extra, *check_device(args, extra), "--check", str(gpus)],
-            "(verify)",
-        )
-    if args.local:  # here, through torchrun: verify.py's own lines are the report
-        out = time_stamped(LOGS_DIR, f"{verify.PREFIX}local-")
-        command = [sys.executable, "verify.py", "--out", str(out), "--", *extra]
-        return subprocess.run(
-            command, cwd=REPO, env={**without_slurm(), "NPROC": str(gpus)}
-        ).returncode
-    folder = time_stamped(JOBS_DIR, verify.PREFIX).name
-    text = verify_script(folder, gpus, nodes, args, extra)
-    if args.dry_run:
-        print(f"# ---- jobs/{folder}/verify.sh\n{text}", end="")
-        return 0
-    try:
-        job_id = submit(write(JOBS_DIR / folder / "verify.sh", text))
-    except SubmitError as e:
-        fail(str(e), code=1)
-    job = Job("verify", job_id, JOBS_DIR / folder / f"verify_{job_id}.log")
-    print(
-        f"verify: job {job_id} ({count(nodes, 'node')} x {count(gpus // nodes, 'task')}), "
-        f"log {relative(job.log)}; report: {relative(verify.job_folder(job_id) / verify.REPORT)}",
-        flush=True,
-    )
-    if not args.wait:
-        return 0
-    try:
-        wait_for_jobs([job], args.poll_interval)
-    except KeyboardInterrupt:
-        print(f"\nstopped waiting; job {job_id} goes on (squeue --me)", file=sys.stderr)
-        return 130
-    return verify_report(job)
 
 
 def main(argv=None) -> int:
