@@ -30,32 +30,9 @@ from pathlib import Path
 
 import pandas as pd
 
+import layout
+import results_summary
 import samples
-from layout import (
-    COMM_CSV,
-    DEFAULT_RESULTS,
-    ERR_SUFFIX,
-    GPU_TIMELINE_CSV,
-    LOGS_DIR,
-    SWEEP_OUTCOME,
-    SWEEP_PREFIX,
-    name_identity,
-    side_path,
-    sweep_folders,
-)
-from results_summary import (
-    COURSE_COLUMNS,
-    IDENTITY,
-    RUN_COLUMNS,
-    bubble_markdown,
-    bubble_table,
-    cores_outnumbered,
-    markdown_table,
-    mixed_steps,
-    run_summaries,
-    scaling,
-    summarize,
-)
 from utils import (
     COMM_FIELDS,
     EXIT_STATUS,
@@ -221,7 +198,7 @@ def check_complete(scan: Scan, epochs: list[int]) -> list[str]:
 
 def run_identity(metrics: list[dict], log_name: str) -> tuple[dict, list[str]]:
     """Strategy, GPUs, nodes, job id: the metric lines' fields first, else the file name's."""
-    named, identity, notes = name_identity(log_name), {}, []
+    named, identity, notes = layout.name_identity(log_name), {}, []
     for key, line_field in LINE_FIELD.items():
         values = {m[line_field] for m in metrics if line_field in m}
         if len(values) > 1:
@@ -281,7 +258,7 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
 
 def sweep_name(folder: Path) -> str:
     """A sweep's name in the CSV: its folder's, without the prefix (20261122-141500)."""
-    return folder.name.removeprefix(SWEEP_PREFIX)
+    return folder.name.removeprefix(layout.SWEEP_PREFIX)
 
 
 def log_files(folder: Path) -> list[Path]:
@@ -297,7 +274,7 @@ def log_files(folder: Path) -> list[Path]:
         if p.is_file()
         and not p.name.startswith(".")
         and p not in sampled
-        and p.name != SWEEP_OUTCOME
+        and p.name != layout.SWEEP_OUTCOME
     )
     if not files:
         raise UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
@@ -306,10 +283,10 @@ def log_files(folder: Path) -> list[Path]:
 
 def pair_stderr(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
     """The logs to read, and for each the `X.err` beside it: its run's stderr, not a run."""
-    by_stem = {p.stem: p for p in files if p.suffix != ERR_SUFFIX}
+    by_stem = {p.stem: p for p in files if p.suffix != layout.ERR_SUFFIX}
     logs, stderr_of = [], {}
     for p in files:
-        if p.suffix == ERR_SUFFIX and p.stem in by_stem:
+        if p.suffix == layout.ERR_SUFFIX and p.stem in by_stem:
             stderr_of[by_stem[p.stem]] = p
         else:
             logs.append(p)
@@ -323,7 +300,7 @@ def choose_folders(
     sweep (all of them with all_sweeps). Says which, when there was a choice."""
     chosen = []
     for folder in given:
-        sweeps = sweep_folders(folder)
+        sweeps = layout.sweep_folders(folder)
         if not sweeps:
             chosen.append(folder)
         elif all_sweeps:
@@ -383,7 +360,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
     for run in runs:
         for fields in run.epochs:
             # strategy, nodes, job_id are identity columns already; world_size stays as logged
-            other = {k: v for k, v in fields.items() if k not in IDENTITY}
+            other = {k: v for k, v in fields.items() if k not in results_summary.IDENTITY}
             rows.append(
                 {
                     "sweep": run.sweep,
@@ -398,7 +375,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
     for column in MAY_BE_NA:  # `na` becomes an empty cell
         if column in frame:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
-    leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
+    leading = [*results_summary.RUN_COLUMNS, *results_summary.COURSE_COLUMNS]
     return frame[leading + [c for c in frame.columns if c not in leading]]
 
 
@@ -409,12 +386,14 @@ def comm_frame(runs: list[LoggedRun]) -> pd.DataFrame:
             "sweep": run.sweep,
             "log": run.log,
             **run.identity,
-            **{k: v for k, v in fields.items() if k not in IDENTITY},
+            **{k: v for k, v in fields.items() if k not in results_summary.IDENTITY},
         }
         for run in runs
         for fields in run.comm
     ]
-    return pd.DataFrame(rows, columns=None if rows else [*RUN_COLUMNS, *COMM_FIELDS])
+    return pd.DataFrame(
+        rows, columns=None if rows else [*results_summary.RUN_COLUMNS, *COMM_FIELDS]
+    )
 
 
 def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.DataFrame]:
@@ -422,7 +401,7 @@ def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.Da
     strategy, GPU count and in-process peak_mem, MB, so that nvidia-smi's view stands next to
     PyTorch's), and every GPU sample over time."""
     gpus, processes = samples.summarize(folders)
-    runs = run_summaries(results)[["job_id", "strategy", "gpus", "peak_mem"]]
+    runs = results_summary.run_summaries(results)[["job_id", "strategy", "gpus", "peak_mem"]]
     runs = runs.astype({"job_id": str}).drop_duplicates("job_id")
 
     def with_run(table: pd.DataFrame) -> pd.DataFrame:
@@ -431,40 +410,28 @@ def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.Da
     return {
         "gpu_samples.csv": with_run(gpus),
         "cpu_samples.csv": with_run(processes),
-        GPU_TIMELINE_CSV: with_run(samples.gpu_timeline(folders)),
+        layout.GPU_TIMELINE_CSV: with_run(samples.gpu_timeline(folders)),
     }
 
 
 def sample_report(gpus: pd.DataFrame) -> str:
     """A markdown table of the GPU samples, one row per GPU of each job."""
-    columns = (
-        "strategy",
-        "gpus",
-        "job_id",
-        "host",
-        "gpu",
-        "peak_mem",
-        "peak_mem_mib",
-        "mean_mem_mib",
-        "mode_mem_mib",
-        "mean_util_pct",
-    )
-    headers = (
-        "strategy",
-        "GPUs",
-        "job",
-        "node",
-        "GPU",
-        "peak_mem MB (PyTorch)",
-        "nvidia-smi peak MiB",
-        "mean MiB",
-        "most frequent MiB",
-        "mean util %",
-    )
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    headers = {  # column: header
+        "strategy": "strategy",
+        "gpus": "GPUs",
+        "job_id": "job",
+        "host": "node",
+        "gpu": "GPU",
+        "peak_mem": "peak_mem MB (PyTorch)",
+        "peak_mem_mib": "nvidia-smi peak MiB",
+        "mean_mem_mib": "mean MiB",
+        "mode_mem_mib": "most frequent MiB",
+        "mean_util_pct": "mean util %",
+    }
+    lines = ["| " + " | ".join(headers.values()) + " |", "|" + "---|" * len(headers)]
     for _, row in gpus.iterrows():
         lines.append(
-            "| " + " | ".join("n/a" if pd.isna(row[c]) else str(row[c]) for c in columns) + " |"
+            "| " + " | ".join("n/a" if pd.isna(row[c]) else str(row[c]) for c in headers) + " |"
         )
     return "\n".join(lines)
 
@@ -472,7 +439,7 @@ def sample_report(gpus: pd.DataFrame) -> str:
 def write_beside(out: Path, name: str, table: pd.DataFrame, rows: str) -> None:
     """A CSV beside the results; where these runs give it no rows, an older one of that name
     is removed (it would belong to other runs)."""
-    path = side_path(out, name)
+    path = layout.side_path(out, name)
     if table.empty:
         path.unlink(missing_ok=True)
         return
@@ -512,12 +479,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--out",
         type=Path,
-        default=DEFAULT_RESULTS,
+        default=layout.DEFAULT_RESULTS,
         help="CSV to write; its side CSVs (comm.csv, ...) go beside it, named "
         "after it unless it is results.csv (old.csv: old_comm.csv, ...)",
     )
     args = p.parse_args(argv)
-    args.logs = args.logs or [LOGS_DIR]
+    args.logs = args.logs or [layout.LOGS_DIR]
     return args
 
 
@@ -534,17 +501,17 @@ def main(argv=None) -> int:
     try:
         write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))
         note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
-        write_beside(args.out, COMM_CSV, comm, "[COMM] rows")
+        write_beside(args.out, layout.COMM_CSV, comm, "[COMM] rows")
     except OSError as e:
         fail(f"cannot write {args.out}: {e.strerror or e}")
-    print(markdown_table(summarize(results, comm)))
-    if not (bubbles := bubble_table(results)).empty:
-        print("\n" + bubble_markdown(bubbles))
-    if study := scaling(results):
+    print(results_summary.markdown_table(results_summary.summarize(results, comm)))
+    if not (bubbles := results_summary.bubble_table(results)).empty:
+        print("\n" + results_summary.bubble_markdown(bubbles))
+    if study := results_summary.scaling(results):
         note(study)
-    if warning := cores_outnumbered(results):
+    if warning := results_summary.cores_outnumbered(results):
         note(warning)
-    for warning in mixed_steps(results):
+    for warning in results_summary.mixed_steps(results):
         note(warning)
     try:
         write_sample_tables(args.out, folders, results)

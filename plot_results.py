@@ -27,18 +27,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
+import results_summary
 from layout import COMM_CSV, DEFAULT_RESULTS, GPU_TIMELINE_CSV, side_path  # noqa: E402
-from results_summary import (  # noqa: E402
-    COURSE_COLUMNS,
-    bubble_markdown,
-    bubble_table,
-    cores_outnumbered,
-    markdown_table,
-    mixed_steps,
-    rank_unit,
-    scaling,
-    summarize,
-)
 from utils import (  # noqa: E402
     LABEL,
     MAY_BE_NA,
@@ -50,8 +40,8 @@ from utils import (  # noqa: E402
 )
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
-REQUIRED = ("strategy", "gpus", *COURSE_COLUMNS)
-NUMERIC = ("gpus", *COURSE_COLUMNS)
+REQUIRED = ("strategy", "gpus", *results_summary.COURSE_COLUMNS)
+NUMERIC = ("gpus", *results_summary.COURSE_COLUMNS)
 # Numbers where known (the course's CSV has no throughput; `na` where a run has no such number).
 MAY_BE_EMPTY = ("throughput", *MAY_BE_NA)
 IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
@@ -139,7 +129,7 @@ def leading_digit(value: float) -> int:
 def rank_axis(ax, rows: pd.DataFrame) -> None:
     """The x axis of the rank counts, named after what ran: GPUs, or CPU ranks."""
     log2_axis(ax, "x", rows["gpus"])
-    ax.set_xlabel(rank_unit(rows)[1])
+    ax.set_xlabel(results_summary.rank_unit(rows)[1])
     ax.grid(True, which="both", alpha=0.3)
 
 
@@ -212,7 +202,7 @@ def context(results: pd.DataFrame) -> str:
     images = values(results, "train_images", "{:,.0f}")
     if data or images:
         parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
-    if study := scaling(results):
+    if study := results_summary.scaling(results):
         parts.append(study.replace(" at every GPU count", ""))
     elif batch := values(results, "global_batch", "{:.0f}"):
         parts.append(f"global batch {batch}")
@@ -220,9 +210,9 @@ def context(results: pd.DataFrame) -> str:
     parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")
     if sweep := values(results, "sweep"):
         parts.append(f"sweep {sweep}")
-    if warning := cores_outnumbered(results):
+    if warning := results_summary.cores_outnumbered(results):
         parts.append(warning.removeprefix("warning: "))
-    parts += [warning.removeprefix("warning: ") for warning in mixed_steps(results)]
+    parts += [warning.removeprefix("warning: ") for warning in results_summary.mixed_steps(results)]
     return " · ".join(parts)
 
 
@@ -301,7 +291,7 @@ def plot_speedup(summary: pd.DataFrame) -> Figure:
     if summary["speedup"].isna().all():
         raise NotPlottable("no 1-GPU run to compare with")
     fig, (speed_ax, eff_ax) = figure(2)
-    one = rank_unit(summary)[0]
+    one = results_summary.rank_unit(summary)[0]
     rows = plot_lines(speed_ax, summary, "speedup", f"speedup over 1 {one} (x), log scale")
     gpus = sorted(rows["gpus"].unique())
     speed_ax.plot(gpus, gpus, color="black", label="ideal", **IDEAL_STYLE)
@@ -332,7 +322,7 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     TFLOP/s each GPU achieved, each point labelled with its MFU where the peak was known."""
     has_tflops = "tflops" in summary and summary["tflops"].notna().any()
     fig, axes = figure(2 if has_tflops else 1)
-    one, many = rank_unit(summary)
+    one, many = results_summary.rank_unit(summary)
     plot_lines(axes[0], summary, "throughput", f"throughput (images/s, all {many})")
     plot_ideal_scaling(axes[0], summary, "throughput", 1)
     axes[0].set_title(f"Training throughput ({steady(summary)}) vs ideal N x")
@@ -363,7 +353,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     if rows.empty:
         raise NotPlottable("no t_compute, t_data, t_comm, t_wait values")
     fig, (ax,) = figure()
-    one, many = rank_unit(rows)
+    one, many = results_summary.rank_unit(rows)
     fig.set_figwidth(max(8.5, 0.9 * len(rows) + 4))  # room for the legend beside the bars
     x = range(len(rows))
     bottom = pd.Series(0.0, index=rows.index)
@@ -488,7 +478,7 @@ def plot_gpu_timeline(timeline: pd.DataFrame | None) -> Figure:
 def plot_bubble(results: pd.DataFrame) -> Figure:
     """The pipeline's measured bubble against its micro-batches, one line per stage count,
     each beside the textbook's (p - 1) / (m + p - 1)."""
-    table = bubble_table(results)
+    table = results_summary.bubble_table(results)
     if table.empty:
         raise NotPlottable("no pipeline runs (bubble)")
     fig, (ax,) = figure()
@@ -569,7 +559,7 @@ def plot_all(
 ) -> list[Path]:
     """Every figure there is data for; `beside` holds the CSVs found beside the results."""
     beside = beside or {}
-    summary, subtitle = summarize(results, beside.get(COMM_CSV)), context(results)
+    summary, subtitle = results_summary.summarize(results, beside.get(COMM_CSV)), context(results)
     written = []
     for name, draw in FIGURES.items():
         try:
@@ -625,7 +615,7 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
     the modelled communication beside the measured where the jobs measured their collectives;
     and the epochs whose breakdown was unreliable (their compute calibration overshot the epoch:
     left out of the parts, docs/metrics.md), where there were any."""
-    sentences, (one, many) = [], rank_unit(summary)
+    sentences, (one, many) = [], results_summary.rank_unit(summary)
     for _, row in summary.iterrows():
         point = f"{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
         unreliable = row.get("unreliable_epochs", 0)
@@ -657,23 +647,23 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
 
 def pipeline_section(results: pd.DataFrame) -> list[str]:
     """The pipeline's bubble by stages and micro-batches, where the CSV has pipeline runs."""
-    table = bubble_table(results)
+    table = results_summary.bubble_table(results)
     if table.empty:
         return []
-    return ["## Pipeline bubble", "", bubble_markdown(table), ""]
+    return ["## Pipeline bubble", "", results_summary.bubble_markdown(table), ""]
 
 
 def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path]) -> str:
-    summary = summarize(results, comm)
+    summary = results_summary.summarize(results, comm)
     return "\n".join(
         [
             "# Scaling report",
             "",
             context(results),
             "",
-            markdown_table(summary),
+            results_summary.markdown_table(summary),
             "",
-            f"## Largest cost per strategy and {rank_unit(summary)[0]} count",
+            f"## Largest cost per strategy and {results_summary.rank_unit(summary)[0]} count",
             "",
             *largest_costs(summary),
             "",

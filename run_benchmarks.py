@@ -40,6 +40,7 @@ import sys
 from dataclasses import dataclass
 
 import config
+import slurm_jobs
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
 from layout import (
     ERR_SUFFIX,
@@ -54,29 +55,7 @@ from layout import (
     run_name,
     time_stamped,
 )
-from slurm_jobs import (
-    Job,
-    SubmitError,
-    check_device,
-    check_main,
-    checking_python,
-    count,
-    edf_value,
-    job_size,
-    main_option,
-    main_value,
-    nodes_for,
-    option_dest,
-    require,
-    script,
-    slurm_options,
-    split_argv,
-    submit,
-    wait_for_jobs,
-    without_slurm,
-    write,
-)
-from utils import fail
+from utils import count, fail
 from verify_job import run_verify
 
 # The course's sweep; config.STRATEGIES has more (fsdp2, pipeline, and the one-process model,
@@ -219,7 +198,7 @@ def sweep_option(token: str) -> str | None:
     sweep leaves it to main.py."""
     if config.LAUNCHER_OPTION.match(token.split("=", 1)[0]):
         return GPU_COUNT_OPTIONS
-    return SWEEP_OPTION.get(main_option(token))
+    return SWEEP_OPTION.get(slurm_jobs.main_option(token))
 
 
 def refuse_sweep_options(tokens: list[str], where: str) -> None:
@@ -237,7 +216,7 @@ def parse_args(ours: list[str]) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(ours)
     if unknown:
-        if main_option(unknown[0]):
+        if slurm_jobs.main_option(unknown[0]):
             refuse_sweep_options(unknown[:1], "is an option of main.py that")
             fail(
                 f"{unknown[0].split('=', 1)[0]} is an option of main.py: put main.py's options "
@@ -268,14 +247,14 @@ def check_args(args) -> None:
     for gpus in args.gpus:
         if gpus < 1:
             fail(f"--gpus: every count must be at least 1, got {gpus}")
-        nodes_for(gpus, args.gpus_per_node)
+        slurm_jobs.nodes_for(gpus, args.gpus_per_node)
         if args.scaling == "strong" and not args.verify and args.batch_size % gpus:
             fail(f"--batch-size {args.batch_size} does not split evenly over {gpus} GPUs")
 
 
 def plan(args) -> list[Configuration]:
     gpu_counts = list(dict.fromkeys(args.gpus))  # without repeats, in the order given
-    nodes = {g: nodes_for(g, args.gpus_per_node) for g in gpu_counts}
+    nodes = {g: slurm_jobs.nodes_for(g, args.gpus_per_node) for g in gpu_counts}
 
     def global_batch(gpus: int) -> int:
         return args.batch_size * gpus if args.scaling == "weak" else args.batch_size
@@ -289,7 +268,7 @@ def plan(args) -> list[Configuration]:
 
 def model_of(extra: list[str]) -> str:
     """The --model that main.py's arguments choose (a bad one is main.py's check to refuse)."""
-    return main_value(extra, "model")
+    return slurm_jobs.main_value(extra, "model")
 
 
 def without_uncuttable(runs: list[Configuration], model: str) -> list[Configuration]:
@@ -336,27 +315,29 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
         f"--job-name=bench-{run.name}",
         f"--output={log}.log",
         f"--error={log}{ERR_SUFFIX}",
-        *slurm_options(args),
-        *job_size(run.nodes, run.tasks_per_node, args),
+        *slurm_jobs.slurm_options(args),
+        *slurm_jobs.job_size(run.nodes, run.tasks_per_node, args),
     ]
     if args.time:
         options.append(f"--time={args.time}")
     env = {"SAMPLES_DIR": f"logs/{sweep}"}  # run.sh's GPU and CPU samplers: beside the logs
     if args.environment:
-        env["EDF"] = edf_value(args.environment)
+        env["EDF"] = slurm_jobs.edf_value(args.environment)
     comment = (
         f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
         f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
         f"# Submit again with: bash jobs/{sweep}/{run.name}.sh [more sbatch options]\n"
         "# run.sh is the launch recipe; these options size the job and name its logs.\n"
     )
-    return script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
+    return slurm_jobs.script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
 
 
 def collect_script(sweep: str, args) -> str:
     command = "bash plot_results.sh"
     if args.environment:  # the host may lack pandas and matplotlib; the image has them
-        command = f"srun --environment={shlex.quote(edf_value(args.environment))} {command}"
+        command = (
+            f"srun --environment={shlex.quote(slurm_jobs.edf_value(args.environment))} {command}"
+        )
     command = f"LOGS=logs/{sweep} {command}"  # first: an assignment after srun is no assignment
     # Its exit status is the job's (sacct shows it); its outcome, with the last error line of
     # its log, goes to the sweep's folder, where the user of a sweep not waited for looks.
@@ -372,7 +353,7 @@ def collect_script(sweep: str, args) -> str:
         "--ntasks=1",
         "--time=00:15:00",
         f"--output={collect_log(sweep, '%j')}",
-        *slurm_options(args),
+        *slurm_jobs.slurm_options(args),
     ]
     comment = (
         f"# Collects logs/{sweep}/ into results.csv and plots into plots/. Written by "
@@ -380,7 +361,7 @@ def collect_script(sweep: str, args) -> str:
         f"job ids>.\n# Submit again with: bash jobs/{sweep}/collect.sh [more sbatch "
         "options]\n"
     )
-    return script(comment, options, ["--wrap", command], {})
+    return slurm_jobs.script(comment, options, ["--wrap", command], {})
 
 
 def repeated(runs: list[Configuration], repeats: int):
@@ -391,7 +372,7 @@ def repeated(runs: list[Configuration], repeats: int):
             yield run, run.name if repeats == 1 else f"{run.name} (repeat {i} of {repeats})"
 
 
-def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]:
+def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[slurm_jobs.Job]:
     logs = next_sweep_folder(LOGS_DIR)
     logs.mkdir(parents=True)
     sweep, jobs = logs.name, []
@@ -403,30 +384,33 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]
                 if (args.one_at_a_time and jobs)
                 else []
             )
-            job_id = submit(
-                write(JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)),
+            job_id = slurm_jobs.submit(
+                slurm_jobs.write(
+                    JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)
+                ),
                 *after,
             )
-            jobs.append(Job(name, job_id, logs / f"{log_stem(run.name, job_id)}.log"))
+            jobs.append(slurm_jobs.Job(name, job_id, logs / f"{log_stem(run.name, job_id)}.log"))
             print(
                 f"{name}: job {job_id} ({count(run.nodes, 'node')} x "
                 f"{count(run.tasks_per_node, 'task')}), log {relative(jobs[-1].log)}",
                 flush=True,
             )
         dependency = "--dependency=afterany:" + ":".join(j.job_id for j in jobs)
-        job_id = submit(
-            write(JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)), dependency
+        job_id = slurm_jobs.submit(
+            slurm_jobs.write(JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)),
+            dependency,
         )
-    except SubmitError as e:
+    except slurm_jobs.SubmitError as e:
         submitted = " ".join(j.job_id for j in jobs)
         hint = f" (already queued: {submitted}; scancel {submitted} to drop them)" if jobs else ""
         fail(f"{e}{hint}", code=1)
-    jobs.append(Job("collect", job_id, REPO / collect_log(sweep, job_id)))
+    jobs.append(slurm_jobs.Job("collect", job_id, REPO / collect_log(sweep, job_id)))
     print(f"collect: job {job_id}, after all the others: results.csv and plots/", flush=True)
     return jobs
 
 
-def how_to_follow(jobs: list[Job]) -> str:
+def how_to_follow(jobs: list[slurm_jobs.Job]) -> str:
     """What a user who does not wait for the sweep reads later, and where."""
     sweep = jobs[0].log.parent.name
     ids = ",".join(job.job_id for job in jobs)
@@ -437,7 +421,7 @@ def how_to_follow(jobs: list[Job]) -> str:
     )
 
 
-def report(jobs: list[Job]) -> int:
+def report(jobs: list[slurm_jobs.Job]) -> int:
     failed = [j for j in jobs if j.state != "COMPLETED"]
     for job in failed:
         err = job.log.with_suffix(ERR_SUFFIX)
@@ -464,16 +448,21 @@ def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
 def check_configurations(runs: list[Configuration], args, extra: list[str]) -> None:
     """main.py --check for each strategy at every GPU count of the sweep, before anything is
     written or submitted: a typo fails here, in seconds, not in the queue."""
-    python = checking_python(args)
+    python = slurm_jobs.checking_python(args)
     if not python:
         return
     # One check per strategy and global batch (weak scaling has one per GPU count).
     for strategy, batch in dict.fromkeys((r.strategy, r.global_batch) for r in runs):
         same = [r for r in runs if (r.strategy, r.global_batch) == (strategy, batch)]
         first, sizes = same[0], [str(r.gpus) for r in same]
-        check_main(
+        slurm_jobs.check_main(
             python,
-            [*main_args(first, args, extra), *check_device(args, extra), "--check", *sizes],
+            [
+                *main_args(first, args, extra),
+                *slurm_jobs.check_device(args, extra),
+                "--check",
+                *sizes,
+            ],
             f"--strategy {strategy}",
         )
 
@@ -501,7 +490,11 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
                 cwd=REPO,
                 stdout=out,
                 stderr=err,
-                env={**without_slurm(), "NPROC": str(run.gpus), "SAMPLES_DIR": str(logs)},
+                env={
+                    **slurm_jobs.without_slurm(),
+                    "NPROC": str(run.gpus),
+                    "SAMPLES_DIR": str(logs),
+                },
             ).returncode
         if status:
             failed.append(name)
@@ -524,21 +517,13 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
 # ----------------------------------------------------------------------------- --verify
 
 # The sweep's options that choose its runs: --verify chooses its own (verify.py).
-SWEEP_ONLY = (
-    "strategies",
-    "repeats",
-    "scaling",
-    "one_at_a_time",
-    "epochs",
-    "batch_size",
-    "precision",
-)
+SWEEP_ONLY = "strategies repeats scaling one_at_a_time epochs batch_size precision".split()
 
 
 def refuse_sweep_only(ours: list[str]) -> None:
     actions = build_parser()._option_string_actions
     for token in ours:
-        if option_dest(token, actions) in SWEEP_ONLY:
+        if slurm_jobs.option_dest(token, actions) in SWEEP_ONLY:
             fail(
                 f"{token.split('=', 1)[0]} is the sweep's; --verify runs the checks' own "
                 "configurations (docs/verify.md): leave it out"
@@ -555,21 +540,21 @@ def verify_gpus(args) -> list[int]:
 
 
 def main(argv=None) -> int:
-    ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
+    ours, extra = slurm_jobs.split_argv(sys.argv[1:] if argv is None else argv)
     args = parse_args(ours)
     if args.verify:
         refuse_sweep_only(ours)
         args.gpus = verify_gpus(args)
         check_args(args)
         if not (args.local or args.dry_run):
-            require("sbatch", *(["squeue"] if args.wait else []))
+            slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
         return run_verify(args, extra)
     args.gpus = args.gpus or [1, 2, 4, 8]
     refuse_sweep_options(extra, "after --")
     check_args(args)
     runs = without_uncuttable(plan(args), model_of(extra))
     if not (args.local or args.dry_run):  # before the checks: without SLURM they are in vain
-        require("sbatch", *(["squeue"] if args.wait else []))
+        slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
     check_configurations(runs, args, extra)
     if args.local:
         return run_locally(runs, args, extra)
@@ -581,7 +566,7 @@ def main(argv=None) -> int:
         print(how_to_follow(jobs))
         return 0
     try:
-        wait_for_jobs(jobs, args.poll_interval)
+        slurm_jobs.wait_for_jobs(jobs, args.poll_interval)
     except KeyboardInterrupt:
         print("\nstopped waiting; the jobs go on (squeue --me)", file=sys.stderr)
         return 130

@@ -22,19 +22,10 @@ from layout import REPO
 from utils import fail, last_line
 
 # squeue states after which a job no longer runs (COMPLETED is the only good one).
-ENDED = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "REVOKED",
-    "SPECIAL_EXIT",
-}
+ENDED = set(
+    "COMPLETED FAILED CANCELLED TIMEOUT NODE_FAIL OUT_OF_MEMORY PREEMPTED BOOT_FAIL DEADLINE "
+    "REVOKED SPECIAL_EXIT".split()
+)
 
 
 # The last line run.sh (and the collection job) writes: the exit status outlives the job, which
@@ -96,10 +87,6 @@ def main_value(extra: list[str], dest: str):
         return getattr(parser.parse_known_args(extra)[0], dest)
     except argparse.ArgumentError:
         return getattr(config.Config, dest)
-
-
-def count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
 def edf_value(environment: str) -> str:

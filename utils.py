@@ -18,16 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-# main.py's exit statuses, by name, and what each means (main.py --help lists them). run.sh,
+# main.py's exit statuses, 0 to 5, by name, and what each means (main.py --help lists them). run.sh,
 # verify.py and docs/troubleshooting.md follow them; tests/test_docs.py checks run.sh and the doc.
-EXIT_STATUS = {
-    "finished": 0,
-    "peer_failed": 1,
-    "usage": 2,
-    "stopped": 3,
-    "diverged": 4,
-    "checkpoint": 5,
-}
 EXIT_MEANING = {
     "finished": "finished",
     "peer_failed": "another rank died or hung",  # its own log says why
@@ -37,6 +29,7 @@ EXIT_MEANING = {
     # One `error:` line says which, why, and what is intact (docs/reliability.md).
     "checkpoint": "a checkpoint could not be saved or read",
 }
+EXIT_STATUS = {name: code for code, name in enumerate(EXIT_MEANING)}  # in the order of codes
 
 # The course's regex, kept verbatim: the project's lines must always match it.
 COURSE_METRIC_RE = re.compile(
@@ -225,6 +218,11 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)  # stderr: a tool's stdout stays its table or paths
+
+
+def count(n: int, noun: str) -> str:
+    """n and the noun, plural unless n is 1: 1 node, 2 GPUs, 2 processes."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
 def last_line(text: str) -> str:

@@ -93,14 +93,7 @@ def sizes(ctx: Context, steps: int) -> list[str]:
     on the 2-core machine, and 1.5e-8 after 8: a ReLU or max-pool tie that rounding tips one
     way or the other, on one permutation; 16 a rank stayed within 2e-8.)"""
     batch = 16 * ctx.world_size
-    return [
-        "--batch-size",
-        str(batch),
-        "--train-samples",
-        str(steps * batch),
-        "--val-samples",
-        str(batch),
-    ]
+    return f"--batch-size {batch} --train-samples {steps * batch} --val-samples {batch}".split()
 
 
 def settings(
@@ -114,19 +107,8 @@ def settings(
         *DEFAULTS,
         *ctx.extra,
         *sizes(ctx, steps),
-        "--epochs",
-        str(epochs),
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-        "--seed",
-        "7",
-        "--precision",
-        precision,
-        "--no-augment",
-        "--print-every",
-        str(print_every),
+        *f"--epochs {epochs} --optimizer sgd --lr 0.05 --seed 7 --precision {precision}".split(),
+        *f"--no-augment --print-every {print_every}".split(),
     ]
 
 
@@ -426,8 +408,7 @@ def max_param_diffs(reference: Path, *others: Path):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        usage="%(prog)s [options] [-- main.py options]",
-        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s [options] [-- main.py options]", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--out", type=Path, help="the report's folder (default: logs/verify-<job id>)")
     p.add_argument(

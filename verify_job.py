@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import slurm_jobs
 from config import LAUNCHER_OPTION
 from layout import (
     JOBS_DIR,
@@ -20,49 +21,15 @@ from layout import (
     time_stamped,
     verify_folder,
 )
-from slurm_jobs import (
-    Job,
-    SubmitError,
-    check_device,
-    check_main,
-    checking_python,
-    count,
-    edf_value,
-    job_python,
-    job_size,
-    main_option,
-    nodes_for,
-    script,
-    slurm_options,
-    submit,
-    wait_for_jobs,
-    without_slurm,
-    write,
-)
-from utils import fail
+from utils import count, fail
 
 # main.py's options that verify sets in every run: given after `--`, they would change what is
 # compared (a batch that does not split, augmentation seeded per rank, Adam's eps amplifying
 # last-bit differences) or where the checkpoints go.
-VERIFY_SETS = {
-    "strategy",
-    "epochs",
-    "batch_size",
-    "train_samples",
-    "val_samples",
-    "optimizer",
-    "lr",
-    "lr_schedule",
-    "precision",
-    "seed",
-    "augment",
-    "grad_accum",
-    "print_every",
-    "checkpoint",
-    "checkpoint_dir",
-    "resume",
-    "comm_benchmark",
-}
+VERIFY_SETS = set(
+    "strategy epochs batch_size train_samples val_samples optimizer lr lr_schedule precision seed "
+    "augment grad_accum print_every checkpoint checkpoint_dir resume comm_benchmark".split()
+)
 
 
 DEFAULTS = ["--dataset", "synthetic", "--model", "cnn"]  # the user's options after `--` win
@@ -76,7 +43,7 @@ def refuse_verify_options(extra: list[str]) -> None:
                 f"{token.split('=', 1)[0]} after -- is no option of main.py: the job's size is "
                 "run_benchmarks.py's --gpus and --gpus-per-node"
             )
-        if main_option(token) in VERIFY_SETS:
+        if slurm_jobs.main_option(token) in VERIFY_SETS:
             fail(
                 f"{token.split('=', 1)[0]} after -- is chosen by verify in every run "
                 "(docs/verify.md); leave it out"
@@ -141,7 +108,7 @@ VERIFY_TIME = "00:30:00"  # the checks take minutes; a hung one ends at its own 
 
 
 def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) -> str:
-    command = shlex.join([job_python(False), "verify.py", "--", *extra])
+    command = shlex.join([slurm_jobs.job_python(False), "verify.py", "--", *extra])
     command += '; status=$?; echo "exit status $status"; exit $status'
     options = [
         "--parsable",
@@ -149,19 +116,19 @@ def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) ->
         "--no-requeue",  # a node's failure must not rerun the checks into the same folder
         f"--time={args.time or VERIFY_TIME}",
         f"--output=jobs/{folder}/verify_%j.log",
-        *slurm_options(args),
-        *job_size(nodes, gpus // nodes, args),
+        *slurm_jobs.slurm_options(args),
+        *slurm_jobs.job_size(nodes, gpus // nodes, args),
     ]
-    env = {"EDF": edf_value(args.environment)} if args.environment else {}
+    env = {"EDF": slurm_jobs.edf_value(args.environment)} if args.environment else {}
     comment = (
         f"# The cluster's acceptance test on {count(gpus, 'GPU')} ({count(nodes, 'node')}): "
         "verify.py runs its checks inside the job.\n# Its report: logs/verify-<job id>/"
         f"report.md. Submit again with: bash jobs/{folder}/verify.sh\n"
     )
-    return script(comment, options, ["--wrap", command], env)
+    return slurm_jobs.script(comment, options, ["--wrap", command], env)
 
 
-def verify_report(job: Job) -> int:
+def verify_report(job: slurm_jobs.Job) -> int:
     """After the job: the report's path, each failed check's line; 0 only if all passed."""
     report = verify_folder(job.job_id) / VERIFY_REPORT
     if not report.is_file():
@@ -184,18 +151,18 @@ def verify_report(job: Job) -> int:
 def run_verify(args, extra: list[str]) -> int:
     refuse_verify_options(extra)
     gpus = args.gpus[0]
-    nodes = nodes_for(gpus, args.gpus_per_node)
-    if python := checking_python(args):
-        check_main(
+    nodes = slurm_jobs.nodes_for(gpus, args.gpus_per_node)
+    if python := slurm_jobs.checking_python(args):
+        slurm_jobs.check_main(
             python,
-            [*DEFAULTS, *extra, *check_device(args, extra), "--check", str(gpus)],
+            [*DEFAULTS, *extra, *slurm_jobs.check_device(args, extra), "--check", str(gpus)],
             "(verify)",
         )
     if args.local:  # here, through torchrun: verify.py's own lines are the report
         out = time_stamped(LOGS_DIR, f"{VERIFY_PREFIX}local-")
         command = [sys.executable, "verify.py", "--out", str(out), "--", *extra]
         return subprocess.run(
-            command, cwd=REPO, env={**without_slurm(), "NPROC": str(gpus)}
+            command, cwd=REPO, env={**slurm_jobs.without_slurm(), "NPROC": str(gpus)}
         ).returncode
     folder = time_stamped(JOBS_DIR, VERIFY_PREFIX).name
     text = verify_script(folder, gpus, nodes, args, extra)
@@ -203,10 +170,10 @@ def run_verify(args, extra: list[str]) -> int:
         print(f"# ---- jobs/{folder}/verify.sh\n{text}", end="")
         return 0
     try:
-        job_id = submit(write(JOBS_DIR / folder / "verify.sh", text))
-    except SubmitError as e:
+        job_id = slurm_jobs.submit(slurm_jobs.write(JOBS_DIR / folder / "verify.sh", text))
+    except slurm_jobs.SubmitError as e:
         fail(str(e), code=1)
-    job = Job("verify", job_id, JOBS_DIR / folder / f"verify_{job_id}.log")
+    job = slurm_jobs.Job("verify", job_id, JOBS_DIR / folder / f"verify_{job_id}.log")
     print(
         f"verify: job {job_id} ({count(nodes, 'node')} x {count(gpus // nodes, 'task')}), "
         f"log {relative(job.log)}; report: {relative(verify_folder(job_id) / VERIFY_REPORT)}",
@@ -215,7 +182,7 @@ def run_verify(args, extra: list[str]) -> int:
     if not args.wait:
         return 0
     try:
-        wait_for_jobs([job], args.poll_interval)
+        slurm_jobs.wait_for_jobs([job], args.poll_interval)
     except KeyboardInterrupt:
         print(f"\nstopped waiting; job {job_id} goes on (squeue --me)", file=sys.stderr)
         return 130

@@ -173,14 +173,7 @@ def alone_env(ctx: Context) -> dict:
     own step says so)."""
     if ctx.in_slurm and os.environ.get("EDF"):
         return dict(os.environ)
-    launcher = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
+    launcher = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT".split()
     return {k: v for k, v in without_slurm().items() if k not in launcher}
 
 
