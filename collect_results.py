@@ -33,23 +33,10 @@ import pandas as pd
 import layout
 import results_summary
 import samples
-from utils import (
-    COMM_FIELDS,
-    EXIT_STATUS,
-    MAY_BE_NA,
-    METRIC_TAG,
-    UsageError,
-    fail,
-    note,
-    parse_comm,
-    parse_config,
-    parse_metric,
-    write_atomically,
-)
+import utils
 
 # Where each identity column is found in a project metric line (one rank per GPU).
 LINE_FIELD = {"strategy": "strategy", "gpus": "world_size", "nodes": "nodes", "job_id": "job_id"}
-
 
 # Lines that mean the program or its job died; after one, a Python exception line
 # (`RuntimeError: NCCL timeout`) says best why.
@@ -62,9 +49,8 @@ CRASH_MARKERS = (
 )
 # srun's report of tasks that stopped on a signal after saving (main.py's exit status 3): the
 # job requeues itself and goes on in the same log, so it is no crash.
-STOPPED_RE = re.compile(rf"srun: error: .*Exited with exit code {EXIT_STATUS['stopped']}$")
+STOPPED_RE = re.compile(rf"srun: error: .*Exited with exit code {utils.EXIT_STATUS['stopped']}$")
 EXCEPTION_RE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
-
 
 # What to do when there is nothing to read: `make run` prints its lines to the terminal only.
 HOW_TO_GET_LOGS = (
@@ -136,15 +122,15 @@ def scan_log(text: str) -> Scan:
     scan = Scan()
     lines = text.splitlines()
     for number, line in enumerate(lines, 1):
-        fields = parse_metric(line)
+        fields = utils.parse_metric(line)
         if fields is not None:
             scan.metrics.append(fields)
             scan.crash_lines = []  # the run went on: a requeued job starts again after a crash
-        elif (comm := parse_comm(line)) is not None:
+        elif (comm := utils.parse_comm(line)) is not None:
             scan.comm.append(comm)
-        elif METRIC_TAG in line:
+        elif utils.METRIC_TAG in line:
             scan.bad_metric_line = scan.bad_metric_line or number
-        elif (config := parse_config(line)) is not None:
+        elif (config := utils.parse_config(line)) is not None:
             scan.config = config
         elif STOPPED_RE.search(line.strip()):
             continue
@@ -154,7 +140,7 @@ def scan_log(text: str) -> Scan:
             scan.crash_lines.append(line.strip()[:160])
     # A last line without its newline was cut off mid-write: even if its course fields parse,
     # the fields after them (strategy, world size...) may be cut short.
-    if lines and not text.endswith("\n") and METRIC_TAG in lines[-1]:
+    if lines and not text.endswith("\n") and utils.METRIC_TAG in lines[-1]:
         scan.bad_metric_line = scan.bad_metric_line or len(lines)
     return scan
 
@@ -266,7 +252,7 @@ def log_files(folder: Path) -> list[Path]:
     by samples.py, not here, and the collect job's outcome is none, so they are not reported as
     logs without metrics."""
     if not folder.is_dir():
-        raise UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
+        raise utils.UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
     sampled = {path for *_, path in samples.sample_files(folder)}
     files = sorted(
         p
@@ -277,7 +263,7 @@ def log_files(folder: Path) -> list[Path]:
         and p.name != layout.SWEEP_OUTCOME
     )
     if not files:
-        raise UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
+        raise utils.UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
     return files
 
 
@@ -334,7 +320,7 @@ def collect(folders: list[Path], report: Callable[[str], None]) -> list[LoggedRu
                 report(f"note {path}: {oddity}")
             runs.append(run)
     if not runs:
-        raise UsageError(
+        raise utils.UsageError(
             f"no usable [METRIC] lines in any of the {read} files in {', '.join(map(str, folders))}"
         )
     return runs
@@ -372,7 +358,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
                 }
             )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
-    for column in MAY_BE_NA:  # `na` becomes an empty cell
+    for column in utils.MAY_BE_NA:  # `na` becomes an empty cell
         if column in frame:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
     leading = [*results_summary.RUN_COLUMNS, *results_summary.COURSE_COLUMNS]
@@ -392,7 +378,7 @@ def comm_frame(runs: list[LoggedRun]) -> pd.DataFrame:
         for fields in run.comm
     ]
     return pd.DataFrame(
-        rows, columns=None if rows else [*results_summary.RUN_COLUMNS, *COMM_FIELDS]
+        rows, columns=None if rows else [*results_summary.RUN_COLUMNS, *utils.COMM_FIELDS]
     )
 
 
@@ -443,8 +429,8 @@ def write_beside(out: Path, name: str, table: pd.DataFrame, rows: str) -> None:
     if table.empty:
         path.unlink(missing_ok=True)
         return
-    write_atomically(path, lambda temp: table.to_csv(temp, index=False))
-    note(f"wrote {path}: {len(table)} {rows}")
+    utils.write_atomically(path, lambda temp: table.to_csv(temp, index=False))
+    utils.note(f"wrote {path}: {len(table)} {rows}")
 
 
 def write_sample_tables(out: Path, folders: list[Path], results: pd.DataFrame) -> None:
@@ -491,32 +477,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        folders = choose_folders(args.logs, args.all_sweeps, note)
-        runs = collect(folders, note)
-    except UsageError as e:
-        fail(str(e))
+        folders = choose_folders(args.logs, args.all_sweeps, utils.note)
+        runs = collect(folders, utils.note)
+    except utils.UsageError as e:
+        utils.fail(str(e))
     for warning in mixed_sweeps(runs):
-        note(warning)
+        utils.note(warning)
     results, comm = results_frame(runs), comm_frame(runs)
     try:
-        write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))
-        note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
+        utils.write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))
+        utils.note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
         write_beside(args.out, layout.COMM_CSV, comm, "[COMM] rows")
     except OSError as e:
-        fail(f"cannot write {args.out}: {e.strerror or e}")
+        utils.fail(f"cannot write {args.out}: {e.strerror or e}")
     print(results_summary.markdown_table(results_summary.summarize(results, comm)))
     if not (bubbles := results_summary.bubble_table(results)).empty:
         print("\n" + results_summary.bubble_markdown(bubbles))
     if study := results_summary.scaling(results):
-        note(study)
+        utils.note(study)
     if warning := results_summary.cores_outnumbered(results):
-        note(warning)
+        utils.note(warning)
     for warning in results_summary.mixed_steps(results):
-        note(warning)
+        utils.note(warning)
     try:
         write_sample_tables(args.out, folders, results)
     except OSError as e:
-        fail(f"cannot write beside {args.out}: {e.strerror or e}")
+        utils.fail(f"cannot write beside {args.out}: {e.strerror or e}")
     return 0
 
 

@@ -28,22 +28,14 @@ from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
 import results_summary
+import utils
 from layout import COMM_CSV, DEFAULT_RESULTS, GPU_TIMELINE_CSV, side_path  # noqa: E402
-from utils import (  # noqa: E402
-    LABEL,
-    MAY_BE_NA,
-    TIME_PARTS,
-    UsageError,
-    fail,
-    note,
-    write_atomically,
-)
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
 REQUIRED = ("strategy", "gpus", *results_summary.COURSE_COLUMNS)
 NUMERIC = ("gpus", *results_summary.COURSE_COLUMNS)
 # Numbers where known (the course's CSV has no throughput; `na` where a run has no such number).
-MAY_BE_EMPTY = ("throughput", *MAY_BE_NA)
+MAY_BE_EMPTY = ("throughput", *utils.MAY_BE_NA)
 IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
 
 
@@ -56,29 +48,29 @@ def read_results(path: Path) -> pd.DataFrame:
     try:
         results = pd.read_csv(path)
     except FileNotFoundError:
-        raise UsageError(f"no results file {path} (run collect_results.py first)") from None
+        raise utils.UsageError(f"no results file {path} (run collect_results.py first)") from None
     except pd.errors.EmptyDataError:
-        raise UsageError(f"{path} is empty") from None
+        raise utils.UsageError(f"{path} is empty") from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path} is not a CSV: {reason}") from None
+        raise utils.UsageError(f"{path} is not a CSV: {reason}") from None
     results = results.rename(columns=COURSE_NAMES)
     missing = [c for c in REQUIRED if c not in results]
     if missing:
-        raise UsageError(f"{path} is not a results CSV: no column {', '.join(missing)}")
+        raise utils.UsageError(f"{path} is not a results CSV: no column {', '.join(missing)}")
     if results.empty:
-        raise UsageError(f"{path} has no rows")
+        raise utils.UsageError(f"{path} has no rows")
     for column in (*NUMERIC, *MAY_BE_EMPTY):
         if column in results:
             numbers = pd.to_numeric(results[column], errors="coerce")
             if column not in MAY_BE_EMPTY and numbers.isna().any():
                 row = int(numbers.isna().idxmax()) + 2  # + header, 1-based
-                raise UsageError(f"{path} line {row}: {column} is not a number")
+                raise utils.UsageError(f"{path} line {row}: {column} is not a number")
             results[column] = numbers
     if results["strategy"].isna().any():
-        raise UsageError(f"{path}: a row has no strategy")
+        raise utils.UsageError(f"{path}: a row has no strategy")
     if (results["gpus"] < 1).any():
-        raise UsageError(f"{path}: gpus must be at least 1")
+        raise utils.UsageError(f"{path}: gpus must be at least 1")
     return results
 
 
@@ -349,7 +341,7 @@ BAR_WIDTH = 0.7
 def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     """A stacked bar per strategy and GPU count of where the epoch went (the four add up to the
     epoch time), and each strategy's ideal: its 1-GPU time / N."""
-    rows = summary.dropna(subset=list(TIME_PARTS)).sort_values(["strategy", "gpus"])
+    rows = summary.dropna(subset=list(utils.TIME_PARTS)).sort_values(["strategy", "gpus"])
     if rows.empty:
         raise NotPlottable("no t_compute, t_data, t_comm, t_wait values")
     fig, (ax,) = figure()
@@ -357,9 +349,9 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     fig.set_figwidth(max(8.5, 0.9 * len(rows) + 4))  # room for the legend beside the bars
     x = range(len(rows))
     bottom = pd.Series(0.0, index=rows.index)
-    for part in TIME_PARTS:
+    for part in utils.TIME_PARTS:
         height = rows[part]
-        ax.bar(x, height, bottom=bottom, label=LABEL[part], width=BAR_WIDTH)
+        ax.bar(x, height, bottom=bottom, label=utils.LABEL[part], width=BAR_WIDTH)
         bottom += height
     one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
     ideal = rows["strategy"].map(one_gpu) / rows["gpus"]
@@ -526,7 +518,6 @@ BESIDE = {"comm_bandwidth.png": COMM_CSV, "gpu_timeline.png": GPU_TIMELINE_CSV}
 # a pipeline's runs at different micro-batches.
 FROM_RESULTS = {"pipeline_bubble.png"}
 
-
 SUBTITLE_SIZE = "small"
 # Characters per inch are estimated from the widest characters a subtitle is made of, digits
 # (about 0.69 em as Agg draws DejaVu Sans at this size; lower case takes 0.6), so that a line
@@ -550,7 +541,7 @@ def add_subtitle(fig: Figure, subtitle: str) -> None:
 
 def save_png(fig: Figure, path: Path, subtitle: str) -> None:
     add_subtitle(fig, subtitle)
-    write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
+    utils.write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -572,7 +563,7 @@ def plot_all(
             # A figure of that name from an earlier run would pass for this run's (the report
             # no longer lists it); only the names of FIGURES are removed, never other files.
             (out_dir / name).unlink(missing_ok=True)
-            note(f"not written {name}: {e}")
+            utils.note(f"not written {name}: {e}")
             continue
         save_png(fig, out_dir / name, subtitle)
         written.append(out_dir / name)
@@ -607,7 +598,7 @@ def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
     try:
         return pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not a CSV: {str(e).strip().splitlines()[0]}") from None
+        raise utils.UsageError(f"{path} is not a CSV: {str(e).strip().splitlines()[0]}") from None
 
 
 def largest_costs(summary: pd.DataFrame) -> list[str]:
@@ -623,13 +614,13 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
             f"{unreliable:.0f} epoch(s) left out, whose compute calibration took longer than the "
             "epoch (breakdown=unreliable)"
         )
-        if row[list(TIME_PARTS)].isna().any():
+        if row[list(utils.TIME_PARTS)].isna().any():
             if unreliable > 0:
                 sentences.append(f"- {point}: no reliable breakdown; {left_out}.")
             continue
-        part = max(TIME_PARTS, key=lambda p: row[p])
+        part = max(utils.TIME_PARTS, key=lambda p: row[p])
         text = (
-            f"{point}: the largest cost is {LABEL[part]}, {row[part]:.3f} s of "
+            f"{point}: the largest cost is {utils.LABEL[part]}, {row[part]:.3f} s of "
             f"{row['time']:.2f} s per epoch ({100 * row[part] / row['time']:.0f}%)"
         )
         if row.get("threads_per_core", 0) > 1:
@@ -681,7 +672,7 @@ def write_report(
 ) -> Path:
     path = out_dir / "report.md"
     text = report_text(results, comm, written)
-    write_atomically(path, lambda temp: temp.write_text(text))
+    utils.write_atomically(path, lambda temp: temp.write_text(text))
     return path
 
 
@@ -691,16 +682,16 @@ def main(argv=None) -> int:
         results = read_results(args.csv)
         beside = {name: read_beside(args.csv, name) for name in set(BESIDE.values())}
         comm = beside[COMM_CSV]
-    except UsageError as e:
-        fail(str(e))
+    except utils.UsageError as e:
+        utils.fail(str(e))
     try:
         written = plot_all(results, args.out_dir, beside)
         if args.report and written:
-            note(f"wrote {write_report(results, comm, written, args.out_dir)}")
+            utils.note(f"wrote {write_report(results, comm, written, args.out_dir)}")
     except OSError as e:
-        fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
+        utils.fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
     if not written:
-        fail(f"nothing to plot in {args.csv}")
+        utils.fail(f"nothing to plot in {args.csv}")
     for path in written:
         print(path)
     return 0

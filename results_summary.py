@@ -131,7 +131,6 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
 # the run knew no peak for its device).
 UTILISATION = ("tflops", "mfu")
 
-
 # A pipeline's bubble (pipeline_utils.py): measured, and the textbook's (p - 1) / (m + p - 1);
 # empty for the other strategies.
 BUBBLE = ("bubble", "bubble_ideal")

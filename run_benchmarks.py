@@ -40,21 +40,9 @@ import sys
 from dataclasses import dataclass
 
 import config
+import layout
 import slurm_jobs
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from layout import (
-    ERR_SUFFIX,
-    JOBS_DIR,
-    LOGS_DIR,
-    REPO,
-    SWEEP_OUTCOME,
-    collect_log,
-    log_stem,
-    next_sweep_folder,
-    relative,
-    run_name,
-    time_stamped,
-)
 from utils import count, fail
 from verify_job import run_verify
 
@@ -74,7 +62,7 @@ class Configuration:
 
     @property
     def name(self) -> str:
-        return run_name(self.strategy, self.gpus)
+        return layout.run_name(self.strategy, self.gpus)
 
     @property
     def tasks_per_node(self) -> int:
@@ -185,7 +173,6 @@ SWEEP_OPTION = {
     "batch_size": "--batch-size",
     "precision": "--precision",
 }
-
 
 # The sweep's options that size each job. A launcher's option after `--` (--gpus, --nodes:
 # config.LAUNCHER_OPTION) is no option of main.py: it would fail every job, and main.py's check
@@ -309,12 +296,12 @@ def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
 
 
 def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
-    log = f"logs/{sweep}/{log_stem(run.name, '%j')}"
+    log = f"logs/{sweep}/{layout.log_stem(run.name, '%j')}"
     options = [
         "--parsable",
         f"--job-name=bench-{run.name}",
         f"--output={log}.log",
-        f"--error={log}{ERR_SUFFIX}",
+        f"--error={log}{layout.ERR_SUFFIX}",
         *slurm_jobs.slurm_options(args),
         *slurm_jobs.job_size(run.nodes, run.tasks_per_node, args),
     ]
@@ -341,18 +328,18 @@ def collect_script(sweep: str, args) -> str:
     command = f"LOGS=logs/{sweep} {command}"  # first: an assignment after srun is no assignment
     # Its exit status is the job's (sacct shows it); its outcome, with the last error line of
     # its log, goes to the sweep's folder, where the user of a sweep not waited for looks.
-    log = collect_log(sweep, "$SLURM_JOB_ID")
+    log = layout.collect_log(sweep, "$SLURM_JOB_ID")
     command += (
         f'; status=$?; echo "exit status $status"; {{ echo "collect job $SLURM_JOB_ID: exit '
         f'status $status (0: results.csv and plots/ written), log {log}"; '
-        f'grep "^error: " {log} | tail -n 1; }} > logs/{sweep}/{SWEEP_OUTCOME}; exit $status'
+        f'grep "^error: " {log} | tail -n 1; }} > logs/{sweep}/{layout.SWEEP_OUTCOME}; exit $status'
     )
     options = [
         "--parsable",
         "--job-name=bench-collect",
         "--ntasks=1",
         "--time=00:15:00",
-        f"--output={collect_log(sweep, '%j')}",
+        f"--output={layout.collect_log(sweep, '%j')}",
         *slurm_jobs.slurm_options(args),
     ]
     comment = (
@@ -373,10 +360,12 @@ def repeated(runs: list[Configuration], repeats: int):
 
 
 def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[slurm_jobs.Job]:
-    logs = next_sweep_folder(LOGS_DIR)
+    logs = layout.next_sweep_folder(layout.LOGS_DIR)
     logs.mkdir(parents=True)
     sweep, jobs = logs.name, []
-    print(f"sweep {sweep}: logs in {relative(logs)}/, job scripts in jobs/{sweep}/", flush=True)
+    print(
+        f"sweep {sweep}: logs in {layout.relative(logs)}/, job scripts in jobs/{sweep}/", flush=True
+    )
     try:
         for run, name in repeated(runs, args.repeats):
             after = (
@@ -386,26 +375,28 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[slur
             )
             job_id = slurm_jobs.submit(
                 slurm_jobs.write(
-                    JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)
+                    layout.JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)
                 ),
                 *after,
             )
-            jobs.append(slurm_jobs.Job(name, job_id, logs / f"{log_stem(run.name, job_id)}.log"))
+            jobs.append(
+                slurm_jobs.Job(name, job_id, logs / f"{layout.log_stem(run.name, job_id)}.log")
+            )
             print(
                 f"{name}: job {job_id} ({count(run.nodes, 'node')} x "
-                f"{count(run.tasks_per_node, 'task')}), log {relative(jobs[-1].log)}",
+                f"{count(run.tasks_per_node, 'task')}), log {layout.relative(jobs[-1].log)}",
                 flush=True,
             )
         dependency = "--dependency=afterany:" + ":".join(j.job_id for j in jobs)
         job_id = slurm_jobs.submit(
-            slurm_jobs.write(JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)),
+            slurm_jobs.write(layout.JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)),
             dependency,
         )
     except slurm_jobs.SubmitError as e:
         submitted = " ".join(j.job_id for j in jobs)
         hint = f" (already queued: {submitted}; scancel {submitted} to drop them)" if jobs else ""
         fail(f"{e}{hint}", code=1)
-    jobs.append(slurm_jobs.Job("collect", job_id, REPO / collect_log(sweep, job_id)))
+    jobs.append(slurm_jobs.Job("collect", job_id, layout.REPO / layout.collect_log(sweep, job_id)))
     print(f"collect: job {job_id}, after all the others: results.csv and plots/", flush=True)
     return jobs
 
@@ -416,7 +407,8 @@ def how_to_follow(jobs: list[slurm_jobs.Job]) -> str:
     ids = ",".join(job.job_id for job in jobs)
     return (
         f"not waiting (--wait would, and report failures): when every job has ended, "
-        f"logs/{sweep}/{SWEEP_OUTCOME} says whether collecting gave results; each job's state: "
+        f"logs/{sweep}/{layout.SWEEP_OUTCOME} says whether collecting gave results; each job's "
+        "state: "
         f"sacct -X -j {ids} --format=JobID,JobName,State,ExitCode"
     )
 
@@ -424,10 +416,10 @@ def how_to_follow(jobs: list[slurm_jobs.Job]) -> str:
 def report(jobs: list[slurm_jobs.Job]) -> int:
     failed = [j for j in jobs if j.state != "COMPLETED"]
     for job in failed:
-        err = job.log.with_suffix(ERR_SUFFIX)
+        err = job.log.with_suffix(layout.ERR_SUFFIX)
         where = err if err.exists() and err.stat().st_size else job.log
         print(
-            f"failed: {job.name} job {job.job_id} {job.state}, see {relative(where)}",
+            f"failed: {job.name} job {job.job_id} {job.state}, see {layout.relative(where)}",
             file=sys.stderr,
         )
     print(f"sweep done: {len(jobs) - len(failed)} of {len(jobs)} jobs completed")
@@ -435,7 +427,7 @@ def report(jobs: list[slurm_jobs.Job]) -> int:
 
 
 def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
-    sweep = next_sweep_folder(LOGS_DIR).name
+    sweep = layout.next_sweep_folder(layout.LOGS_DIR).name
     for run in runs:
         print(f"# ---- jobs/{sweep}/{run.name}.sh\n{run_script(run, sweep, args, extra)}")
     print(
@@ -469,25 +461,25 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> N
 
 def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     """The same sweep through run.sh without SLURM: torchrun, one configuration at a time."""
-    logs = next_sweep_folder(LOGS_DIR)
+    logs = layout.next_sweep_folder(layout.LOGS_DIR)
     plot = ["bash", "plot_results.sh"]
     if args.dry_run:
         for run, _ in repeated(runs, args.repeats):
             command = ["bash", "run.sh", *main_args(run, args, extra)]
             print(f"NPROC={run.gpus} {shlex.join(command)}")
-        print(f"LOGS={relative(logs)} {shlex.join(plot)}")
+        print(f"LOGS={layout.relative(logs)} {shlex.join(plot)}")
         return 0
     logs.mkdir(parents=True)
-    print(f"sweep {logs.name}: logs in {relative(logs)}/", flush=True)
+    print(f"sweep {logs.name}: logs in {layout.relative(logs)}/", flush=True)
     failed = []
     for run, name in repeated(runs, args.repeats):
         # <sweep>/<name>_local-<time>.log: the place of a job id, never an earlier run's file.
-        log = time_stamped(logs, log_stem(run.name, "local-"), ".log")
-        print(f"{name}: {count(run.gpus, 'process')} here, log {relative(log)}", flush=True)
-        with open(log, "w") as out, open(log.with_suffix(ERR_SUFFIX), "w") as err:
+        log = layout.time_stamped(logs, layout.log_stem(run.name, "local-"), ".log")
+        print(f"{name}: {count(run.gpus, 'process')} here, log {layout.relative(log)}", flush=True)
+        with open(log, "w") as out, open(log.with_suffix(layout.ERR_SUFFIX), "w") as err:
             status = subprocess.run(
                 ["bash", "run.sh", *main_args(run, args, extra)],
-                cwd=REPO,
+                cwd=layout.REPO,
                 stdout=out,
                 stderr=err,
                 env={
@@ -499,11 +491,12 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
         if status:
             failed.append(name)
             print(
-                f"{name}: exit status {status}, see {relative(log.with_suffix(ERR_SUFFIX))}",
+                f"{name}: exit status {status}, see "
+                + layout.relative(log.with_suffix(layout.ERR_SUFFIX)),
                 file=sys.stderr,
                 flush=True,
             )
-    status = subprocess.run(plot, cwd=REPO, env={**os.environ, "LOGS": str(logs)}).returncode
+    status = subprocess.run(plot, cwd=layout.REPO, env={**os.environ, "LOGS": str(logs)}).returncode
     if status:
         failed.append("plot_results.sh")
     steps = len(runs) * args.repeats + 1

@@ -23,7 +23,13 @@ from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world
 from fsdp_utils import effective_sharding, low_precision, storage_dtype
 from layout import LOGS_DIR, relative
 from model import build_model, count_parameters
-from strategies import STEP_COLLECTIVES, compiled, devices_per_rank, make_precision, wrap_model
+from strategies import (
+    STEP_COLLECTIVES,
+    compiled,
+    devices_per_rank,
+    make_precision,
+    wrap_model,
+)
 from train import (
     ComputeCalibration,
     Diverged,

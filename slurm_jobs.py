@@ -27,11 +27,9 @@ ENDED = set(
     "REVOKED SPECIAL_EXIT".split()
 )
 
-
 # The last line run.sh (and the collection job) writes: the exit status outlives the job, which
 # SLURM forgets MinJobAge seconds after it ends (and there may be no sacct to ask).
 EXIT_LINE = re.compile(r"exit status (\d+)\s*$", re.MULTILINE)
-
 
 SQUEUE_RETRIES = 5  # a busy controller may time out now and then
 
@@ -167,18 +165,10 @@ def require(*commands: str) -> None:
 
 def queue_states(job_ids: list[str]) -> dict[str, str]:
     """{job id: state} of the jobs SLURM still knows; finished ones drop out after a while."""
+    squeue = ["squeue", "--noheader", "--states=all", "--format=%i %T"]
+    squeue.append("--jobs=" + ",".join(job_ids))
     for attempt in range(SQUEUE_RETRIES):
-        done = subprocess.run(
-            [
-                "squeue",
-                "--noheader",
-                "--states=all",
-                "--format=%i %T",
-                "--jobs=" + ",".join(job_ids),
-            ],
-            capture_output=True,
-            text=True,
-        )
+        done = subprocess.run(squeue, capture_output=True, text=True)
         if done.returncode == 0:
             return dict(line.split()[:2] for line in done.stdout.splitlines() if line.strip())
         if "Invalid job id" in done.stderr:  # none of them is known any more
@@ -219,35 +209,15 @@ def wait_for_jobs(jobs: list[Job], poll_interval: float) -> None:
 def job_python(in_container: bool) -> str:
     """The Python run.sh gives the jobs (pick_python.sh decides, for both): the sweep checks
     them with it, whichever Python runs the sweep itself."""
-    done = subprocess.run(
-        [
-            "bash",
-            "-c",
-            'source "$1/pick_python.sh" && pick_python "$@"',
-            "pick",
-            str(REPO),
-            "yes" if in_container else "no",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    pick = ["bash", "-c", 'source "$1/pick_python.sh" && pick_python "$@"', "pick", str(REPO)]
+    done = subprocess.run([*pick, "yes" if in_container else "no"], capture_output=True, text=True)
     return done.stdout.strip() or sys.executable
 
 
 def has_torch(python: str) -> bool:
+    find = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
     try:
-        return (
-            subprocess.run(
-                [
-                    python,
-                    "-c",
-                    "import importlib.util, sys; "
-                    "sys.exit(importlib.util.find_spec('torch') is None)",
-                ],
-                capture_output=True,
-            ).returncode
-            == 0
-        )
+        return subprocess.run([python, "-c", find], capture_output=True).returncode == 0
     except OSError:  # no such interpreter: the jobs will say so
         return False
 

@@ -67,7 +67,6 @@ STOPPED_STATUS = EXIT_STATUS["stopped"]
 TOLERANCE = 1e-9
 COMPARED = "fp64"  # the --precision of the runs whose parameters are compared
 
-
 # ----------------------------------------------------------------------------- the checks
 
 

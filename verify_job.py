@@ -9,18 +9,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import layout
 import slurm_jobs
 from config import LAUNCHER_OPTION
-from layout import (
-    JOBS_DIR,
-    LOGS_DIR,
-    REPO,
-    VERIFY_PREFIX,
-    VERIFY_REPORT,
-    relative,
-    time_stamped,
-    verify_folder,
-)
 from utils import count, fail
 
 # main.py's options that verify sets in every run: given after `--`, they would change what is
@@ -30,7 +21,6 @@ VERIFY_SETS = set(
     "strategy epochs batch_size train_samples val_samples optimizer lr lr_schedule precision seed "
     "augment grad_accum print_every checkpoint checkpoint_dir resume comm_benchmark".split()
 )
-
 
 DEFAULTS = ["--dataset", "synthetic", "--model", "cnn"]  # the user's options after `--` win
 
@@ -68,7 +58,6 @@ class Row:
 
 
 WARNING = "warning: verify: "
-
 
 ROW_RE = re.compile(r"^\| (\S+) \| (PASS|FAIL) \| (.*) \| `([^`]*)` \|$", re.MULTILINE)
 
@@ -130,16 +119,16 @@ def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) ->
 
 def verify_report(job: slurm_jobs.Job) -> int:
     """After the job: the report's path, each failed check's line; 0 only if all passed."""
-    report = verify_folder(job.job_id) / VERIFY_REPORT
+    report = layout.verify_folder(job.job_id) / layout.VERIFY_REPORT
     if not report.is_file():
         print(
             f"error: verify: job {job.job_id} ended {job.state} without a report; see "
-            f"{relative(job.log)}",
+            f"{layout.relative(job.log)}",
             file=sys.stderr,
         )
         return 1
     rows = read_rows(report.read_text())
-    print(f"report: {relative(report)}")
+    print(f"report: {layout.relative(report)}")
     for line in warning_lines(report.read_text()):
         print(line, file=sys.stderr)
     for row in rows:
@@ -159,24 +148,25 @@ def run_verify(args, extra: list[str]) -> int:
             "(verify)",
         )
     if args.local:  # here, through torchrun: verify.py's own lines are the report
-        out = time_stamped(LOGS_DIR, f"{VERIFY_PREFIX}local-")
+        out = layout.time_stamped(layout.LOGS_DIR, f"{layout.VERIFY_PREFIX}local-")
         command = [sys.executable, "verify.py", "--out", str(out), "--", *extra]
         return subprocess.run(
-            command, cwd=REPO, env={**slurm_jobs.without_slurm(), "NPROC": str(gpus)}
+            command, cwd=layout.REPO, env={**slurm_jobs.without_slurm(), "NPROC": str(gpus)}
         ).returncode
-    folder = time_stamped(JOBS_DIR, VERIFY_PREFIX).name
+    folder = layout.time_stamped(layout.JOBS_DIR, layout.VERIFY_PREFIX).name
     text = verify_script(folder, gpus, nodes, args, extra)
     if args.dry_run:
         print(f"# ---- jobs/{folder}/verify.sh\n{text}", end="")
         return 0
     try:
-        job_id = slurm_jobs.submit(slurm_jobs.write(JOBS_DIR / folder / "verify.sh", text))
+        job_id = slurm_jobs.submit(slurm_jobs.write(layout.JOBS_DIR / folder / "verify.sh", text))
     except slurm_jobs.SubmitError as e:
         fail(str(e), code=1)
-    job = slurm_jobs.Job("verify", job_id, JOBS_DIR / folder / f"verify_{job_id}.log")
+    job = slurm_jobs.Job("verify", job_id, layout.JOBS_DIR / folder / f"verify_{job_id}.log")
     print(
         f"verify: job {job_id} ({count(nodes, 'node')} x {count(gpus // nodes, 'task')}), "
-        f"log {relative(job.log)}; report: {relative(verify_folder(job_id) / VERIFY_REPORT)}",
+        f"log {layout.relative(job.log)}; report: "
+        + layout.relative(layout.verify_folder(job_id) / layout.VERIFY_REPORT),
         flush=True,
     )
     if not args.wait:

@@ -18,7 +18,6 @@ from slurm_jobs import job_python, without_slurm
 
 RUN_TIMEOUT_S = 900  # one run of main.py; a hung one is a FAIL, not a job at its time limit
 
-
 # Rank 0's progress line (train.py's Trainer writes it: "epoch 1 step    10/100 loss ...").
 PROGRESS = re.compile(r"^epoch \d+ step +\d+/", re.MULTILINE)
 
