@@ -21,7 +21,6 @@ The summary table (markdown) goes to stdout; notes on skipped files go to stderr
 
 import argparse
 import math
-import os
 import re
 import sys
 from collections import Counter
@@ -31,37 +30,13 @@ from pathlib import Path
 
 import pandas as pd
 
+import layout
+import results_summary
 import samples
-from utils import (
-    COMM_FIELDS,
-    COURSE_FIELDS,
-    FSDP_ROOT_UNIT,
-    METRIC_TAG,
-    SWEEP_OUTCOME,
-    SWEEP_PREFIX,
-    UsageError,
-    fail,
-    parse_comm,
-    parse_config,
-    parse_metric,
-    sweep_folders,
-)
-
-# The columns that name a run, first in the CSV; a run's rows are those of one log file.
-IDENTITY = ("strategy", "gpus", "nodes", "job_id")
-RUN_COLUMNS = ("sweep", "log", *IDENTITY)
-COURSE_COLUMNS = tuple(name for name, _ in COURSE_FIELDS)  # epoch, time, val_loss, acc, peak_mem
+import utils
 
 # Where each identity column is found in a project metric line (one rank per GPU).
 LINE_FIELD = {"strategy": "strategy", "gpus": "world_size", "nodes": "nodes", "job_id": "job_id"}
-
-# The sweep's names, `{strategy}_{gpus}gpu[_{nodes}node][_{jobid}].log`, and the course's,
-# `ddp_4gpu_15epochs.train.log` (where `_15epochs` is no job id).
-LOG_NAME_RE = re.compile(
-    r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpus?"
-    r"(?:_(?P<nodes>\d+)nodes?)?(?:_(?P<job_id>\d+))?(?=[._]|$)"
-)
-
 
 # Lines that mean the program or its job died; after one, a Python exception line
 # (`RuntimeError: NCCL timeout`) says best why.
@@ -74,12 +49,8 @@ CRASH_MARKERS = (
 )
 # srun's report of tasks that stopped on a signal after saving (main.py's exit status 3): the
 # job requeues itself and goes on in the same log, so it is no crash.
-STOPPED_RE = re.compile(r"srun: error: .*Exited with exit code 3$")
+STOPPED_RE = re.compile(rf"srun: error: .*Exited with exit code {utils.EXIT_STATUS['stopped']}$")
 EXCEPTION_RE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
-STDERR_SUFFIX = ".err"
-COMM_CSV = "comm.csv"  # the [COMM] lines, beside the results CSV
-DEFAULT_OUT = Path("results.csv")  # whose side CSVs keep their plain names (side_path)
-
 
 # What to do when there is nothing to read: `make run` prints its lines to the terminal only.
 HOW_TO_GET_LOGS = (
@@ -151,15 +122,15 @@ def scan_log(text: str) -> Scan:
     scan = Scan()
     lines = text.splitlines()
     for number, line in enumerate(lines, 1):
-        fields = parse_metric(line)
+        fields = utils.parse_metric(line)
         if fields is not None:
             scan.metrics.append(fields)
             scan.crash_lines = []  # the run went on: a requeued job starts again after a crash
-        elif (comm := parse_comm(line)) is not None:
+        elif (comm := utils.parse_comm(line)) is not None:
             scan.comm.append(comm)
-        elif METRIC_TAG in line:
+        elif utils.METRIC_TAG in line:
             scan.bad_metric_line = scan.bad_metric_line or number
-        elif (config := parse_config(line)) is not None:
+        elif (config := utils.parse_config(line)) is not None:
             scan.config = config
         elif STOPPED_RE.search(line.strip()):
             continue
@@ -169,7 +140,7 @@ def scan_log(text: str) -> Scan:
             scan.crash_lines.append(line.strip()[:160])
     # A last line without its newline was cut off mid-write: even if its course fields parse,
     # the fields after them (strategy, world size...) may be cut short.
-    if lines and not text.endswith("\n") and METRIC_TAG in lines[-1]:
+    if lines and not text.endswith("\n") and utils.METRIC_TAG in lines[-1]:
         scan.bad_metric_line = scan.bad_metric_line or len(lines)
     return scan
 
@@ -211,20 +182,9 @@ def check_complete(scan: Scan, epochs: list[int]) -> list[str]:
     return notes
 
 
-def name_identity(log_name: str) -> dict:
-    match = LOG_NAME_RE.match(log_name)
-    if not match:
-        return {}
-    found = {k: v for k, v in match.groupdict().items() if v is not None}
-    for key in ("gpus", "nodes"):
-        if key in found:
-            found[key] = int(found[key])
-    return found
-
-
 def run_identity(metrics: list[dict], log_name: str) -> tuple[dict, list[str]]:
     """Strategy, GPUs, nodes, job id: the metric lines' fields first, else the file name's."""
-    named, identity, notes = name_identity(log_name), {}, []
+    named, identity, notes = layout.name_identity(log_name), {}, []
     for key, line_field in LINE_FIELD.items():
         values = {m[line_field] for m in metrics if line_field in m}
         if len(values) > 1:
@@ -284,7 +244,7 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
 
 def sweep_name(folder: Path) -> str:
     """A sweep's name in the CSV: its folder's, without the prefix (20261122-141500)."""
-    return folder.name.removeprefix(SWEEP_PREFIX)
+    return folder.name.removeprefix(layout.SWEEP_PREFIX)
 
 
 def log_files(folder: Path) -> list[Path]:
@@ -292,7 +252,7 @@ def log_files(folder: Path) -> list[Path]:
     by samples.py, not here, and the collect job's outcome is none, so they are not reported as
     logs without metrics."""
     if not folder.is_dir():
-        raise UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
+        raise utils.UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
     sampled = {path for *_, path in samples.sample_files(folder)}
     files = sorted(
         p
@@ -300,19 +260,19 @@ def log_files(folder: Path) -> list[Path]:
         if p.is_file()
         and not p.name.startswith(".")
         and p not in sampled
-        and p.name != SWEEP_OUTCOME
+        and p.name != layout.SWEEP_OUTCOME
     )
     if not files:
-        raise UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
+        raise utils.UsageError(f"no log files in {folder}{HOW_TO_GET_LOGS}")
     return files
 
 
 def pair_stderr(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
     """The logs to read, and for each the `X.err` beside it: its run's stderr, not a run."""
-    by_stem = {p.stem: p for p in files if p.suffix != STDERR_SUFFIX}
+    by_stem = {p.stem: p for p in files if p.suffix != layout.ERR_SUFFIX}
     logs, stderr_of = [], {}
     for p in files:
-        if p.suffix == STDERR_SUFFIX and p.stem in by_stem:
+        if p.suffix == layout.ERR_SUFFIX and p.stem in by_stem:
             stderr_of[by_stem[p.stem]] = p
         else:
             logs.append(p)
@@ -326,7 +286,7 @@ def choose_folders(
     sweep (all of them with all_sweeps). Says which, when there was a choice."""
     chosen = []
     for folder in given:
-        sweeps = sweep_folders(folder)
+        sweeps = layout.sweep_folders(folder)
         if not sweeps:
             chosen.append(folder)
         elif all_sweeps:
@@ -356,64 +316,14 @@ def collect(folders: list[Path], report: Callable[[str], None]) -> list[LoggedRu
             except Skip as e:
                 report(f"skipped {path}: {e}")
                 continue
-            for note in run.notes:
-                report(f"note {path}: {note}")
+            for oddity in run.notes:
+                report(f"note {path}: {oddity}")
             runs.append(run)
     if not runs:
-        raise UsageError(
+        raise utils.UsageError(
             f"no usable [METRIC] lines in any of the {read} files in {', '.join(map(str, folders))}"
         )
     return runs
-
-
-def rank_unit(table: pd.DataFrame) -> tuple[str, str]:
-    """What the `gpus` column counts, singular and plural, for the figures and tables: a rank
-    per GPU where the runs trained on CUDA, processes on CPU cores where they trained on the
-    CPU. The course's CSV names no device; its runs had a GPU each."""
-    devices = set(table["device"].dropna()) - {""} if "device" in table else set()
-    if devices <= {"cuda"}:
-        return "GPU", "GPUs"
-    if devices == {"cpu"}:
-        return "CPU rank", "CPU ranks"
-    return "rank", "ranks"  # a mix of devices
-
-
-def cores_outnumbered(results: pd.DataFrame) -> str | None:
-    """A warning naming the configurations whose ranks had more threads than their node had
-    CPU cores (several ranks on a laptop's cores), or None: their times measure the sharing."""
-    if "threads_per_core" not in results:
-        return None
-    shared = results[pd.to_numeric(results["threads_per_core"], errors="coerce") > 1]
-    if shared.empty:
-        return None
-    names = [
-        f"{strategy} on {gpus:.0f}"
-        for strategy, gpus in sorted(set(zip(shared["strategy"], shared["gpus"])))
-    ]
-    return (
-        f"warning: the ranks outnumbered the CPU cores of their node in {', '.join(names)} "
-        f"{rank_unit(shared)[1]}: their times measure how the ranks shared the cores, not the "
-        "strategy"
-    )
-
-
-def mixed_steps(results: pd.DataFrame) -> list[str]:
-    """A warning for each strategy whose points mix graphed and eager steps: its curve then
-    compares two clocks (a graph's step against an eager one's launches), not GPU counts."""
-    if "step" not in results:
-        return []
-    warnings = []
-    for strategy, rows in results.dropna(subset=["step"]).groupby("strategy"):
-        kinds = {k: sorted(set(r["gpus"])) for k, r in rows.groupby("step")}
-        if len(kinds) > 1:
-            where = "; ".join(
-                f"{k} at {', '.join(f'{g:.0f}' for g in v)}" for k, v in kinds.items()
-            )
-            warnings.append(
-                f"warning: {strategy}'s points mix graphed and eager steps ({where} "
-                f"{rank_unit(rows)[1]}): its curve compares two clocks, not only rank counts"
-            )
-    return warnings
 
 
 def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
@@ -436,7 +346,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
     for run in runs:
         for fields in run.epochs:
             # strategy, nodes, job_id are identity columns already; world_size stays as logged
-            other = {k: v for k, v in fields.items() if k not in IDENTITY}
+            other = {k: v for k, v in fields.items() if k not in results_summary.IDENTITY}
             rows.append(
                 {
                     "sweep": run.sweep,
@@ -448,10 +358,10 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
                 }
             )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
-    for column in MAY_BE_UNKNOWN:  # `na` becomes an empty cell
+    for column in utils.MAY_BE_NA:  # `na` becomes an empty cell
         if column in frame:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
-    leading = [*RUN_COLUMNS, *COURSE_COLUMNS]
+    leading = [*results_summary.RUN_COLUMNS, *results_summary.COURSE_COLUMNS]
     return frame[leading + [c for c in frame.columns if c not in leading]]
 
 
@@ -462,270 +372,14 @@ def comm_frame(runs: list[LoggedRun]) -> pd.DataFrame:
             "sweep": run.sweep,
             "log": run.log,
             **run.identity,
-            **{k: v for k, v in fields.items() if k not in IDENTITY},
+            **{k: v for k, v in fields.items() if k not in results_summary.IDENTITY},
         }
         for run in runs
         for fields in run.comm
     ]
-    return pd.DataFrame(rows, columns=None if rows else [*RUN_COLUMNS, *COMM_FIELDS])
-
-
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """write(temp) beside path, then rename: a reader never sees half a file, a failure no file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(temp)
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
-# ---- summary: one row per strategy and GPU count ----
-
-
-def with_run_columns(results: pd.DataFrame) -> pd.DataFrame:
-    """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown."""
-    missing = {c: pd.NA for c in RUN_COLUMNS if c not in results}
-    return results.assign(**missing) if missing else results
-
-
-def median_after_first(run: pd.DataFrame, column: str) -> float:
-    """Median over the epochs after the first, which carries the warm-up (one epoch: itself)."""
-    if column not in run:
-        return math.nan
-    steady = run[column].iloc[1:] if len(run) > 1 else run[column]
-    return steady.median()
-
-
-def steady_breakdown(run: pd.DataFrame) -> dict:
-    """The time parts' medians over the epochs after the first whose breakdown is reliable (all
-    four from the same epochs, so that they still add up), and how many were not
-    (breakdown=unreliable: the compute calibration overshot, train.time_breakdown)."""
-    steady = run.iloc[1:] if len(run) > 1 else run
-    flags = steady["breakdown"] if "breakdown" in steady else pd.Series("ok", index=steady.index)
-    unreliable = flags == "unreliable"
-    reliable = steady[~unreliable]
-    return {
-        **{t: reliable[t].median() if t in reliable else math.nan for t in TIME_PARTS},
-        "unreliable_epochs": int(unreliable.sum()),
-    }
-
-
-def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: final-epoch quality, steady epoch time and throughput, peak memory."""
-    rows = []
-    results = with_run_columns(results)
-    for key, run in results.groupby(list(RUN_COLUMNS), dropna=False, sort=False):
-        run = run.sort_values("epoch")
-        final = run.iloc[-1]
-        rows.append(
-            {
-                **dict(zip(RUN_COLUMNS, key)),
-                "epochs": final["epoch"],
-                "epochs_logged": len(run),  # the course's CSV keeps only the last
-                "val_loss": final["val_loss"],
-                "acc": final["acc"],
-                "time": median_after_first(run, "time"),
-                "throughput": median_after_first(run, "throughput"),
-                "peak_mem": run["peak_mem"].max(),
-                "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
-                **steady_breakdown(run),
-                **{t: median_after_first(run, t) for t in (*UTILISATION, *BUBBLE)},
-                "microbatches": final.get("microbatches", math.nan),
-                "steps": final.get("train_images", math.nan) / final.get("global_batch", math.nan),
-                "sharding": final.get("sharding", pd.NA),
-                "threads_per_core": final.get("threads_per_core", math.nan),
-                "step": final.get("step", pd.NA),
-                "device": final.get("device", pd.NA),
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-# Where an epoch's time went (train.py's [METRIC] keys): they add up to `time`.
-TIME_PARTS = ("t_compute", "t_data", "t_comm", "t_wait")
-# How close to the hardware (mfu.py): model TFLOP/s per device, and MFU in percent (empty where
-# the run knew no peak for its device).
-UTILISATION = ("tflops", "mfu")
-# A pipeline's bubble (pipeline_utils.py): measured, and the textbook's (p - 1) / (m + p - 1);
-# empty for the other strategies.
-BUBBLE = ("bubble", "bubble_ideal")
-# The [METRIC] numbers a run may not know (`na`): its CSV cells are then empty.
-MAY_BE_UNKNOWN = (*UTILISATION, *BUBBLE, "microbatches", "t_compute", "t_comm")
-
-
-def message_seconds(comm: pd.DataFrame, op: str, label_prefix: str) -> float:
-    """Sum of the measured times of a run's messages of one kind (nan if it measured none)."""
-    rows = comm[(comm["op"] == op) & comm["label"].astype(str).str.startswith(label_prefix)]
-    return rows["time_us"].sum() / 1e6 if not rows.empty else math.nan
-
-
-def comm_model_time(strategy: str, steps: float, sharding, comm: pd.DataFrame) -> float:
-    """Seconds per epoch this model's messages take at the bandwidth measured in the same job,
-    if nothing hid them. DDP: each step all-reduces every gradient bucket. FSDP: each step
-    gathers every unit for forward and, when full sharding freed it again, for backward, then
-    reduce-scatters its gradients; unsharded (no_shard, FSDP at 1 rank) it all-reduces them."""
-    if comm.empty:
-        return math.nan
-    if strategy == "ddp":
-        return steps * message_seconds(comm, "all_reduce", "bucket")
-    if strategy in ("fsdp", "fsdp2") and str(sharding) == "no_shard":
-        return steps * message_seconds(comm, "all_reduce", "grad")  # FSDP at 1 rank: DDP-like
-    if strategy in ("fsdp", "fsdp2"):
-        # grad_op keeps each unit gathered from forward to backward; full and hybrid (full
-        # within a node) gather again, all but the root, kept for backward under every
-        # sharding; FSDP's default is full, for logs that do not say.
-        gathered = message_seconds(comm, "all_gather", "unit_")
-        if str(sharding) != "grad_op":
-            root = message_seconds(comm, "all_gather", f"unit_{FSDP_ROOT_UNIT}")
-            gathered += gathered - (0.0 if math.isnan(root) else root)
-        return steps * (gathered + message_seconds(comm, "reduce_scatter", "unit_"))
-    return math.nan  # dp and single send nothing through the process group
-
-
-def with_comm_model(runs: pd.DataFrame, comm: pd.DataFrame | None) -> pd.DataFrame:
-    """runs with comm_model: each run's modelled communication time, from its own [COMM] lines."""
-    if comm is None or comm.empty:
-        return runs.assign(comm_model=math.nan)
-    by_log = dict(list(comm.groupby(["sweep", "log"], dropna=False)))
-    empty = comm.iloc[:0]
-    return runs.assign(
-        comm_model=[
-            comm_model_time(
-                r["strategy"], r["steps"], r["sharding"], by_log.get((r["sweep"], r["log"]), empty)
-            )
-            for _, r in runs.iterrows()
-        ]
+    return pd.DataFrame(
+        rows, columns=None if rows else [*results_summary.RUN_COLUMNS, *utils.COMM_FIELDS]
     )
-
-
-def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per strategy and GPU count (medians over runs when it ran more than once, with their
-    minimum and maximum), with speedup and efficiency against the same strategy's 1-GPU steady
-    epoch time (a pipeline has no 1-GPU run: against DDP's, the model on one GPU); where the
-    runs' [COMM] lines are given, the communication time their messages would take at the
-    measured bandwidth (comm_model) beside the measured t_comm."""
-    runs = with_comm_model(run_summaries(results), comm)
-    table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
-        nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
-        runs=("epochs", "size"),
-        epochs=("epochs", "max"),
-        epochs_logged=("epochs_logged", "min"),
-        val_loss=("val_loss", "median"),
-        acc=("acc", "median"),
-        time=("time", "median"),
-        throughput=("throughput", "median"),
-        # The spread over repeated runs (--repeats): a single run is one point, not a measurement.
-        time_min=("time", "min"),
-        time_max=("time", "max"),
-        throughput_min=("throughput", "min"),
-        throughput_max=("throughput", "max"),
-        peak_mem=("peak_mem", "max"),
-        state_mem=("state_mem", "max"),
-        **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, *BUBBLE, "comm_model")},
-        unreliable_epochs=("unreliable_epochs", "sum"),
-        threads_per_core=("threads_per_core", "max"),
-        step=("step", lambda s: "/".join(sorted(set(s.dropna()))) or pd.NA),
-        device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
-    )
-    one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
-    baseline = table["strategy"].map(one_gpu)
-    if "ddp" in one_gpu:
-        baseline = baseline.where(table["strategy"] != "pipeline", one_gpu["ddp"])
-    table["speedup"] = baseline / table["time"]
-    table["efficiency"] = 100 * table["speedup"] / table["gpus"]
-    return table.sort_values(["strategy", "gpus"], ignore_index=True)
-
-
-def bubble_table(results: pd.DataFrame) -> pd.DataFrame:
-    """The pipeline's runs by stages (GPUs) and micro-batches: the measured bubble (the median
-    over runs of each run's median after epoch 1) beside the textbook's."""
-    runs = run_summaries(results)
-    if "bubble" not in runs:
-        return pd.DataFrame(columns=["gpus", "microbatches", "runs", *BUBBLE])
-    runs = runs.dropna(subset=["bubble"])
-    return runs.groupby(["gpus", "microbatches"], as_index=False).agg(
-        runs=("bubble", "size"), bubble=("bubble", "median"), bubble_ideal=("bubble_ideal", "max")
-    )
-
-
-def bubble_markdown(table: pd.DataFrame) -> str:
-    lines = ["| stages (GPUs) | micro-batches | runs | bubble measured | textbook (p-1)/(m+p-1) |"]
-    lines.append("|--:|--:|--:|--:|--:|")
-    for _, row in table.iterrows():
-        lines.append(
-            f"| {row['gpus']:.0f} | {row['microbatches']:.0f} | {row['runs']:.0f} | "
-            f"{row['bubble']:.3f} | {row['bubble_ideal']:.3f} |"
-        )
-    return "\n".join(lines)
-
-
-def scaling(results: pd.DataFrame) -> str | None:
-    """Which study the runs make: strong scaling (one global batch at every GPU count) or weak
-    (one batch per GPU); None where the CSV does not say or the runs mix batch sizes."""
-    if not {"global_batch", "local_batch"} <= set(results) or results["gpus"].nunique() < 2:
-        return None
-    global_batch, local_batch = results["global_batch"].dropna(), results["local_batch"].dropna()
-    if global_batch.nunique() == 1:
-        return f"strong scaling: global batch {global_batch.iloc[0]:.0f} at every GPU count"
-    if local_batch.nunique() == 1:
-        return f"weak scaling: {local_batch.iloc[0]:.0f} images per GPU per step"
-    return None
-
-
-# (column, header, format) of the printed table; {rank} and {ranks} in a header are what the
-# `gpus` column counts (rank_unit).
-TABLE_COLUMNS = (
-    ("strategy", "strategy", "{}"),
-    ("gpus", "{ranks}", "{:d}"),
-    ("nodes", "nodes", "{}"),
-    ("runs", "runs", "{:d}"),
-    ("step", "step", "{}"),  # one CUDA graph or eager: which clock the row measures
-    ("epochs", "epochs", "{:d}"),
-    ("val_loss", "final val loss", "{:.4f}"),
-    ("acc", "final acc %", "{:.2f}"),
-    ("time", "epoch time s", "{:.2f}"),
-    ("time_range", "min-max s", "{}"),
-    ("throughput", "images/s", "{:.0f}"),
-    ("peak_mem", "peak mem MB", "{:.0f}"),
-    ("speedup", "speedup", "{:.2f}"),
-    ("efficiency", "efficiency", "{:.0f}%"),
-    ("tflops", "TFLOP/s per {rank}", "{:.3g}"),
-    ("mfu", "MFU %", "{:.1f}"),
-    ("bubble", "bubble", "{:.2f}"),  # a pipeline's (pipeline_utils.py)
-    # Communication per epoch: not hidden behind compute (measured), and what the model's
-    # messages would take at the bandwidth the job measured (--comm-benchmark).
-    ("t_comm", "t_comm s", "{:.3f}"),
-    ("comm_model", "comm at measured bw s", "{:.3f}"),
-)
-
-
-def cell(value, fmt: str) -> str:
-    if pd.isna(value) or value == "":
-        return "n/a"
-    return fmt.format(int(value) if "d}" in fmt else value)
-
-
-def time_range(row) -> str:
-    """'min-max' of the epoch time over repeated runs; empty for a single run."""
-    return f"{row['time_min']:.2f}-{row['time_max']:.2f}" if row["runs"] > 1 else ""
-
-
-def markdown_table(summary: pd.DataFrame) -> str:
-    summary = summary.assign(time_range=summary.apply(time_range, axis=1))
-    rank, ranks = rank_unit(summary)
-    headers = (header.format(rank=rank, ranks=ranks) for _, header, _ in TABLE_COLUMNS)
-    lines = [
-        "| " + " | ".join(headers) + " |",
-        "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in TABLE_COLUMNS) + "|",
-    ]
-    for _, row in summary.iterrows():
-        lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in TABLE_COLUMNS) + " |")
-    return "\n".join(lines)
-
-
-GPU_TIMELINE_CSV = "gpu_timeline.csv"  # every GPU sample, for plot_results.py
 
 
 def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.DataFrame]:
@@ -733,7 +387,7 @@ def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.Da
     strategy, GPU count and in-process peak_mem, MB, so that nvidia-smi's view stands next to
     PyTorch's), and every GPU sample over time."""
     gpus, processes = samples.summarize(folders)
-    runs = run_summaries(results)[["job_id", "strategy", "gpus", "peak_mem"]]
+    runs = results_summary.run_summaries(results)[["job_id", "strategy", "gpus", "peak_mem"]]
     runs = runs.astype({"job_id": str}).drop_duplicates("job_id")
 
     def with_run(table: pd.DataFrame) -> pd.DataFrame:
@@ -742,62 +396,41 @@ def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.Da
     return {
         "gpu_samples.csv": with_run(gpus),
         "cpu_samples.csv": with_run(processes),
-        GPU_TIMELINE_CSV: with_run(samples.gpu_timeline(folders)),
+        layout.GPU_TIMELINE_CSV: with_run(samples.gpu_timeline(folders)),
     }
 
 
 def sample_report(gpus: pd.DataFrame) -> str:
     """A markdown table of the GPU samples, one row per GPU of each job."""
-    columns = (
-        "strategy",
-        "gpus",
-        "job_id",
-        "host",
-        "gpu",
-        "peak_mem",
-        "peak_mem_mib",
-        "mean_mem_mib",
-        "mode_mem_mib",
-        "mean_util_pct",
-    )
-    headers = (
-        "strategy",
-        "GPUs",
-        "job",
-        "node",
-        "GPU",
-        "peak_mem MB (PyTorch)",
-        "nvidia-smi peak MiB",
-        "mean MiB",
-        "most frequent MiB",
-        "mean util %",
-    )
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    headers = {  # column: header
+        "strategy": "strategy",
+        "gpus": "GPUs",
+        "job_id": "job",
+        "host": "node",
+        "gpu": "GPU",
+        "peak_mem": "peak_mem MB (PyTorch)",
+        "peak_mem_mib": "nvidia-smi peak MiB",
+        "mean_mem_mib": "mean MiB",
+        "mode_mem_mib": "most frequent MiB",
+        "mean_util_pct": "mean util %",
+    }
+    lines = ["| " + " | ".join(headers.values()) + " |", "|" + "---|" * len(headers)]
     for _, row in gpus.iterrows():
         lines.append(
-            "| " + " | ".join("n/a" if pd.isna(row[c]) else str(row[c]) for c in columns) + " |"
+            "| " + " | ".join("n/a" if pd.isna(row[c]) else str(row[c]) for c in headers) + " |"
         )
     return "\n".join(lines)
-
-
-def side_path(results: Path, name: str) -> Path:
-    """Where the CSV `name` (comm.csv, gpu_samples.csv, ...) of a results file lies: beside it,
-    and named after it unless it is the default results.csv (old.csv: old_comm.csv), so that
-    two results files in one folder never share, or replace, each other's side files."""
-    if results.name == DEFAULT_OUT.name:
-        return results.with_name(name)
-    return results.with_name(f"{results.stem}_{name}")
 
 
 def write_beside(out: Path, name: str, table: pd.DataFrame, rows: str) -> None:
     """A CSV beside the results; where these runs give it no rows, an older one of that name
     is removed (it would belong to other runs)."""
-    path = side_path(out, name)
+    path = layout.side_path(out, name)
     if table.empty:
         path.unlink(missing_ok=True)
         return
-    write_atomically(path, lambda temp: table.to_csv(temp, index=False))
-    note(f"wrote {path}: {len(table)} {rows}")
+    utils.write_atomically(path, lambda temp: table.to_csv(temp, index=False))
+    utils.note(f"wrote {path}: {len(table)} {rows}")
 
 
 def write_sample_tables(out: Path, folders: list[Path], results: pd.DataFrame) -> None:
@@ -822,7 +455,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=Path,
         action="append",
         help="a folder of training logs, or of sweeps (its newest is read); give it "
-        "again to merge folders (default: logs)",
+        "again to merge folders (default: the repository's logs/)",
     )
     p.add_argument(
         "--all-sweeps",
@@ -832,48 +465,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--out",
         type=Path,
-        default=DEFAULT_OUT,
+        default=layout.DEFAULT_RESULTS,
         help="CSV to write; its side CSVs (comm.csv, ...) go beside it, named "
         "after it unless it is results.csv (old.csv: old_comm.csv, ...)",
     )
     args = p.parse_args(argv)
-    args.logs = args.logs or [Path("logs")]
+    args.logs = args.logs or [layout.LOGS_DIR]
     return args
-
-
-def note(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)  # stderr: stdout stays the table alone
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        folders = choose_folders(args.logs, args.all_sweeps, note)
-        runs = collect(folders, note)
-    except UsageError as e:
-        fail(str(e))
+        folders = choose_folders(args.logs, args.all_sweeps, utils.note)
+        runs = collect(folders, utils.note)
+    except utils.UsageError as e:
+        utils.fail(str(e))
     for warning in mixed_sweeps(runs):
-        note(warning)
+        utils.note(warning)
     results, comm = results_frame(runs), comm_frame(runs)
     try:
-        write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))
-        note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
-        write_beside(args.out, COMM_CSV, comm, "[COMM] rows")
+        utils.write_atomically(args.out, lambda temp: results.to_csv(temp, index=False))
+        utils.note(f"wrote {args.out}: {len(results)} rows from {len(runs)} run(s)")
+        write_beside(args.out, layout.COMM_CSV, comm, "[COMM] rows")
     except OSError as e:
-        fail(f"cannot write {args.out}: {e.strerror or e}")
-    print(markdown_table(summarize(results, comm)))
-    if not (bubbles := bubble_table(results)).empty:
-        print("\n" + bubble_markdown(bubbles))
-    if study := scaling(results):
-        note(study)
-    if warning := cores_outnumbered(results):
-        note(warning)
-    for warning in mixed_steps(results):
-        note(warning)
+        utils.fail(f"cannot write {args.out}: {e.strerror or e}")
+    print(results_summary.markdown_table(results_summary.summarize(results, comm)))
+    if not (bubbles := results_summary.bubble_table(results)).empty:
+        print("\n" + results_summary.bubble_markdown(bubbles))
+    if study := results_summary.scaling(results):
+        utils.note(study)
+    if warning := results_summary.cores_outnumbered(results):
+        utils.note(warning)
+    for warning in results_summary.mixed_steps(results):
+        utils.note(warning)
     try:
         write_sample_tables(args.out, folders, results)
     except OSError as e:
-        fail(f"cannot write beside {args.out}: {e.strerror or e}")
+        utils.fail(f"cannot write beside {args.out}: {e.strerror or e}")
     return 0
 
 

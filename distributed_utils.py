@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 import cuda_graphs
 from config import Config
-from utils import UsageError, env_int, is_rank_zero, read_ranks, time_stamp
+from layout import LOGS_DIR, time_stamp
+from utils import UsageError, env_int, is_rank_zero, read_ranks
 
 # The oldest torch this project runs on; requirements.txt's floor is the same (a test checks).
 # torch 2.9's pipeline stages greet their neighbours with a tensor of another type than the one
@@ -273,7 +274,7 @@ SHARE_ONE_GPU = False
 # in a ring buffer and, when one times out, writes them to FLIGHT_RECORDER_DIR/<job>_rank<N>,
 # so that a hang's dump says which collective each rank had entered. torch's trace analyzer
 # reads them (python -m torch.distributed.flight_recorder.fr_trace FOLDER).
-FLIGHT_RECORDER_DIR = Path("logs") / "nccl-trace"
+FLIGHT_RECORDER_DIR = LOGS_DIR / "nccl-trace"
 
 
 # The ring buffer's size, under the name torch reads since 2.9 (older than every torch the

@@ -22,21 +22,19 @@ from typing import TYPE_CHECKING
 
 import stopping
 from config import LAUNCHER_OPTION, Config, add_options, check_world, validate
-from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
+from utils import (
+    EXIT_MEANING,
+    EXIT_STATUS,
+    CheckpointError,
+    UsageError,
+    is_rank_zero,
+    log0,
+    read_ranks,
+)
 
 if TYPE_CHECKING:  # only named here: session.py loads torch
     from session import Outcome
 
-# The exit statuses, for scripts that run main.py.
-EXIT_STATUS = {
-    "finished": 0,
-    "peer_failed": 1,  # another rank died or hung; its own log says why
-    "usage": 2,  # bad input: one `error:` line
-    "stopped": 3,  # SIGUSR1/SIGUSR2/SIGTERM: a checkpoint was saved; resume to finish
-    "diverged": 4,  # the training loss became NaN or infinite; the last good checkpoint stays
-    "checkpoint": 5,  # a checkpoint could not be saved or read: one `error:` line says which,
-    # why, and what is intact (docs/reliability.md)
-}
 # How long a rank other than 0 that met bad input waits for its launcher to end it once rank 0
 # has said why and exited (stopping.await_stop_signal): rank 0 may still be starting Python.
 PEER_EXIT_WAIT_S = 30.0
@@ -62,10 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OptionParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="exit status: 0 finished, 1 another rank died or hung, 2 bad input, 3 stopped by "
-        "SIGUSR1/SIGUSR2/SIGTERM after saving a checkpoint (resume to finish), 4 diverged "
-        "(the training loss became NaN or infinite), 5 a checkpoint could not be saved "
-        "or read",
+        epilog="exit status: "
+        + ", ".join(f"{EXIT_STATUS[name]} {meaning}" for name, meaning in EXIT_MEANING.items()),
     )
     add_options(parser)
     parser.add_argument(

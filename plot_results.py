@@ -4,7 +4,7 @@
     python plot_results.py --csv FILE --out-dir DIR
 
 Reads the CSV of collect_results.py, or the course's results_*.csv (`method,gpus,epoch,time,
-val_loss,acc,peak_mem`). The points are collect_results.summarize's, so the plots and the
+val_loss,acc,peak_mem`). The points are results_summary.summarize's, so the plots and the
 printed table agree: steady epoch time and throughput are medians of the epochs after the
 first, loss and accuracy are the final epoch's, memory is per rank as measured (max over
 ranks). Every figure says under its title what ran: device, data set and images per epoch,
@@ -27,32 +27,15 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
-from collect_results import (  # noqa: E402
-    COMM_CSV,
-    COURSE_COLUMNS,
-    DEFAULT_OUT,
-    GPU_TIMELINE_CSV,
-    MAY_BE_UNKNOWN,
-    TIME_PARTS,
-    bubble_markdown,
-    bubble_table,
-    cores_outnumbered,
-    markdown_table,
-    mixed_steps,
-    note,
-    rank_unit,
-    scaling,
-    side_path,
-    summarize,
-    write_atomically,
-)
-from utils import UsageError, fail  # noqa: E402
+import results_summary
+import utils
+from layout import COMM_CSV, DEFAULT_RESULTS, GPU_TIMELINE_CSV, side_path  # noqa: E402
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
-REQUIRED = ("strategy", "gpus", *COURSE_COLUMNS)
-NUMERIC = ("gpus", *COURSE_COLUMNS)
+REQUIRED = ("strategy", "gpus", *results_summary.COURSE_COLUMNS)
+NUMERIC = ("gpus", *results_summary.COURSE_COLUMNS)
 # Numbers where known (the course's CSV has no throughput; `na` where a run has no such number).
-MAY_BE_EMPTY = ("throughput", *MAY_BE_UNKNOWN)
+MAY_BE_EMPTY = ("throughput", *utils.MAY_BE_NA)
 IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
 
 
@@ -65,29 +48,29 @@ def read_results(path: Path) -> pd.DataFrame:
     try:
         results = pd.read_csv(path)
     except FileNotFoundError:
-        raise UsageError(f"no results file {path} (run collect_results.py first)") from None
+        raise utils.UsageError(f"no results file {path} (run collect_results.py first)") from None
     except pd.errors.EmptyDataError:
-        raise UsageError(f"{path} is empty") from None
+        raise utils.UsageError(f"{path} is empty") from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path} is not a CSV: {reason}") from None
+        raise utils.UsageError(f"{path} is not a CSV: {reason}") from None
     results = results.rename(columns=COURSE_NAMES)
     missing = [c for c in REQUIRED if c not in results]
     if missing:
-        raise UsageError(f"{path} is not a results CSV: no column {', '.join(missing)}")
+        raise utils.UsageError(f"{path} is not a results CSV: no column {', '.join(missing)}")
     if results.empty:
-        raise UsageError(f"{path} has no rows")
+        raise utils.UsageError(f"{path} has no rows")
     for column in (*NUMERIC, *MAY_BE_EMPTY):
         if column in results:
             numbers = pd.to_numeric(results[column], errors="coerce")
             if column not in MAY_BE_EMPTY and numbers.isna().any():
                 row = int(numbers.isna().idxmax()) + 2  # + header, 1-based
-                raise UsageError(f"{path} line {row}: {column} is not a number")
+                raise utils.UsageError(f"{path} line {row}: {column} is not a number")
             results[column] = numbers
     if results["strategy"].isna().any():
-        raise UsageError(f"{path}: a row has no strategy")
+        raise utils.UsageError(f"{path}: a row has no strategy")
     if (results["gpus"] < 1).any():
-        raise UsageError(f"{path}: gpus must be at least 1")
+        raise utils.UsageError(f"{path}: gpus must be at least 1")
     return results
 
 
@@ -138,7 +121,7 @@ def leading_digit(value: float) -> int:
 def rank_axis(ax, rows: pd.DataFrame) -> None:
     """The x axis of the rank counts, named after what ran: GPUs, or CPU ranks."""
     log2_axis(ax, "x", rows["gpus"])
-    ax.set_xlabel(rank_unit(rows)[1])
+    ax.set_xlabel(results_summary.rank_unit(rows)[1])
     ax.grid(True, which="both", alpha=0.3)
 
 
@@ -211,7 +194,7 @@ def context(results: pd.DataFrame) -> str:
     images = values(results, "train_images", "{:,.0f}")
     if data or images:
         parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
-    if study := scaling(results):
+    if study := results_summary.scaling(results):
         parts.append(study.replace(" at every GPU count", ""))
     elif batch := values(results, "global_batch", "{:.0f}"):
         parts.append(f"global batch {batch}")
@@ -219,14 +202,14 @@ def context(results: pd.DataFrame) -> str:
     parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")
     if sweep := values(results, "sweep"):
         parts.append(f"sweep {sweep}")
-    if warning := cores_outnumbered(results):
+    if warning := results_summary.cores_outnumbered(results):
         parts.append(warning.removeprefix("warning: "))
-    parts += [warning.removeprefix("warning: ") for warning in mixed_steps(results)]
+    parts += [warning.removeprefix("warning: ") for warning in results_summary.mixed_steps(results)]
     return " · ".join(parts)
 
 
 def steady(summary: pd.DataFrame) -> str:
-    """How the points' epoch times were taken (collect_results.median_after_first): the median
+    """How the points' epoch times were taken (results_summary.median_after_first): the median
     of the epochs after the first, or a run's only epoch where it logged one (the course's CSV
     keeps only the last)."""
     logged = summary["epochs_logged"]
@@ -300,7 +283,7 @@ def plot_speedup(summary: pd.DataFrame) -> Figure:
     if summary["speedup"].isna().all():
         raise NotPlottable("no 1-GPU run to compare with")
     fig, (speed_ax, eff_ax) = figure(2)
-    one = rank_unit(summary)[0]
+    one = results_summary.rank_unit(summary)[0]
     rows = plot_lines(speed_ax, summary, "speedup", f"speedup over 1 {one} (x), log scale")
     gpus = sorted(rows["gpus"].unique())
     speed_ax.plot(gpus, gpus, color="black", label="ideal", **IDEAL_STYLE)
@@ -331,7 +314,7 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     TFLOP/s each GPU achieved, each point labelled with its MFU where the peak was known."""
     has_tflops = "tflops" in summary and summary["tflops"].notna().any()
     fig, axes = figure(2 if has_tflops else 1)
-    one, many = rank_unit(summary)
+    one, many = results_summary.rank_unit(summary)
     plot_lines(axes[0], summary, "throughput", f"throughput (images/s, all {many})")
     plot_ideal_scaling(axes[0], summary, "throughput", 1)
     axes[0].set_title(f"Training throughput ({steady(summary)}) vs ideal N x")
@@ -352,31 +335,23 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     return fig
 
 
-PART_NAMES = {
-    "t_compute": "compute",
-    "t_data": "data",
-    "t_comm": "communication",
-    "t_wait": "waiting",
-}
-
-
 BAR_WIDTH = 0.7
 
 
 def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     """A stacked bar per strategy and GPU count of where the epoch went (the four add up to the
     epoch time), and each strategy's ideal: its 1-GPU time / N."""
-    rows = summary.dropna(subset=list(TIME_PARTS)).sort_values(["strategy", "gpus"])
+    rows = summary.dropna(subset=list(utils.TIME_PARTS)).sort_values(["strategy", "gpus"])
     if rows.empty:
         raise NotPlottable("no t_compute, t_data, t_comm, t_wait values")
     fig, (ax,) = figure()
-    one, many = rank_unit(rows)
+    one, many = results_summary.rank_unit(rows)
     fig.set_figwidth(max(8.5, 0.9 * len(rows) + 4))  # room for the legend beside the bars
     x = range(len(rows))
     bottom = pd.Series(0.0, index=rows.index)
-    for part in TIME_PARTS:
+    for part in utils.TIME_PARTS:
         height = rows[part]
-        ax.bar(x, height, bottom=bottom, label=PART_NAMES[part], width=BAR_WIDTH)
+        ax.bar(x, height, bottom=bottom, label=utils.LABEL[part], width=BAR_WIDTH)
         bottom += height
     one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
     ideal = rows["strategy"].map(one_gpu) / rows["gpus"]
@@ -495,7 +470,7 @@ def plot_gpu_timeline(timeline: pd.DataFrame | None) -> Figure:
 def plot_bubble(results: pd.DataFrame) -> Figure:
     """The pipeline's measured bubble against its micro-batches, one line per stage count,
     each beside the textbook's (p - 1) / (m + p - 1)."""
-    table = bubble_table(results)
+    table = results_summary.bubble_table(results)
     if table.empty:
         raise NotPlottable("no pipeline runs (bubble)")
     fig, (ax,) = figure()
@@ -543,7 +518,6 @@ BESIDE = {"comm_bandwidth.png": COMM_CSV, "gpu_timeline.png": GPU_TIMELINE_CSV}
 # a pipeline's runs at different micro-batches.
 FROM_RESULTS = {"pipeline_bubble.png"}
 
-
 SUBTITLE_SIZE = "small"
 # Characters per inch are estimated from the widest characters a subtitle is made of, digits
 # (about 0.69 em as Agg draws DejaVu Sans at this size; lower case takes 0.6), so that a line
@@ -567,7 +541,7 @@ def add_subtitle(fig: Figure, subtitle: str) -> None:
 
 def save_png(fig: Figure, path: Path, subtitle: str) -> None:
     add_subtitle(fig, subtitle)
-    write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
+    utils.write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -576,7 +550,7 @@ def plot_all(
 ) -> list[Path]:
     """Every figure there is data for; `beside` holds the CSVs found beside the results."""
     beside = beside or {}
-    summary, subtitle = summarize(results, beside.get(COMM_CSV)), context(results)
+    summary, subtitle = results_summary.summarize(results, beside.get(COMM_CSV)), context(results)
     written = []
     for name, draw in FIGURES.items():
         try:
@@ -589,7 +563,7 @@ def plot_all(
             # A figure of that name from an earlier run would pass for this run's (the report
             # no longer lists it); only the names of FIGURES are removed, never other files.
             (out_dir / name).unlink(missing_ok=True)
-            note(f"not written {name}: {e}")
+            utils.note(f"not written {name}: {e}")
             continue
         save_png(fig, out_dir / name, subtitle)
         written.append(out_dir / name)
@@ -603,7 +577,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--csv",
         type=Path,
-        default=DEFAULT_OUT,
+        default=DEFAULT_RESULTS,
         help="collect_results.py's CSV, or the course's results_*.csv",
     )
     p.add_argument("--out-dir", type=Path, default=Path("plots"), help="folder for the PNGs")
@@ -624,7 +598,7 @@ def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
     try:
         return pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not a CSV: {str(e).strip().splitlines()[0]}") from None
+        raise utils.UsageError(f"{path} is not a CSV: {str(e).strip().splitlines()[0]}") from None
 
 
 def largest_costs(summary: pd.DataFrame) -> list[str]:
@@ -632,7 +606,7 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
     the modelled communication beside the measured where the jobs measured their collectives;
     and the epochs whose breakdown was unreliable (their compute calibration overshot the epoch:
     left out of the parts, docs/metrics.md), where there were any."""
-    sentences, (one, many) = [], rank_unit(summary)
+    sentences, (one, many) = [], results_summary.rank_unit(summary)
     for _, row in summary.iterrows():
         point = f"{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
         unreliable = row.get("unreliable_epochs", 0)
@@ -640,13 +614,13 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
             f"{unreliable:.0f} epoch(s) left out, whose compute calibration took longer than the "
             "epoch (breakdown=unreliable)"
         )
-        if row[list(TIME_PARTS)].isna().any():
+        if row[list(utils.TIME_PARTS)].isna().any():
             if unreliable > 0:
                 sentences.append(f"- {point}: no reliable breakdown; {left_out}.")
             continue
-        part = max(TIME_PARTS, key=lambda p: row[p])
+        part = max(utils.TIME_PARTS, key=lambda p: row[p])
         text = (
-            f"{point}: the largest cost is {PART_NAMES[part]}, {row[part]:.3f} s of "
+            f"{point}: the largest cost is {utils.LABEL[part]}, {row[part]:.3f} s of "
             f"{row['time']:.2f} s per epoch ({100 * row[part] / row['time']:.0f}%)"
         )
         if row.get("threads_per_core", 0) > 1:
@@ -664,23 +638,23 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
 
 def pipeline_section(results: pd.DataFrame) -> list[str]:
     """The pipeline's bubble by stages and micro-batches, where the CSV has pipeline runs."""
-    table = bubble_table(results)
+    table = results_summary.bubble_table(results)
     if table.empty:
         return []
-    return ["## Pipeline bubble", "", bubble_markdown(table), ""]
+    return ["## Pipeline bubble", "", results_summary.bubble_markdown(table), ""]
 
 
 def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path]) -> str:
-    summary = summarize(results, comm)
+    summary = results_summary.summarize(results, comm)
     return "\n".join(
         [
             "# Scaling report",
             "",
             context(results),
             "",
-            markdown_table(summary),
+            results_summary.markdown_table(summary),
             "",
-            f"## Largest cost per strategy and {rank_unit(summary)[0]} count",
+            f"## Largest cost per strategy and {results_summary.rank_unit(summary)[0]} count",
             "",
             *largest_costs(summary),
             "",
@@ -698,7 +672,7 @@ def write_report(
 ) -> Path:
     path = out_dir / "report.md"
     text = report_text(results, comm, written)
-    write_atomically(path, lambda temp: temp.write_text(text))
+    utils.write_atomically(path, lambda temp: temp.write_text(text))
     return path
 
 
@@ -708,16 +682,16 @@ def main(argv=None) -> int:
         results = read_results(args.csv)
         beside = {name: read_beside(args.csv, name) for name in set(BESIDE.values())}
         comm = beside[COMM_CSV]
-    except UsageError as e:
-        fail(str(e))
+    except utils.UsageError as e:
+        utils.fail(str(e))
     try:
         written = plot_all(results, args.out_dir, beside)
         if args.report and written:
-            note(f"wrote {write_report(results, comm, written, args.out_dir)}")
+            utils.note(f"wrote {write_report(results, comm, written, args.out_dir)}")
     except OSError as e:
-        fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
+        utils.fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
     if not written:
-        fail(f"nothing to plot in {args.csv}")
+        utils.fail(f"nothing to plot in {args.csv}")
     for path in written:
         print(path)
     return 0

@@ -330,7 +330,7 @@ report_failure() {
         exit "$2"
     fi
     [ "$status" -lt 0 ] && status=$((128 - status))   # killed by a signal, as bash counts it
-    if [ "$status" -eq 3 ]; then   # main.py's own: stopped by a signal, checkpoint saved
+    if [ "$status" -eq 3 ]; then   # main.py's own: stopped, checkpoint saved (utils.EXIT_STATUS)
         echo "run.sh: stopped by a signal after saving a checkpoint (exit status 3): resumable" >&2
         exit 3
     fi

@@ -33,48 +33,22 @@ SBATCH_PARTITION and SBATCH_ACCOUNT.
 """
 
 import argparse
-import functools
-import math
 import os
-import re
 import shlex
-import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import config
+import layout
+import slurm_jobs
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import SWEEP_OUTCOME, fail, next_sweep_folder, time_stamped
-
-REPO = Path(__file__).resolve().parent
-JOBS_DIR = REPO / "jobs"
-LOGS_DIR = REPO / "logs"
+from utils import count, fail
+from verify_job import run_verify
 
 # The course's sweep; config.STRATEGIES has more (fsdp2, pipeline, and the one-process model,
 # dp and single).
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
-
-# squeue states after which a job no longer runs (COMPLETED is the only good one).
-ENDED = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "REVOKED",
-    "SPECIAL_EXIT",
-}
-# The last line run.sh (and the collection job) writes: the exit status outlives the job, which
-# SLURM forgets MinJobAge seconds after it ends (and there may be no sacct to ask).
-EXIT_LINE = re.compile(r"exit status (\d+)\s*$", re.MULTILINE)
-SQUEUE_RETRIES = 5  # a busy controller may time out now and then
 
 
 @dataclass(frozen=True)
@@ -88,21 +62,11 @@ class Configuration:
 
     @property
     def name(self) -> str:
-        return f"{self.strategy}_{self.gpus}gpu"
+        return layout.run_name(self.strategy, self.gpus)
 
     @property
     def tasks_per_node(self) -> int:
         return self.gpus // self.nodes
-
-
-@dataclass
-class Job:
-    """A submitted job, and what became of it."""
-
-    name: str
-    job_id: str
-    log: Path
-    state: str = "PENDING"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,32 +174,6 @@ SWEEP_OPTION = {
     "precision": "--precision",
 }
 
-
-@functools.cache
-def main_options() -> dict[str, argparse.Action]:
-    """main.py's option strings (`--batch-size`, `--batch_size`), each with its action."""
-    return config.add_options(argparse.ArgumentParser())._option_string_actions
-
-
-def main_option(token: str) -> str | None:
-    """The Config field a main.py option sets (`--batch-size=64`, an alias or an abbreviation
-    argparse would accept), or None when the token names no single one."""
-    return option_dest(token, main_options())
-
-
-def option_dest(token: str, actions: dict[str, argparse.Action]) -> str | None:
-    """The destination an option of a parser with these actions sets, or None."""
-    if not token.startswith("--"):
-        return None
-    name = token.split("=", 1)[0]
-    dests = (
-        {actions[name].dest}
-        if name in actions
-        else {action.dest for option, action in actions.items() if option.startswith(name)}
-    )
-    return dests.pop() if len(dests) == 1 else None
-
-
 # The sweep's options that size each job. A launcher's option after `--` (--gpus, --nodes:
 # config.LAUNCHER_OPTION) is no option of main.py: it would fail every job, and main.py's check
 # before submitting, which refuses it, runs only where the jobs' Python has torch.
@@ -247,7 +185,7 @@ def sweep_option(token: str) -> str | None:
     sweep leaves it to main.py."""
     if config.LAUNCHER_OPTION.match(token.split("=", 1)[0]):
         return GPU_COUNT_OPTIONS
-    return SWEEP_OPTION.get(main_option(token))
+    return SWEEP_OPTION.get(slurm_jobs.main_option(token))
 
 
 def refuse_sweep_options(tokens: list[str], where: str) -> None:
@@ -265,7 +203,7 @@ def parse_args(ours: list[str]) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(ours)
     if unknown:
-        if main_option(unknown[0]):
+        if slurm_jobs.main_option(unknown[0]):
             refuse_sweep_options(unknown[:1], "is an option of main.py that")
             fail(
                 f"{unknown[0].split('=', 1)[0]} is an option of main.py: put main.py's options "
@@ -273,14 +211,6 @@ def parse_args(ours: list[str]) -> argparse.Namespace:
             )
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
-
-
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Our arguments, and main.py's (those after the first `--`)."""
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1 :]
-    return argv, []
 
 
 def check_args(args) -> None:
@@ -304,25 +234,14 @@ def check_args(args) -> None:
     for gpus in args.gpus:
         if gpus < 1:
             fail(f"--gpus: every count must be at least 1, got {gpus}")
-        nodes_for(gpus, args.gpus_per_node)
+        slurm_jobs.nodes_for(gpus, args.gpus_per_node)
         if args.scaling == "strong" and not args.verify and args.batch_size % gpus:
             fail(f"--batch-size {args.batch_size} does not split evenly over {gpus} GPUs")
 
 
-def nodes_for(gpus: int, gpus_per_node: int) -> int:
-    """Nodes for one task per GPU; a job that spans nodes must fill every one equally."""
-    nodes = math.ceil(gpus / gpus_per_node)
-    if gpus % nodes:
-        fail(
-            f"{gpus} GPUs do not spread evenly over {nodes} nodes of {gpus_per_node} GPUs: "
-            f"use a multiple of {nodes}, or another --gpus-per-node"
-        )
-    return nodes
-
-
 def plan(args) -> list[Configuration]:
     gpu_counts = list(dict.fromkeys(args.gpus))  # without repeats, in the order given
-    nodes = {g: nodes_for(g, args.gpus_per_node) for g in gpu_counts}
+    nodes = {g: slurm_jobs.nodes_for(g, args.gpus_per_node) for g in gpu_counts}
 
     def global_batch(gpus: int) -> int:
         return args.batch_size * gpus if args.scaling == "weak" else args.batch_size
@@ -336,17 +255,7 @@ def plan(args) -> list[Configuration]:
 
 def model_of(extra: list[str]) -> str:
     """The --model that main.py's arguments choose (a bad one is main.py's check to refuse)."""
-    return main_value(extra, "model")
-
-
-def main_value(extra: list[str], dest: str):
-    """The value of a Config field that main.py's arguments choose, or its default (a bad
-    value is main.py's check to refuse)."""
-    parser = config.add_options(argparse.ArgumentParser(add_help=False, exit_on_error=False))
-    try:
-        return getattr(parser.parse_known_args(extra)[0], dest)
-    except argparse.ArgumentError:
-        return getattr(config.Config, dest)
+    return slurm_jobs.main_value(extra, "model")
 
 
 def without_uncuttable(runs: list[Configuration], model: str) -> list[Configuration]:
@@ -386,106 +295,52 @@ def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
     return [*chosen, "--comm-benchmark", *extra]  # every job measures its collectives (comm.csv)
 
 
-def count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
-
-
-def edf_value(environment: str) -> str:
-    """An EDF file as an absolute path (jobs start in the repository); a bare name (found by
-    the Container Engine in ~/.edf) unchanged."""
-    path = Path(environment)
-    return str(path.resolve()) if path.is_file() else environment
-
-
-def script(comment: str, sbatch_options: list[str], target: list[str], env: dict) -> str:
-    """A job script: from the repository, sbatch with these options (and the caller's, "$@")."""
-    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
-    options = " \\\n    ".join(shlex.quote(o) for o in sbatch_options)
-    return (
-        "#!/bin/bash\n"
-        f"{comment}"
-        'cd "$(dirname "$0")/../.." || exit  # from jobs/<sweep>/ to the repository\n'
-        f"{exports}"
-        f"exec sbatch \\\n    {options} \\\n"
-        f'    "$@" \\\n'
-        f"    {shlex.join(target)}\n"
-    )
-
-
-def slurm_options(args) -> list[str]:
-    options = []
-    for flag, value in (("--partition", args.partition), ("--account", args.account)):
-        if value:
-            options.append(f"{flag}={value}")
-    return options
-
-
-def job_size(nodes: int, tasks_per_node: int, args) -> list[str]:
-    """sbatch's options for one task per GPU on `nodes` nodes, and the CPUs of each."""
-    options = [
-        f"--nodes={nodes}",
-        f"--ntasks-per-node={tasks_per_node}",
-        f"--gpus-per-node={tasks_per_node}",
-    ]
-    if args.cpus_per_task:
-        options.append(f"--cpus-per-task={args.cpus_per_task}")
-    if args.exclusive:
-        options.append("--exclusive")
-    return options
-
-
-def relative(path: Path) -> str:
-    return str(path.relative_to(REPO))
-
-
 def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
-    log = f"logs/{sweep}/{run.name}_%j"
+    log = f"logs/{sweep}/{layout.log_stem(run.name, '%j')}"
     options = [
         "--parsable",
         f"--job-name=bench-{run.name}",
         f"--output={log}.log",
-        f"--error={log}.err",
-        *slurm_options(args),
-        *job_size(run.nodes, run.tasks_per_node, args),
+        f"--error={log}{layout.ERR_SUFFIX}",
+        *slurm_jobs.slurm_options(args),
+        *slurm_jobs.job_size(run.nodes, run.tasks_per_node, args),
     ]
     if args.time:
         options.append(f"--time={args.time}")
     env = {"SAMPLES_DIR": f"logs/{sweep}"}  # run.sh's GPU and CPU samplers: beside the logs
     if args.environment:
-        env["EDF"] = edf_value(args.environment)
+        env["EDF"] = slurm_jobs.edf_value(args.environment)
     comment = (
         f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
         f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
         f"# Submit again with: bash jobs/{sweep}/{run.name}.sh [more sbatch options]\n"
         "# run.sh is the launch recipe; these options size the job and name its logs.\n"
     )
-    return script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
-
-
-def collect_log(sweep: str, job_id: str) -> str:
-    return f"jobs/{sweep}/collect_{job_id}.log"
+    return slurm_jobs.script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
 
 
 def collect_script(sweep: str, args) -> str:
     command = "bash plot_results.sh"
     if args.environment:  # the host may lack pandas and matplotlib; the image has them
-        command = f"srun --environment={shlex.quote(edf_value(args.environment))} {command}"
+        command = (
+            f"srun --environment={shlex.quote(slurm_jobs.edf_value(args.environment))} {command}"
+        )
     command = f"LOGS=logs/{sweep} {command}"  # first: an assignment after srun is no assignment
     # Its exit status is the job's (sacct shows it); its outcome, with the last error line of
     # its log, goes to the sweep's folder, where the user of a sweep not waited for looks.
-    log = collect_log(sweep, "$SLURM_JOB_ID")
+    log = layout.collect_log(sweep, "$SLURM_JOB_ID")
     command += (
         f'; status=$?; echo "exit status $status"; {{ echo "collect job $SLURM_JOB_ID: exit '
         f'status $status (0: results.csv and plots/ written), log {log}"; '
-        f'grep "^error: " {log} | tail -n 1; }} > logs/{sweep}/{SWEEP_OUTCOME}; exit $status'
+        f'grep "^error: " {log} | tail -n 1; }} > logs/{sweep}/{layout.SWEEP_OUTCOME}; exit $status'
     )
     options = [
         "--parsable",
         "--job-name=bench-collect",
         "--ntasks=1",
         "--time=00:15:00",
-        f"--output={collect_log(sweep, '%j')}",
-        *slurm_options(args),
+        f"--output={layout.collect_log(sweep, '%j')}",
+        *slurm_jobs.slurm_options(args),
     ]
     comment = (
         f"# Collects logs/{sweep}/ into results.csv and plots into plots/. Written by "
@@ -493,44 +348,7 @@ def collect_script(sweep: str, args) -> str:
         f"job ids>.\n# Submit again with: bash jobs/{sweep}/collect.sh [more sbatch "
         "options]\n"
     )
-    return script(comment, options, ["--wrap", command], {})
-
-
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
-
-
-def last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
-
-
-class SubmitError(Exception):
-    """sbatch refused a job."""
-
-
-def submit(job_script: Path, *sbatch_options: str) -> str:
-    """Submits through the job script; returns the job id, or ends with sbatch's complaint."""
-    done = subprocess.run(
-        ["bash", str(job_script), *sbatch_options], cwd=REPO, capture_output=True, text=True
-    )
-    job_id = done.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
-    if done.returncode != 0 or not job_id.isdigit():
-        raise SubmitError(
-            f"sbatch refused {job_script.relative_to(REPO)}: "
-            f"{last_line(done.stderr or done.stdout)}"
-        )
-    return job_id
-
-
-def require(*commands: str) -> None:
-    """Ends with one line, status 2 like other bad input, where a command is not on PATH."""
-    for command in commands:
-        if shutil.which(command) is None:
-            fail(f"{command} not found on PATH: run this on a SLURM login node, or use --local")
+    return slurm_jobs.script(comment, options, ["--wrap", command], {})
 
 
 def repeated(runs: list[Configuration], repeats: int):
@@ -541,11 +359,13 @@ def repeated(runs: list[Configuration], repeats: int):
             yield run, run.name if repeats == 1 else f"{run.name} (repeat {i} of {repeats})"
 
 
-def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]:
-    logs = next_sweep_folder(LOGS_DIR)
+def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[slurm_jobs.Job]:
+    logs = layout.next_sweep_folder(layout.LOGS_DIR)
     logs.mkdir(parents=True)
     sweep, jobs = logs.name, []
-    print(f"sweep {sweep}: logs in {relative(logs)}/, job scripts in jobs/{sweep}/", flush=True)
+    print(
+        f"sweep {sweep}: logs in {layout.relative(logs)}/, job scripts in jobs/{sweep}/", flush=True
+    )
     try:
         for run, name in repeated(runs, args.repeats):
             after = (
@@ -553,98 +373,53 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[Job]
                 if (args.one_at_a_time and jobs)
                 else []
             )
-            job_id = submit(
-                write(JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)),
+            job_id = slurm_jobs.submit(
+                slurm_jobs.write(
+                    layout.JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)
+                ),
                 *after,
             )
-            jobs.append(Job(name, job_id, logs / f"{run.name}_{job_id}.log"))
+            jobs.append(
+                slurm_jobs.Job(name, job_id, logs / f"{layout.log_stem(run.name, job_id)}.log")
+            )
             print(
                 f"{name}: job {job_id} ({count(run.nodes, 'node')} x "
-                f"{count(run.tasks_per_node, 'task')}), log {relative(jobs[-1].log)}",
+                f"{count(run.tasks_per_node, 'task')}), log {layout.relative(jobs[-1].log)}",
                 flush=True,
             )
         dependency = "--dependency=afterany:" + ":".join(j.job_id for j in jobs)
-        job_id = submit(
-            write(JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)), dependency
+        job_id = slurm_jobs.submit(
+            slurm_jobs.write(layout.JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)),
+            dependency,
         )
-    except SubmitError as e:
+    except slurm_jobs.SubmitError as e:
         submitted = " ".join(j.job_id for j in jobs)
         hint = f" (already queued: {submitted}; scancel {submitted} to drop them)" if jobs else ""
         fail(f"{e}{hint}", code=1)
-    jobs.append(Job("collect", job_id, REPO / collect_log(sweep, job_id)))
+    jobs.append(slurm_jobs.Job("collect", job_id, layout.REPO / layout.collect_log(sweep, job_id)))
     print(f"collect: job {job_id}, after all the others: results.csv and plots/", flush=True)
     return jobs
 
 
-def how_to_follow(jobs: list[Job]) -> str:
+def how_to_follow(jobs: list[slurm_jobs.Job]) -> str:
     """What a user who does not wait for the sweep reads later, and where."""
     sweep = jobs[0].log.parent.name
     ids = ",".join(job.job_id for job in jobs)
     return (
         f"not waiting (--wait would, and report failures): when every job has ended, "
-        f"logs/{sweep}/{SWEEP_OUTCOME} says whether collecting gave results; each job's state: "
+        f"logs/{sweep}/{layout.SWEEP_OUTCOME} says whether collecting gave results; each job's "
+        "state: "
         f"sacct -X -j {ids} --format=JobID,JobName,State,ExitCode"
     )
 
 
-def queue_states(job_ids: list[str]) -> dict[str, str]:
-    """{job id: state} of the jobs SLURM still knows; finished ones drop out after a while."""
-    for attempt in range(SQUEUE_RETRIES):
-        done = subprocess.run(
-            [
-                "squeue",
-                "--noheader",
-                "--states=all",
-                "--format=%i %T",
-                "--jobs=" + ",".join(job_ids),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode == 0:
-            return dict(line.split()[:2] for line in done.stdout.splitlines() if line.strip())
-        if "Invalid job id" in done.stderr:  # none of them is known any more
-            return {}
-        time.sleep(2**attempt)
-    fail(f"squeue keeps failing: {last_line(done.stderr)}", code=1)
-
-
-def state_from_log(log: Path) -> str:
-    """The end state of a job SLURM has forgotten, from the exit status its log ends with."""
-    try:
-        statuses = EXIT_LINE.findall(log.read_text(errors="replace"))
-    except OSError:
-        statuses = []
-    if not statuses:
-        return "UNKNOWN"
-    return "COMPLETED" if statuses[-1] == "0" else "FAILED"
-
-
-def wait_for_jobs(jobs: list[Job], poll_interval: float) -> None:
-    running = {j.job_id: j for j in jobs}
-    print(f"waiting for {len(jobs)} jobs (squeue every {poll_interval:g} s)...", flush=True)
-    while running:
-        states = queue_states(list(running))
-        for job_id, job in list(running.items()):
-            if job_id in states:
-                job.state = states[job_id]
-                if job.state not in ENDED:
-                    continue
-            else:  # ended and already forgotten between two looks
-                job.state = state_from_log(job.log)
-            del running[job_id]
-            print(f"{job.name}: job {job_id} {job.state}", flush=True)
-        if running:
-            time.sleep(poll_interval)
-
-
-def report(jobs: list[Job]) -> int:
+def report(jobs: list[slurm_jobs.Job]) -> int:
     failed = [j for j in jobs if j.state != "COMPLETED"]
     for job in failed:
-        err = job.log.with_suffix(".err")
+        err = job.log.with_suffix(layout.ERR_SUFFIX)
         where = err if err.exists() and err.stat().st_size else job.log
         print(
-            f"failed: {job.name} job {job.job_id} {job.state}, see {relative(where)}",
+            f"failed: {job.name} job {job.job_id} {job.state}, see {layout.relative(where)}",
             file=sys.stderr,
         )
     print(f"sweep done: {len(jobs) - len(failed)} of {len(jobs)} jobs completed")
@@ -652,7 +427,7 @@ def report(jobs: list[Job]) -> int:
 
 
 def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
-    sweep = next_sweep_folder(LOGS_DIR).name
+    sweep = layout.next_sweep_folder(layout.LOGS_DIR).name
     for run in runs:
         print(f"# ---- jobs/{sweep}/{run.name}.sh\n{run_script(run, sweep, args, extra)}")
     print(
@@ -662,126 +437,66 @@ def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
     )
 
 
-def job_python(in_container: bool) -> str:
-    """The Python run.sh gives the jobs (pick_python.sh decides, for both): the sweep checks
-    them with it, whichever Python runs the sweep itself."""
-    done = subprocess.run(
-        [
-            "bash",
-            "-c",
-            'source "$1/pick_python.sh" && pick_python "$@"',
-            "pick",
-            str(REPO),
-            "yes" if in_container else "no",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout.strip() or sys.executable
-
-
-def has_torch(python: str) -> bool:
-    try:
-        return (
-            subprocess.run(
-                [
-                    python,
-                    "-c",
-                    "import importlib.util, sys; "
-                    "sys.exit(importlib.util.find_spec('torch') is None)",
-                ],
-                capture_output=True,
-            ).returncode
-            == 0
-        )
-    except OSError:  # no such interpreter: the jobs will say so
-        return False
-
-
 def check_configurations(runs: list[Configuration], args, extra: list[str]) -> None:
     """main.py --check for each strategy at every GPU count of the sweep, before anything is
     written or submitted: a typo fails here, in seconds, not in the queue."""
-    python = checking_python(args)
+    python = slurm_jobs.checking_python(args)
     if not python:
         return
     # One check per strategy and global batch (weak scaling has one per GPU count).
     for strategy, batch in dict.fromkeys((r.strategy, r.global_batch) for r in runs):
         same = [r for r in runs if (r.strategy, r.global_batch) == (strategy, batch)]
         first, sizes = same[0], [str(r.gpus) for r in same]
-        check_main(
+        slurm_jobs.check_main(
             python,
-            [*main_args(first, args, extra), *check_device(args, extra), "--check", *sizes],
+            [
+                *main_args(first, args, extra),
+                *slurm_jobs.check_device(args, extra),
+                "--check",
+                *sizes,
+            ],
             f"--strategy {strategy}",
         )
 
 
-def checking_python(args) -> str | None:
-    """The jobs' Python, to check main.py's options with; None, said once, if it lacks torch."""
-    python = job_python(bool(args.environment))
-    if has_torch(python):
-        return python
-    print(
-        f"note: no torch in {python}: main.py's options are not checked before submitting",
-        file=sys.stderr,
-        flush=True,
-    )
-    return None
-
-
-def check_device(args, extra: list[str]) -> list[str]:
-    """A login node has no GPU: unless the jobs say where they run, check for the GPU nodes'."""
-    return [] if args.local or "--device" in extra else ["--device", "cuda"]
-
-
-def check_main(python: str, argv: list[str], what: str) -> None:
-    """main.py --check; its one line, ending this program, where it refuses."""
-    done = subprocess.run(
-        [python, "main.py", *argv], cwd=REPO, capture_output=True, text=True, env=without_slurm()
-    )
-    if done.returncode:  # main.py's one line, or argparse's "main.py: error: ..."
-        error = last_line(done.stderr or done.stdout).split("error: ", 1)[-1]
-        fail(f"main.py {what}: {error} (nothing submitted)")
-
-
-def without_slurm() -> dict:
-    """This environment without SLURM's variables: inside an allocation, run.sh would otherwise
-    launch with srun, and main.py would take the allocation's ranks for its own."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-
-
 def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
     """The same sweep through run.sh without SLURM: torchrun, one configuration at a time."""
-    logs = next_sweep_folder(LOGS_DIR)
+    logs = layout.next_sweep_folder(layout.LOGS_DIR)
     plot = ["bash", "plot_results.sh"]
     if args.dry_run:
         for run, _ in repeated(runs, args.repeats):
             command = ["bash", "run.sh", *main_args(run, args, extra)]
             print(f"NPROC={run.gpus} {shlex.join(command)}")
-        print(f"LOGS={relative(logs)} {shlex.join(plot)}")
+        print(f"LOGS={layout.relative(logs)} {shlex.join(plot)}")
         return 0
     logs.mkdir(parents=True)
-    print(f"sweep {logs.name}: logs in {relative(logs)}/", flush=True)
+    print(f"sweep {logs.name}: logs in {layout.relative(logs)}/", flush=True)
     failed = []
     for run, name in repeated(runs, args.repeats):
         # <sweep>/<name>_local-<time>.log: the place of a job id, never an earlier run's file.
-        log = time_stamped(logs, f"{run.name}_local-", ".log")
-        print(f"{name}: {count(run.gpus, 'process')} here, log {relative(log)}", flush=True)
-        with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+        log = layout.time_stamped(logs, layout.log_stem(run.name, "local-"), ".log")
+        print(f"{name}: {count(run.gpus, 'process')} here, log {layout.relative(log)}", flush=True)
+        with open(log, "w") as out, open(log.with_suffix(layout.ERR_SUFFIX), "w") as err:
             status = subprocess.run(
                 ["bash", "run.sh", *main_args(run, args, extra)],
-                cwd=REPO,
+                cwd=layout.REPO,
                 stdout=out,
                 stderr=err,
-                env={**without_slurm(), "NPROC": str(run.gpus), "SAMPLES_DIR": str(logs)},
+                env={
+                    **slurm_jobs.without_slurm(),
+                    "NPROC": str(run.gpus),
+                    "SAMPLES_DIR": str(logs),
+                },
             ).returncode
         if status:
             failed.append(name)
             print(
-                f"{name}: exit status {status}, see {relative(log.with_suffix('.err'))}",
+                f"{name}: exit status {status}, see "
+                + layout.relative(log.with_suffix(layout.ERR_SUFFIX)),
                 file=sys.stderr,
                 flush=True,
             )
-    status = subprocess.run(plot, cwd=REPO, env={**os.environ, "LOGS": str(logs)}).returncode
+    status = subprocess.run(plot, cwd=layout.REPO, env={**os.environ, "LOGS": str(logs)}).returncode
     if status:
         failed.append("plot_results.sh")
     steps = len(runs) * args.repeats + 1
@@ -793,26 +508,15 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- --verify
-# verify.py builds on this module (job_python, without_slurm, main_option): it is imported where
-# --verify needs it, not at the top, where the two would import each other.
 
-VERIFY_TIME = "00:30:00"  # the checks take minutes; a hung one ends at its own bound
 # The sweep's options that choose its runs: --verify chooses its own (verify.py).
-SWEEP_ONLY = (
-    "strategies",
-    "repeats",
-    "scaling",
-    "one_at_a_time",
-    "epochs",
-    "batch_size",
-    "precision",
-)
+SWEEP_ONLY = "strategies repeats scaling one_at_a_time epochs batch_size precision".split()
 
 
 def refuse_sweep_only(ours: list[str]) -> None:
     actions = build_parser()._option_string_actions
     for token in ours:
-        if option_dest(token, actions) in SWEEP_ONLY:
+        if slurm_jobs.option_dest(token, actions) in SWEEP_ONLY:
             fail(
                 f"{token.split('=', 1)[0]} is the sweep's; --verify runs the checks' own "
                 "configurations (docs/verify.md): leave it out"
@@ -828,108 +532,22 @@ def verify_gpus(args) -> list[int]:
     return args.gpus or [2 * args.gpus_per_node]
 
 
-def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) -> str:
-    command = shlex.join([job_python(False), "verify.py", "--", *extra])
-    command += '; status=$?; echo "exit status $status"; exit $status'
-    options = [
-        "--parsable",
-        "--job-name=verify",
-        "--no-requeue",  # a node's failure must not rerun the checks into the same folder
-        f"--time={args.time or VERIFY_TIME}",
-        f"--output=jobs/{folder}/verify_%j.log",
-        *slurm_options(args),
-        *job_size(nodes, gpus // nodes, args),
-    ]
-    env = {"EDF": edf_value(args.environment)} if args.environment else {}
-    comment = (
-        f"# The cluster's acceptance test on {count(gpus, 'GPU')} ({count(nodes, 'node')}): "
-        "verify.py runs its checks inside the job.\n# Its report: logs/verify-<job id>/"
-        f"report.md. Submit again with: bash jobs/{folder}/verify.sh\n"
-    )
-    return script(comment, options, ["--wrap", command], env)
-
-
-def verify_report(job: Job) -> int:
-    """After the job: the report's path, each failed check's line; 0 only if all passed."""
-    import verify
-
-    report = verify.job_folder(job.job_id) / verify.REPORT
-    if not report.is_file():
-        print(
-            f"error: verify: job {job.job_id} ended {job.state} without a report; see "
-            f"{relative(job.log)}",
-            file=sys.stderr,
-        )
-        return 1
-    rows = verify.read_rows(report.read_text())
-    print(f"report: {relative(report)}")
-    for line in verify.warning_lines(report.read_text()):
-        print(line, file=sys.stderr)
-    for row in rows:
-        if not row.passed:
-            print(row.error_line(), file=sys.stderr)
-    return 0 if job.state == "COMPLETED" and rows and all(r.passed for r in rows) else 1
-
-
-def run_verify(args, extra: list[str]) -> int:
-    import verify
-
-    verify.refuse_verify_options(extra)
-    gpus = args.gpus[0]
-    nodes = nodes_for(gpus, args.gpus_per_node)
-    if python := checking_python(args):
-        check_main(
-            python,
-            [*verify.DEFAULTS, *extra, *check_device(args, extra), "--check", str(gpus)],
-            "(verify)",
-        )
-    if args.local:  # here, through torchrun: verify.py's own lines are the report
-        out = time_stamped(LOGS_DIR, f"{verify.PREFIX}local-")
-        command = [sys.executable, "verify.py", "--out", str(out), "--", *extra]
-        return subprocess.run(
-            command, cwd=REPO, env={**without_slurm(), "NPROC": str(gpus)}
-        ).returncode
-    folder = time_stamped(JOBS_DIR, verify.PREFIX).name
-    text = verify_script(folder, gpus, nodes, args, extra)
-    if args.dry_run:
-        print(f"# ---- jobs/{folder}/verify.sh\n{text}", end="")
-        return 0
-    try:
-        job_id = submit(write(JOBS_DIR / folder / "verify.sh", text))
-    except SubmitError as e:
-        fail(str(e), code=1)
-    job = Job("verify", job_id, JOBS_DIR / folder / f"verify_{job_id}.log")
-    print(
-        f"verify: job {job_id} ({count(nodes, 'node')} x {count(gpus // nodes, 'task')}), "
-        f"log {relative(job.log)}; report: {relative(verify.job_folder(job_id) / verify.REPORT)}",
-        flush=True,
-    )
-    if not args.wait:
-        return 0
-    try:
-        wait_for_jobs([job], args.poll_interval)
-    except KeyboardInterrupt:
-        print(f"\nstopped waiting; job {job_id} goes on (squeue --me)", file=sys.stderr)
-        return 130
-    return verify_report(job)
-
-
 def main(argv=None) -> int:
-    ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
+    ours, extra = slurm_jobs.split_argv(sys.argv[1:] if argv is None else argv)
     args = parse_args(ours)
     if args.verify:
         refuse_sweep_only(ours)
         args.gpus = verify_gpus(args)
         check_args(args)
         if not (args.local or args.dry_run):
-            require("sbatch", *(["squeue"] if args.wait else []))
+            slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
         return run_verify(args, extra)
     args.gpus = args.gpus or [1, 2, 4, 8]
     refuse_sweep_options(extra, "after --")
     check_args(args)
     runs = without_uncuttable(plan(args), model_of(extra))
     if not (args.local or args.dry_run):  # before the checks: without SLURM they are in vain
-        require("sbatch", *(["squeue"] if args.wait else []))
+        slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
     check_configurations(runs, args, extra)
     if args.local:
         return run_locally(runs, args, extra)
@@ -941,7 +559,7 @@ def main(argv=None) -> int:
         print(how_to_follow(jobs))
         return 0
     try:
-        wait_for_jobs(jobs, args.poll_interval)
+        slurm_jobs.wait_for_jobs(jobs, args.poll_interval)
     except KeyboardInterrupt:
         print("\nstopped waiting; the jobs go on (squeue --me)", file=sys.stderr)
         return 130

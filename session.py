@@ -21,6 +21,7 @@ import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world, microbatches
 from fsdp_utils import effective_sharding, low_precision, storage_dtype
+from layout import LOGS_DIR, relative
 from model import build_model, count_parameters
 from strategies import (
     STEP_COLLECTIVES,
@@ -291,7 +292,7 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
     run_comm_benchmark(model, env.device, gathered, extra={"job_id": distributed_utils.job_id()})
 
 
-PROFILE_DIR = Path("logs") / "profiles"
+PROFILE_DIR = LOGS_DIR / "profiles"
 
 
 def profile_path(env: distributed_utils.DistEnv) -> Path:
@@ -307,6 +308,6 @@ def profile_report(profiler: StepProfiler) -> str:
     pattern = profiler.path.with_name(profiler.path.name.replace("rank0", "rank*"))
     kind = "replays of the captured CUDA graph" if profiler.graphed else "eager"
     return (
-        f"[PROFILE] steps {steps[0]}-{steps[-1]} ({kind}) of each rank traced: {pattern} "
+        f"[PROFILE] steps {steps[0]}-{steps[-1]} ({kind}) of each rank traced: {relative(pattern)} "
         "(open in https://ui.perfetto.dev)"
     )

@@ -1,4 +1,5 @@
-"""Logging on rank 0 and the one `[METRIC]` line format, written and parsed here only.
+"""Logging on rank 0 and the one `[METRIC]` line format, written and parsed here only; main.py's
+exit statuses; a command-line tool's one-line error, notes and atomic writes.
 
 Every other file that prints a metric or reads a log goes through `format_metric` and
 `parse_metric`, so the training program, the collector and the tests cannot drift apart.
@@ -12,63 +13,83 @@ course's published regex keeps matching; more `key=value` fields follow:
 import os
 import re
 import sys
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
+
+# main.py's exit statuses, 0 to 5, by name, and what each means (main.py --help lists them). run.sh,
+# verify.py and docs/troubleshooting.md follow them; tests/test_docs.py checks run.sh and the doc.
+EXIT_MEANING = {
+    "finished": "finished",
+    "peer_failed": "another rank died or hung",  # its own log says why
+    "usage": "bad input",  # one `error:` line
+    "stopped": "stopped by SIGUSR1/SIGUSR2/SIGTERM after saving a checkpoint (resume to finish)",
+    "diverged": "diverged (the training loss became NaN or infinite)",  # last good one stays
+    # One `error:` line says which, why, and what is intact (docs/reliability.md).
+    "checkpoint": "a checkpoint could not be saved or read",
+}
+EXIT_STATUS = {name: code for code, name in enumerate(EXIT_MEANING)}  # in the order of codes
 
 # The course's regex, kept verbatim: the project's lines must always match it.
 COURSE_METRIC_RE = re.compile(
     r"\[METRIC\] epoch=(\d+) time=([\d\.]+) val_loss=([\d\.]+) acc=([\d\.]+) peak_mem=(\d+)MB"
 )
 
-# (name, format) of the course's leading fields, in order. peak_mem is in MB with a unit suffix.
-COURSE_FIELDS = (
-    ("epoch", "{:d}"),
-    ("time", "{:.2f}"),
-    ("val_loss", "{:.4f}"),
-    ("acc", "{:.2f}"),
-    ("peak_mem", "{:d}MB"),
-)
+
+@dataclass(frozen=True)
+class MetricField:
+    """A field of the `[METRIC]` line: its unit, its label where figures name it otherwise, and
+    whether a run may not know it (`na`: an empty cell in the collector's CSV)."""
+
+    name: str
+    unit: str = ""
+    label: str = ""
+    may_be_na: bool = False
+    fmt: str = ""  # the course's five fields' fixed format (peak_mem in MB with its suffix)
+
 
 # Every field of a `[METRIC]` line, in the line's order: the one place that order is written.
 # After the course's five come the labels that name the run, the project's first measurements,
 # the labels that say how it ran, then what was added since: measurements, then labels. New
 # fields go at the end of the last two groups, so that the positions readers rely on stay put.
 # format_metric() orders any line by it; fields it does not name follow in the order given.
-METRIC_FIELDS = (
-    *(name for name, _ in COURSE_FIELDS),
-    "strategy",
-    "world_size",
-    "nodes",
-    "global_batch",
-    "local_batch",  # the run
-    "train_loss",
-    "val_time",
-    "throughput",
-    "data_wait",
-    "state_mem",  # first measurements
-    "precision",
-    "device",
-    "dataset",
-    "seed",
-    "job_id",  # the setting
-    "data_mem",
-    "reserved_mem",
-    "t_compute",
-    "t_data",
-    "t_comm",
-    "t_wait",
-    "tflops",
-    "mfu",
-    "slowest_rank",
-    "rank_time_spread",
-    "bubble",
-    "bubble_ideal",
-    "breakdown",  # measured since
-    "sharding",
-    "train_images",
-    "microbatches",  # labels added since (e.g. the sharding FSDP really used)
+METRIC = (
+    MetricField("epoch", fmt="{:d}"),  # the course's, in the course's order and units
+    MetricField("time", "s", fmt="{:.2f}"),
+    MetricField("val_loss", fmt="{:.4f}"),
+    MetricField("acc", "%", fmt="{:.2f}"),
+    MetricField("peak_mem", "MB", fmt="{:d}MB"),
+    *map(MetricField, ("strategy", "world_size", "nodes", "global_batch", "local_batch")),
+    MetricField("train_loss"),  # first measurements
+    MetricField("val_time", "s"),
+    MetricField("throughput", "images/s"),
+    MetricField("data_wait", "s"),
+    MetricField("state_mem", "MB"),
+    *map(MetricField, ("precision", "device", "dataset", "seed", "job_id")),  # the setting
+    MetricField("data_mem", "MB"),  # measured since
+    MetricField("reserved_mem", "MB"),
+    MetricField("t_compute", "s", "compute", may_be_na=True),
+    MetricField("t_data", "s", "data"),
+    MetricField("t_comm", "s", "communication", may_be_na=True),
+    MetricField("t_wait", "s", "waiting"),
+    MetricField("tflops", "TFLOP/s", may_be_na=True),
+    MetricField("mfu", "%", may_be_na=True),
+    MetricField("slowest_rank"),
+    MetricField("rank_time_spread", "s"),
+    MetricField("bubble", may_be_na=True),
+    MetricField("bubble_ideal", may_be_na=True),
+    MetricField("breakdown"),
+    MetricField("sharding"),  # labels added since (e.g. the sharding FSDP really used)
+    MetricField("train_images", "images"),
+    MetricField("microbatches", may_be_na=True),
 )
+COURSE_FIELDS = METRIC[:5]
+METRIC_FIELDS = tuple(f.name for f in METRIC)
+MAY_BE_NA = tuple(f.name for f in METRIC if f.may_be_na)
+LABEL = {f.name: f.label for f in METRIC if f.label}
+# Where an epoch's time went (train.time_breakdown): the `t_` fields, which add up to `time`.
+TIME_PARTS = tuple(name for name in METRIC_FIELDS if name.startswith("t_"))
 
 METRIC_TAG = "[METRIC]"
 CONFIG_TAG = "[CONFIG]"  # one line per run, first: the whole resolved configuration
@@ -146,8 +167,8 @@ def metric_order(fields: dict) -> dict:
 def format_metric(fields: dict) -> str:
     """The `[METRIC]` line: course fields first (fixed formats), then the rest in the order of
     METRIC_FIELDS."""
-    head = [name + "=" + fmt.format(fields[name]) for name, fmt in COURSE_FIELDS]
-    course_names = {name for name, _ in COURSE_FIELDS}
+    head = [f.name + "=" + f.fmt.format(fields[f.name]) for f in COURSE_FIELDS]
+    course_names = {f.name for f in COURSE_FIELDS}
     tail = [
         f"{k}={format_value(v)}" for k, v in metric_order(fields).items() if k not in course_names
     ]
@@ -189,46 +210,36 @@ def parse_config(line: str) -> dict | None:
     return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(CONFIG_TAG) :])}
 
 
-# A sweep's logs live in logs/sweep-<date-time>/, never mixed with another sweep's: the sweep
-# tool makes the folder, the collector reads the newest (or, when asked, several).
-SWEEP_PREFIX = "sweep-"
-# The collect job's outcome in its sweep's folder, one line: where a user of a sweep submitted
-# without --wait learns whether it gave results. The collector reads it as no log.
-SWEEP_OUTCOME = "collect_outcome.txt"
-
-
-def time_stamp() -> str:
-    """The time now as every time-stamped name of the project writes it: 20261122-141500."""
-    return time.strftime("%Y%m%d-%H%M%S")
-
-
-def time_stamped(folder: Path, prefix: str, suffix: str = "") -> Path:
-    """folder/<prefix><date-time>[-n]<suffix>: named by the time now, and by n = 2, 3, ... where
-    that name is taken, so never an earlier file or folder (nothing is made here)."""
-    stem = prefix + time_stamp()
-    path, n = folder / f"{stem}{suffix}", 1
-    while path.exists():
-        n += 1
-        path = folder / f"{stem}-{n}{suffix}"
-    return path
-
-
-def next_sweep_folder(logs: Path) -> Path:
-    """logs/sweep-<date-time>[-n]: the folder a sweep started now would use (not made here)."""
-    return time_stamped(logs, SWEEP_PREFIX)
-
-
-def sweep_folders(logs: Path) -> list[Path]:
-    """The sweeps in a logs folder, oldest first (their names sort by time)."""
-    if not logs.is_dir():
-        return []
-    return sorted(p for p in logs.iterdir() if p.is_dir() and p.name.startswith(SWEEP_PREFIX))
-
-
 def fail(message: str, code: int = 2) -> NoReturn:
     """End a command-line program with a one-line error."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)  # stderr: a tool's stdout stays its table or paths
+
+
+def count(n: int, noun: str) -> str:
+    """n and the noun, plural unless n is 1: 1 node, 2 GPUs, 2 processes."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
+def last_line(text: str) -> str:
+    """The last line of a program's output that is not blank: where its error is."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """write(temp) beside path, then rename: a reader never sees half a file, a failure no file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temp)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 # `[COMM] op=all_reduce label=grad bytes=2214056 world_size=4 time_us=... algbw_gbps=...
@@ -236,10 +247,9 @@ def fail(message: str, code: int = 2) -> NoReturn:
 COMM_TAG = "[COMM]"
 COMM_FIELDS = ("op", "label", "bytes", "world_size", "time_us", "algbw_gbps", "busbw_gbps")
 
-
 # The FSDP unit of the parameters no unit of their own holds (comm_bench.fsdp_units; its
 # messages are labelled unit_root): kept from forward to backward (fsdp_utils), so full
-# sharding gathers it once a step, every other unit twice (collect_results.comm_model_time).
+# sharding gathers it once a step, every other unit twice (results_summary.comm_model_time).
 FSDP_ROOT_UNIT = "root"
 
 

@@ -29,26 +29,29 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from config import LAUNCHER_OPTION
-from main import EXIT_STATUS  # no torch: main.py parses before torch loads
-from run_benchmarks import job_python, main_option, main_value, split_argv, without_slurm
-from utils import fail, parse_comm, time_stamped
+from layout import LOGS_DIR, VERIFY_PREFIX, VERIFY_REPORT, relative, time_stamped, verify_folder
+from slurm_jobs import main_value, split_argv
+from utils import EXIT_STATUS, fail, last_line, parse_comm
+from verify_job import DEFAULTS, WARNING, Row, refuse_verify_options, report_text
+from verify_runs import (
+    Context,
+    alone,
+    finish,
+    kill_rank,
+    kill_task,
+    launch,
+    run,
+    stop_all,
+    tag,
+    wait_for_progress,
+)
 
-REPO = Path(__file__).resolve().parent
-LOGS_DIR = REPO / "logs"
-PREFIX = "verify-"
-REPORT = "report.md"
-RUN_TIMEOUT_S = 900  # one run of main.py; a hung one is a FAIL, not a job at its time limit
 KILL_BOUND_S = 120  # a dead rank must end the run within this (docs/failures.md: seconds)
-# Rank 0's progress line (train.py's Trainer writes it: "epoch 1 step    10/100 loss ...").
-PROGRESS = re.compile(r"^epoch \d+ step +\d+/", re.MULTILINE)
 STOPPED_STATUS = EXIT_STATUS["stopped"]
 
 # Tolerance on the largest |parameter difference| after one epoch of 10 SGD steps, every run
@@ -63,254 +66,6 @@ STOPPED_STATUS = EXIT_STATUS["stopped"]
 # docs/verify.md says more.
 TOLERANCE = 1e-9
 COMPARED = "fp64"  # the --precision of the runs whose parameters are compared
-
-# main.py's options that verify sets in every run: given after `--`, they would change what is
-# compared (a batch that does not split, augmentation seeded per rank, Adam's eps amplifying
-# last-bit differences) or where the checkpoints go.
-VERIFY_SETS = {
-    "strategy",
-    "epochs",
-    "batch_size",
-    "train_samples",
-    "val_samples",
-    "optimizer",
-    "lr",
-    "lr_schedule",
-    "precision",
-    "seed",
-    "augment",
-    "grad_accum",
-    "print_every",
-    "checkpoint",
-    "checkpoint_dir",
-    "resume",
-    "comm_benchmark",
-}
-DEFAULTS = ["--dataset", "synthetic", "--model", "cnn"]  # the user's options after `--` win
-
-
-def refuse_verify_options(extra: list[str]) -> None:
-    """One error line for an option after `--` that verify chooses in every run."""
-    for token in extra:
-        if LAUNCHER_OPTION.match(token.split("=", 1)[0]):
-            fail(
-                f"{token.split('=', 1)[0]} after -- is no option of main.py: the job's size is "
-                "run_benchmarks.py's --gpus and --gpus-per-node"
-            )
-        if main_option(token) in VERIFY_SETS:
-            fail(
-                f"{token.split('=', 1)[0]} after -- is chosen by verify in every run "
-                "(docs/verify.md); leave it out"
-            )
-
-
-# ----------------------------------------------------------------------------- the report
-
-
-@dataclass
-class Row:
-    """One check's outcome: a row of report.md."""
-
-    check: str
-    passed: bool
-    figure: str
-    log: str  # relative to the repository
-
-    def markdown(self) -> str:
-        cells = [self.check, "PASS" if self.passed else "FAIL", self.figure, f"`{self.log}`"]
-        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
-    def error_line(self) -> str:
-        return f"error: verify: {self.check} failed: {self.figure}; see {self.log}"
-
-
-WARNING = "warning: verify: "
-ROW_RE = re.compile(r"^\| (\S+) \| (PASS|FAIL) \| (.*) \| `([^`]*)` \|$", re.MULTILINE)
-
-
-def read_rows(report: str) -> list[Row]:
-    """The check rows of a report.md (run_benchmarks.py --wait reads them back)."""
-    return [
-        Row(check, result == "PASS", figure.replace("\\|", "|"), log)
-        for check, result, figure, log in ROW_RE.findall(report)
-    ]
-
-
-def warning_lines(report: str) -> list[str]:
-    return [line for line in report.splitlines() if line.startswith(WARNING)]
-
-
-def report_text(rows: list[Row], about: dict, warnings: list[str]) -> str:
-    lines = [
-        "# Cluster acceptance test (verify.py)",
-        "",
-        "What each check proves and what to do with a FAIL: docs/verify.md.",
-        "",
-        "| check | result | figure | log |",
-        "|---|---|---|---|",
-        *(row.markdown() for row in rows),
-        "",
-        *(f"{w}\n" for w in warnings),
-        "## Where",
-        "",
-        *(f"- {k}: {v}" for k, v in about.items()),
-        "",
-    ]
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- launching
-
-
-@dataclass
-class Context:
-    """Where the checks run: the report's folder, the world size, the user's options."""
-
-    out: Path
-    world_size: int
-    nodes: list[str]
-    extra: list[str]
-    in_slurm: bool
-    warnings: list[str] = field(default_factory=list)
-    versions: dict = field(default_factory=dict)  # torch's, and the GPUs it sees
-    device: str = "cpu"  # where main.py trains: "cuda" where torch sees a GPU, unless told
-
-    def log(self, name: str) -> Path:
-        return self.out / f"{name}.log"
-
-
-def relative(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
-
-
-def run_env(ctx: Context, **extra) -> dict:
-    """run.sh's environment: SLURM's inside the job (run.sh then uses srun), none here; a tag
-    that finds this run's ranks in /proc (task_pid)."""
-    env = dict(os.environ) if ctx.in_slurm else {**without_slurm(), "NPROC": str(ctx.world_size)}
-    return {**env, "SAMPLES_DIR": str(ctx.out / "samples"), **extra}
-
-
-def tag(ctx: Context, name: str) -> str:
-    """What marks the ranks of one run (VERIFY_RUN in their environment), to find them."""
-    return f"{ctx.out.name}-{name}"
-
-
-def launch(ctx: Context, args: list[str], log: Path, **env) -> subprocess.Popen:
-    """main.py through run.sh, as users launch it; output (both streams) into `log`."""
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            ["bash", "run.sh", *args],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=run_env(ctx, VERIFY_RUN=tag(ctx, log.stem), **env),
-            start_new_session=True,  # its own process group: ended whole on a timeout
-        )
-
-
-def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> int | None:
-    """The run's exit status; None where it outlived `timeout` (it is killed)."""
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return None
-
-
-def run(ctx: Context, args: list[str], name: str, **env) -> int | None:
-    return finish(launch(ctx, args, ctx.log(name), **env))
-
-
-def torch_python(ctx: Context) -> list[str]:
-    """The command that runs the jobs' Python alone, outside any launcher's world: the
-    reference run and the reading of checkpoints. In a container (EDF) that Python is reachable
-    only through srun."""
-    if ctx.in_slurm and os.environ.get("EDF"):
-        step = ["srun", "--overlap", "--nodes=1", "--ntasks=1"]
-        return [*step, f"--environment={os.environ['EDF']}", job_python(True)]
-    return [job_python(False)]
-
-
-def wait_for_progress(log: Path, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> bool:
-    """Whether rank 0 printed a progress line (training runs) before the run ended."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if PROGRESS.search(log.read_text(errors="replace")):
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def task_pid(tag: str, rank: int) -> int | None:
-    """The process of rank `rank` of the run tagged VERIFY_RUN=tag (or of job SLURM_JOB_ID=tag)
-    on this node: a Python running main.py (not its --check, not torchrun's agent) whose
-    environment gives that rank (torchrun's RANK, or SLURM_PROCID in an srun step)."""
-    tags = {f"VERIFY_RUN={tag}".encode(), f"SLURM_JOB_ID={tag}".encode()}
-    ranks = {f"RANK={rank}".encode(), f"SLURM_PROCID={rank}".encode()}
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            environ = set((proc / "environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if (
-            Path(argv[0].decode(errors="replace")).name.startswith("python")
-            and b"main.py" in argv
-            and b"--check" not in argv
-            and b"torch.distributed.run" not in argv
-            and tags & environ
-            and ranks & environ
-        ):
-            return int(proc.name)
-    return None
-
-
-def environ_of(pid: int) -> dict[str, str]:
-    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-    return dict(e.split("=", 1) for e in entries if "=" in e)
-
-
-def kill_task(tag: str, rank: int) -> bool:
-    """SIGKILL one rank on this node; False if it does not run here."""
-    pid = task_pid(tag, rank)
-    if pid is not None:
-        os.kill(pid, signal.SIGKILL)
-    return pid is not None
-
-
-def kill_rank(ctx: Context, tag: str, rank: int) -> bool:
-    """SIGKILL one rank: here, or inside the job on the node that runs it (srun's block
-    distribution: rank r on node r * nodes // world size), through a step beside the ranks'
-    (--overlap, as run.sh's samplers), which runs `verify.py --kill-task` there."""
-    if not ctx.in_slurm:
-        return kill_task(tag, rank)
-    node = ctx.nodes[rank * len(ctx.nodes) // ctx.world_size]
-    step = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
-    done = subprocess.run(
-        [*step, sys.executable, "verify.py", "--kill-task", tag, str(rank)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return done.returncode == 0
-
-
-def stop_all(ctx: Context, proc: subprocess.Popen, tag: str) -> bool:
-    """SIGUSR1 to every rank, as SLURM's warning reaches them: inside the job, to the step of
-    the ranks (scancel --signal, which signals the tasks and not the batch shell: run.sh would
-    requeue the job); here, to run.sh, which passes it to each rank."""
-    if not ctx.in_slurm:
-        proc.send_signal(signal.SIGUSR1)
-        return True
-    pid = task_pid(tag, 0)  # rank 0 runs on this, the batch node
-    if pid is None:
-        return False
-    step = f"{os.environ['SLURM_JOB_ID']}.{environ_of(pid)['SLURM_STEP_ID']}"
-    return subprocess.run(["scancel", "--signal=USR1", step], timeout=60).returncode == 0
-
 
 # ----------------------------------------------------------------------------- the checks
 
@@ -337,14 +92,7 @@ def sizes(ctx: Context, steps: int) -> list[str]:
     on the 2-core machine, and 1.5e-8 after 8: a ReLU or max-pool tie that rounding tips one
     way or the other, on one permutation; 16 a rank stayed within 2e-8.)"""
     batch = 16 * ctx.world_size
-    return [
-        "--batch-size",
-        str(batch),
-        "--train-samples",
-        str(steps * batch),
-        "--val-samples",
-        str(batch),
-    ]
+    return f"--batch-size {batch} --train-samples {steps * batch} --val-samples {batch}".split()
 
 
 def settings(
@@ -358,52 +106,9 @@ def settings(
         *DEFAULTS,
         *ctx.extra,
         *sizes(ctx, steps),
-        "--epochs",
-        str(epochs),
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-        "--seed",
-        "7",
-        "--precision",
-        precision,
-        "--no-augment",
-        "--print-every",
-        str(print_every),
+        *f"--epochs {epochs} --optimizer sgd --lr 0.05 --seed 7 --precision {precision}".split(),
+        *f"--no-augment --print-every {print_every}".split(),
     ]
-
-
-def alone_env(ctx: Context) -> dict:
-    """No launcher's variables: main.py is then a world of one (inside a container, srun's
-    own step says so)."""
-    if ctx.in_slurm and os.environ.get("EDF"):
-        return dict(os.environ)
-    launcher = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-    return {k: v for k, v in without_slurm().items() if k not in launcher}
-
-
-def alone(ctx: Context, args: list[str], timeout: float = RUN_TIMEOUT_S):
-    return subprocess.run(
-        [*torch_python(ctx), *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=alone_env(ctx),
-        timeout=timeout,
-    )
-
-
-def last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "no output"
 
 
 def max_diffs(ctx: Context, reference: Path, others: list[Path], log: Path) -> list[float]:
@@ -702,8 +407,7 @@ def max_param_diffs(reference: Path, *others: Path):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        usage="%(prog)s [options] [-- main.py options]",
-        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s [options] [-- main.py options]", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--out", type=Path, help="the report's folder (default: logs/verify-<job id>)")
     p.add_argument(
@@ -720,15 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def job_folder(job_id: str) -> Path:
-    """Where a verify job's report and logs go (run_benchmarks.py --wait reads it)."""
-    return LOGS_DIR / f"{PREFIX}{job_id}"
-
-
 def default_out(in_slurm: bool) -> Path:
     if in_slurm:
-        return job_folder(os.environ["SLURM_JOB_ID"])
-    return time_stamped(LOGS_DIR, f"{PREFIX}local-")
+        return verify_folder(os.environ["SLURM_JOB_ID"])
+    return time_stamped(LOGS_DIR, f"{VERIFY_PREFIX}local-")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -764,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             f"verify: {check}: {'PASS' if rows[-1].passed else 'FAIL'}: {rows[-1].figure}",
             flush=True,
         )
-    report = out / REPORT
+    report = out / VERIFY_REPORT
     report.write_text(report_text(rows, where(ctx), ctx.warnings))
     print(f"report: {relative(report)}", flush=True)
     for line in ctx.warnings + [r.error_line() for r in rows if not r.passed]:

@@ -150,7 +150,7 @@ def metrics_in(text: str) -> list[dict]:
 def assert_breakdown_holds(m: dict) -> None:
     """No part is negative; reliable ones add up to the epoch's time; an unreliable one says it
     and reports neither compute nor communication."""
-    from collect_results import TIME_PARTS  # the parts' one list (pandas: imported here only)
+    from utils import TIME_PARTS
 
     assert all(m[t] == "na" or m[t] >= 0 for t in TIME_PARTS), m
     if m["breakdown"] == "ok":

@@ -24,7 +24,14 @@ from conftest import (
     start_ranks,
     stop_at_first_progress,
 )
-from utils import COURSE_METRIC_RE, METRIC_FIELDS, format_metric, parse_config, parse_metric
+from utils import (
+    COURSE_METRIC_RE,
+    EXIT_STATUS,
+    METRIC_FIELDS,
+    format_metric,
+    parse_config,
+    parse_metric,
+)
 
 QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
 
@@ -188,7 +195,7 @@ def test_a_rank_other_than_0_with_bad_input_outlives_rank_0_until_ended():
         out, err = rank1.communicate(timeout=30)
     finally:
         rank1.kill()
-    assert (rank1.returncode, out, err) == (main.EXIT_STATUS["usage"], "", "")
+    assert (rank1.returncode, out, err) == (EXIT_STATUS["usage"], "", "")
 
 
 @pytest.mark.parametrize(

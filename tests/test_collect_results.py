@@ -8,6 +8,8 @@ import pandas as pd
 import pytest
 
 import collect_results
+import results_summary
+import utils
 from conftest import call_main
 from helpers import COURSE_LOGS, log_text, metric_fields, run_log, runs_frame, write_log
 from utils import format_comm, format_metric
@@ -46,7 +48,7 @@ def test_course_log_parses(tmp_path):
 
 def test_course_log_summary():
     results, _ = collect(COURSE_LOGS)
-    row = collect_results.summarize(results).iloc[0]
+    row = results_summary.summarize(results).iloc[0]
     assert (row["strategy"], row["gpus"], row["epochs"]) == ("ddp", 4, 15)
     assert row["time"] == pytest.approx(2.20)  # epoch 1 (4.09 s, warm-up) left out
     assert (row["val_loss"], row["acc"], row["peak_mem"]) == (0.9722, 71.88, 91)
@@ -179,7 +181,7 @@ def test_stderr_beside_a_log_reports_its_crash(tmp_path):
 
 
 def test_speedup_and_efficiency():
-    summary = collect_results.summarize(
+    summary = results_summary.summarize(
         runs_frame(
             {
                 ("ddp", 1): [
@@ -200,7 +202,7 @@ def test_speedup_and_efficiency():
     assert (summary.loc[("ddp", 4), "val_loss"], summary.loc[("ddp", 4), "acc"]) == (0.25, 54.0)
     assert pd.isna(summary.loc[("fsdp", 2), "speedup"])
 
-    table = collect_results.markdown_table(summary.reset_index())
+    table = results_summary.markdown_table(summary.reset_index())
     ddp4 = next(line for line in table.splitlines() if line.startswith("| ddp | 4 |"))
     assert "| 2.00 |" in ddp4 and "| 4.00 | 100% |" in ddp4
     fsdp2 = next(line for line in table.splitlines() if line.startswith("| fsdp | 2 |"))
@@ -208,16 +210,16 @@ def test_speedup_and_efficiency():
 
 
 def test_one_epoch_run_uses_its_only_epoch():
-    summary = collect_results.summarize(runs_frame({("ddp", 1): [6.0]}))
+    summary = results_summary.summarize(runs_frame({("ddp", 1): [6.0]}))
     assert summary.loc[0, "time"] == 6.0
 
 
 def test_repeated_configuration_takes_medians():
     results = runs_frame({("ddp", 1): [9.0, 8.0]})
     again = results.assign(log="ddp_1gpu_again.log", time=[9.0, 10.0])
-    summary = collect_results.summarize(pd.concat([results, again]))
+    summary = results_summary.summarize(pd.concat([results, again]))
     assert summary.loc[0, ["runs", "time", "time_min", "time_max"]].tolist() == [2, 9.0, 8.0, 10.0]
-    assert "| 9.00 | 8.00-10.00 |" in collect_results.markdown_table(summary)
+    assert "| 9.00 | 8.00-10.00 |" in results_summary.markdown_table(summary)
 
 
 # ---- command line ----
@@ -279,7 +281,7 @@ def test_csv_write_is_atomic(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError):
-        collect_results.write_atomically(target, crash)
+        utils.write_atomically(target, crash)
     assert target.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["results.csv"]
 
@@ -400,14 +402,14 @@ def test_the_study_is_named_strong_or_weak_scaling():
     strong = runs_frame({("ddp", 1): [9.0], ("ddp", 2): [5.0]}).assign(
         global_batch=256, local_batch=[256, 128]
     )
-    assert collect_results.scaling(strong) == (
+    assert results_summary.scaling(strong) == (
         "strong scaling: global batch 256 at every GPU count"
     )
     weak = strong.assign(global_batch=[64, 128], local_batch=64)
-    assert collect_results.scaling(weak) == "weak scaling: 64 images per GPU per step"
+    assert results_summary.scaling(weak) == "weak scaling: 64 images per GPU per step"
     mixed = strong.assign(global_batch=[64, 256], local_batch=[64, 128])
-    assert collect_results.scaling(mixed) is None
-    assert collect_results.scaling(strong.drop(columns="local_batch")) is None
+    assert results_summary.scaling(mixed) is None
+    assert results_summary.scaling(strong.drop(columns="local_batch")) is None
     import plot_results
 
     assert plot_results.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
@@ -461,7 +463,7 @@ def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys
     assert code == 0
     comm = pd.read_csv(out.with_name("comm.csv"))
     assert list(comm.columns[:10]) == [
-        *collect_results.RUN_COLUMNS,
+        *results_summary.RUN_COLUMNS,
         "op",
         "label",
         "bytes",
@@ -471,7 +473,7 @@ def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys
     # DDP: 2 steps x (1 + 3 ms) of buckets. FSDP, full sharding: 2 steps x (2 gathers x 1 ms of
     # unit_a + 1 gather x 0.5 ms of the root, kept from forward to backward, + 2.5 ms of
     # reduce-scatters).
-    summary = collect_results.summarize(pd.read_csv(out), comm).set_index("strategy")
+    summary = results_summary.summarize(pd.read_csv(out), comm).set_index("strategy")
     assert summary.loc["ddp", "comm_model"] == pytest.approx(0.008)
     assert summary.loc["fsdp", "comm_model"] == pytest.approx(0.010)
     assert summary.loc["ddp", "t_comm"] == 0.5
@@ -485,7 +487,7 @@ def test_no_comm_lines_no_comm_csv(tmp_path, capsys):
     out.with_name("comm.csv").write_text("stale\n")  # an older collection's
     assert cli(capsys, "--logs", tmp_path, "--out", out)[0] == 0
     assert not out.with_name("comm.csv").exists()
-    assert collect_results.summarize(pd.read_csv(out))["comm_model"].isna().all()
+    assert results_summary.summarize(pd.read_csv(out))["comm_model"].isna().all()
 
 
 @pytest.mark.parametrize("cpus", [2, 4])
@@ -498,7 +500,7 @@ def test_ranks_that_outnumber_their_cores_are_said_so(tmp_path, capsys, cpus):
     )
     results, _ = collect(tmp_path)
     assert results["threads_per_core"].tolist() == [4 / cpus] * 2
-    warning = collect_results.cores_outnumbered(results)
+    warning = results_summary.cores_outnumbered(results)
     if cpus == 2:
         assert warning.startswith(
             "warning: the ranks outnumbered the CPU cores of their node in ddp on 4 CPU ranks: "
@@ -508,7 +510,7 @@ def test_ranks_that_outnumber_their_cores_are_said_so(tmp_path, capsys, cpus):
     code, _, err = cli(capsys, "--logs", tmp_path, "--out", tmp_path / "r.csv")
     assert code == 0 and (warning in err.splitlines() if warning else "warning" not in err)
     read_back = pd.read_csv(tmp_path / "r.csv")  # the CSV keeps what the plots need to say so
-    assert collect_results.cores_outnumbered(read_back) == warning
+    assert results_summary.cores_outnumbered(read_back) == warning
 
 
 # ---- a pipeline's runs ----
@@ -532,15 +534,15 @@ def test_pipeline_runs_scale_against_ddps_one_gpu_and_give_the_bubble_by_microba
             microbatches=m,
         )
     results, _ = collect(tmp_path)
-    summary = collect_results.summarize(results).set_index(["strategy", "gpus"])
+    summary = results_summary.summarize(results).set_index(["strategy", "gpus"])
     assert summary.loc[("pipeline", 2), "speedup"] == 8.0 / 4.0
     assert summary.loc[("ddp", 2), "speedup"] == 8.0 / 5.0
     assert pd.isna(summary.loc[("ddp", 2), "bubble"])
-    table = collect_results.bubble_table(results)
+    table = results_summary.bubble_table(results)
     assert table[["gpus", "microbatches", "runs"]].values.tolist() == [[2, 4, 1], [2, 8, 1]]
     assert table["bubble"].tolist() == [0.5, 0.25]
     assert table["bubble_ideal"].tolist() == pytest.approx([0.2, 1 / 9], rel=1e-5)
-    text = collect_results.bubble_markdown(table)
+    text = results_summary.bubble_markdown(table)
     assert "| 2 | 8 | 1 | 0.250 | 0.111 |" in text.splitlines()
 
 
@@ -565,7 +567,7 @@ def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(
         [metric_fields(e, world_size=2, job_id="2", **bad) for e in (1, 2)],
     )
     results, _ = collect(tmp_path)
-    summary = collect_results.summarize(results).set_index("gpus")
+    summary = results_summary.summarize(results).set_index("gpus")
     one, two = summary.loc[1], summary.loc[2]
     assert (one["t_compute"], one["t_comm"], one["unreliable_epochs"]) == (1.2, 0.2, 1)
     assert pd.isna(two["t_compute"]) and two["unreliable_epochs"] == 1
@@ -583,10 +585,10 @@ def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp
         metrics = [metric_fields(e, world_size=gpus, job_id=str(gpus)) for e in (1, 2)]
         (tmp_path / f"ddp_{gpus}gpu_{gpus}.log").write_text(log_text(metrics, cuda_graphs=graphed))
     results, _ = collect(tmp_path)
-    summary = collect_results.summarize(results).set_index("gpus")
+    summary = results_summary.summarize(results).set_index("gpus")
     assert (summary.loc[1, "step"], summary.loc[2, "step"]) == ("graph", "eager")
-    header, _, *rows = collect_results.markdown_table(summary.reset_index()).splitlines()
+    header, _, *rows = results_summary.markdown_table(summary.reset_index()).splitlines()
     assert "| step |" in header and "| graph |" in rows[0] and "| eager |" in rows[1], rows
-    (warning,) = collect_results.mixed_steps(results)
+    (warning,) = results_summary.mixed_steps(results)
     assert "ddp's points mix graphed and eager steps (eager at 2; graph at 1" in warning
     assert plot_results.step_mark(summary.reset_index()) == " (eager/CUDA graph)"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from utils import METRIC_FIELDS, parse_metric
+from utils import EXIT_STATUS, METRIC_FIELDS, parse_metric
 
 pytestmark = pytest.mark.fast  # make test-fast
 
@@ -245,15 +245,17 @@ def test_the_line_reference_checker(text, found):
     assert LINE_REFERENCE.findall(text) == found
 
 
-def test_the_exit_status_table_is_main_pys():
+def test_the_exit_statuses_are_utils():
     """docs/troubleshooting.md's table, the one every doc links to, lists each status main.py
-    ends with (`main.EXIT_STATUS`) and no other."""
-    from main import EXIT_STATUS
-
+    ends with (`utils.EXIT_STATUS`) and no other; run.sh's `stopped` is that status."""
     text = (REPO / "docs" / "troubleshooting.md").read_text()
     table = text.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
     listed = [int(status) for status in re.findall(r"^\| (\d+) \|", table, re.M)]
     assert sorted(listed) == sorted(EXIT_STATUS.values())
+    run_sh = (REPO / "run.sh").read_text()
+    (block,) = re.findall(r"-eq \d+ \]; then +# main.py's own: .*?\n +fi", run_sh, re.S)
+    statuses = re.findall(r"(?<!&)\b\d+\b", block)  # not >&2, the stream
+    assert set(statuses) == {str(EXIT_STATUS["stopped"])}, block
 
 
 def unrecorded_ranges(text: str, record: str) -> list[str]:

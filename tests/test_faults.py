@@ -32,7 +32,7 @@ from conftest import (
 from dist_harness import full_state, spawn
 from helpers import start_batch_script, wait_for
 
-STATUS_CHECKPOINT = 5  # main.EXIT_STATUS["checkpoint"]
+STATUS_CHECKPOINT = 5  # utils.EXIT_STATUS["checkpoint"]
 STATUS_STOPPED = 3
 
 # Tiny runs: 4 steps of 64 images an epoch, one checkpoint each.

@@ -10,6 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 import collect_results
 import mfu
 import plot_results
+import results_summary
 from conftest import TINY, main_on_ranks, metrics_in
 from helpers import metric_fields, write_log
 from utils import parse_config
@@ -114,11 +115,11 @@ def test_the_collector_and_the_plots_carry_tflops_and_mfu(tmp_path):
     by_gpus = dict(list(results.groupby("gpus")))
     assert by_gpus[1]["mfu"].tolist() == [41.0, 42.0, 43.0]
     assert by_gpus[2]["mfu"].isna().all() and by_gpus[2]["tflops"].eq(1.5).all()
-    summary = collect_results.summarize(results)
+    summary = results_summary.summarize(results)
     one, two = (summary[summary["gpus"] == n].iloc[0] for n in (1, 2))
     assert one["mfu"] == 42.5 and one["tflops"] == 2.0  # median after the first epoch
     assert pd.isna(two["mfu"]) and two["tflops"] == 1.5
-    assert "MFU %" in collect_results.markdown_table(summary)
+    assert "MFU %" in results_summary.markdown_table(summary)
 
     fig = plot_results.plot_throughput(summary)
     FigureCanvasAgg(fig).draw()

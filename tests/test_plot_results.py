@@ -14,6 +14,7 @@ from matplotlib.colors import to_rgb
 
 import collect_results
 import plot_results
+import results_summary
 from conftest import REPO, call_main, clean_environment
 from helpers import COURSE_LOGS, run_log, runs_frame
 from utils import format_comm
@@ -195,7 +196,7 @@ def test_course_results_csv(tmp_path, capsys):
     assert "not written pipeline_bubble.png: no pipeline runs (bubble)" in err
     assert "not written throughput.png" in err
     assert "not written comm_bandwidth.png: no [COMM] lines" in err
-    summary = plot_results.summarize(plot_results.read_results(course_csv))
+    summary = results_summary.summarize(plot_results.read_results(course_csv))
     ddp8 = summary.set_index(["strategy", "gpus"]).loc[("ddp", 8)]
     assert ddp8["speedup"] == pytest.approx(7.08 / 1.35)  # ddp,1,10,7.08 and ddp,8,10,1.35
     (ax,) = plot_results.plot_epoch_time(summary).axes  # epoch 10's time: not a median
@@ -214,7 +215,7 @@ def test_course_results_csv(tmp_path, capsys):
     ],
 )
 def test_time_figures_say_how_an_epoch_time_was_taken(times, steady):
-    summary = plot_results.summarize(runs_frame(times))
+    summary = results_summary.summarize(runs_frame(times))
     epoch_time, throughput = (
         plot_results.plot_epoch_time(summary),
         plot_results.plot_throughput(summary),
@@ -347,13 +348,13 @@ def test_figures_say_what_ran_and_what_memory_was_measured():
         "device cpu · synthetic (2,048 images/epoch) · global batch 256 · 2 epochs · "
         "sweep 20261122-141500"
     )
-    fig = plot_results.plot_peak_memory(plot_results.summarize(results))
+    fig = plot_results.plot_peak_memory(results_summary.summarize(results))
     memory, state = fig.axes
     assert memory.get_ylabel() == plot_results.PEAK_MEMORY_LABEL["cpu"]
     assert "optimizer state" in state.get_ylabel()
     assert [line.get_ydata()[0] for line in state.get_lines()] == [8e6 / 2**20, 4e6 / 2**20]
     # The course's CSV says nothing of device or state: one panel, labelled as logged.
-    course = plot_results.summarize(plot_results.read_results(course_csv))
+    course = results_summary.summarize(plot_results.read_results(course_csv))
     (ax,) = plot_results.plot_peak_memory(course).axes
     assert "as logged" in ax.get_ylabel()
     assert plot_results.context(plot_results.read_results(course_csv)) == "10 epochs"
@@ -363,7 +364,7 @@ def test_quality_panels_show_their_values_and_both_have_legends():
     results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
         val_loss=[2.0, 1.9181, 2.0, 1.9191]
     )
-    fig = plot_results.plot_quality(plot_results.summarize(results))
+    fig = plot_results.plot_quality(results_summary.summarize(results))
     fig.canvas.draw()
     for ax in fig.axes:
         assert ax.get_legend() is not None
@@ -377,13 +378,13 @@ def test_quality_axes_do_not_magnify_a_difference_within_noise():
     results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
         val_loss=[2.0, 1.2710, 2.0, 1.2720]
     )
-    loss, acc = plot_results.plot_quality(plot_results.summarize(results)).axes
+    loss, acc = plot_results.plot_quality(results_summary.summarize(results)).axes
     low, high = loss.get_ylim()
     assert low == 0 and 0.001 / (high - low) < 0.01, (low, high)
     assert acc.get_ylim() == (0, 100)
     assert all("no run-to-run spread measured" in ax.get_title() for ax in (loss, acc))
     again = results[results["gpus"] == 1].assign(log="ddp_1gpu_again.log")
-    repeated = plot_results.plot_quality(plot_results.summarize(pd.concat([results, again])))
+    repeated = plot_results.plot_quality(results_summary.summarize(pd.concat([results, again])))
     assert not any("spread" in ax.get_title() for ax in repeated.axes)
     plt.close("all")
 
@@ -394,7 +395,7 @@ def test_figures_and_report_name_the_ranks_and_their_device():
     results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}))
     for device, one, many in (("cpu", "CPU rank", "CPU ranks"), ("cuda", "GPU", "GPUs")):
         ran = results.assign(device=device)
-        summary = plot_results.summarize(ran)
+        summary = results_summary.summarize(ran)
         for name in ("epoch_time.png", "val_loss_acc.png", "peak_memory.png", "throughput.png"):
             assert {ax.get_xlabel() for ax in plot_results.FIGURES[name](summary).axes} == {many}
         speed, _ = plot_results.plot_speedup(summary).axes
@@ -413,13 +414,13 @@ def test_repeated_runs_draw_min_max_bars():
     slowest; a configuration run once has no bar."""
     results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]})
     again = runs_frame({("ddp", 1): [9.0, 10.0]}).assign(log="ddp_1gpu_again.log")
-    summary = plot_results.summarize(pd.concat([results, again]))
+    summary = results_summary.summarize(pd.concat([results, again]))
     (ax,) = plot_results.plot_epoch_time(summary).axes
     (bars,) = [c for c in ax.collections if len(c.get_segments())]
     one_gpu, two_gpus = bars.get_segments()  # each [[x, low], [x, high]]
     assert one_gpu.tolist() == [[1, 8.0], [1, 10.0]]
     assert two_gpus[0][1] == two_gpus[1][1] == 4.0  # ran once: a bar of no length
-    once = plot_results.plot_epoch_time(plot_results.summarize(results)).axes[0]
+    once = plot_results.plot_epoch_time(results_summary.summarize(results)).axes[0]
     assert not [c for c in once.collections if len(c.get_segments())]
 
 
@@ -433,7 +434,7 @@ def test_the_subtitle_fits_the_figure_above_the_panels(tmp_path):
         global_batch=256,
         sweep=["20261122-141500", "20261123-093000"] * 2,
     )
-    summary, subtitle = plot_results.summarize(results), plot_results.context(results)
+    summary, subtitle = results_summary.summarize(results), plot_results.context(results)
     for name in ("epoch_time.png", "throughput.png", "val_loss_acc.png"):
         fig = plot_results.FIGURES[name](summary)
         plot_results.save_png(fig, tmp_path / name, subtitle)
@@ -455,7 +456,7 @@ def test_strategies_that_draw_the_same_curve_both_stay_visible():
         ("fsdp", 1): [9.0, 8.0],
         ("fsdp", 2): [5.0, 4.0],
     }
-    summary = plot_results.summarize(runs_frame(same))
+    summary = results_summary.summarize(runs_frame(same))
     for name in (
         "epoch_time.png",
         "val_loss_acc.png",
@@ -478,7 +479,7 @@ def test_figures_and_report_say_when_ranks_outnumbered_their_cores():
     and the report's largest cost of that configuration is not offered as a finding."""
     results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 4): [6.0, 5.0]}))
     results["threads_per_core"] = results["gpus"] / 2
-    warning = collect_results.cores_outnumbered(results).removeprefix("warning: ")
+    warning = results_summary.cores_outnumbered(results).removeprefix("warning: ")
     assert plot_results.context(results).endswith(warning)
     report = plot_results.report_text(results, None, [])
     costs = [line for line in report.splitlines() if line.startswith("- ddp on ")]
@@ -494,7 +495,7 @@ def test_speedups_below_one_are_readable():
     results = runs_frame(
         {("fsdp", 1): [9.0, 9.0], ("fsdp", 2): [12.0, 12.0], ("fsdp", 4): [23.0, 23.0]}
     )
-    (speed_ax, _) = plot_results.plot_speedup(plot_results.summarize(results)).axes
+    (speed_ax, _) = plot_results.plot_speedup(results_summary.summarize(results)).axes
     ticks = [t for t in speed_ax.get_yticks() if speed_ax.get_ylim()[0] <= t]
     assert min(ticks) <= 9 / 23 and {0.5, 1.0} <= set(ticks)
     assert [t.get_text() for t in speed_ax.texts] == ["1.00", "0.75", "0.39"]
@@ -502,7 +503,7 @@ def test_speedups_below_one_are_readable():
 
 def test_every_legend_entry_of_the_breakdown_stands_clear_of_its_label():
     fig = plot_results.plot_time_breakdown(
-        plot_results.summarize(
+        results_summary.summarize(
             with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [6.0, 5.0]}))
         )
     )

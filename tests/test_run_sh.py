@@ -17,16 +17,10 @@ import tomllib
 
 import samples
 from config import option_flag
-from conftest import (
-    REPO,
-    TINY,
-    assert_one_line_error,
-    copy_repo,
-    metrics_in,
-    run,
-)
+from conftest import REPO, TINY, assert_one_line_error, copy_repo, metrics_in, run
 from helpers import run_log, start_batch_script, wait_for
-from utils import SWEEP_OUTCOME, parse_comm
+from layout import SWEEP_OUTCOME
+from utils import parse_comm
 
 
 def benchmarks(*args, cwd=REPO, **env):

@@ -18,9 +18,10 @@ import pytest
 import distributed_utils as du
 import samples
 import verify
+import verify_job
 from conftest import REPO, SLURM_DIR, metrics_in
 from conftest import TINY as TINY_RUN
-from verify import task_pid
+from verify_runs import task_pid
 
 pytestmark = pytest.mark.slurm
 
@@ -499,7 +500,7 @@ def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy
         done.stdout + done.stderr + (job_log.read_text() if job_log else "")
     )
     report = repo_copy / re.search(r"^report: (\S+)", done.stdout, re.M).group(1)
-    rows = {row.check: row for row in verify.read_rows(report.read_text())}
+    rows = {row.check: row for row in verify_job.read_rows(report.read_text())}
     assert list(rows) == list(verify.CHECKS) and all(r.passed for r in rows.values())
     assert "- nodes: node1 node2" in report.read_text()
     assert f"- world size: {2 * ranks_per_node}" in report.read_text()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import distributed_utils as du
+import layout
 import utils
 from conftest import LONG_RUN, REPO, TINY, assert_one_line_error, clean_environment, run
 from dist_harness import ForkedMain
@@ -299,20 +300,20 @@ def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
     """One function names the sweeps' folders and the local sweep's logs: the time, then -2,
     -3, ... where a run started in the same second took the name (before any suffix). A local
     run's checkpoints and traces are named by the same time stamp."""
-    monkeypatch.setattr(utils.time, "strftime", lambda fmt: "20260101-120000")
+    monkeypatch.setattr(layout.time, "strftime", lambda fmt: "20260101-120000")
     assert du.run_name({}) == "local-20260101-120000"
     assert du.run_name({"SLURM_JOB_ID": "42"}) == "42"
-    log = utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log")
+    log = layout.time_stamped(tmp_path, "ddp_2gpu_local-", ".log")
     assert log.name == "ddp_2gpu_local-20260101-120000.log"
     log.touch()
     assert (
-        utils.time_stamped(tmp_path, "ddp_2gpu_local-", ".log").name
+        layout.time_stamped(tmp_path, "ddp_2gpu_local-", ".log").name
         == "ddp_2gpu_local-20260101-120000-2.log"
     )
-    assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000"
+    assert layout.next_sweep_folder(tmp_path).name == "sweep-20260101-120000"
     (tmp_path / "sweep-20260101-120000").mkdir()
     (tmp_path / "sweep-20260101-120000-2").mkdir()
-    assert utils.next_sweep_folder(tmp_path).name == "sweep-20260101-120000-3"
+    assert layout.next_sweep_folder(tmp_path).name == "sweep-20260101-120000-3"
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import pytest
 
 import run_benchmarks
 import verify
+import verify_job
 from conftest import assert_one_line_error, call_main, run
 
 # The fake GPUs of the loopback cluster, and this machine: the CPU (gloo).
@@ -47,12 +48,14 @@ def test_nccl_transports_are_read_from_nccl_debug_info():
 @pytest.mark.fast
 def test_report_rows_read_back_as_written_and_a_fail_is_one_line():
     rows = [
-        verify.Row("equivalence", True, "ddp 1e-08 | fsdp 2e-08", "logs/verify-7/a.log"),
-        verify.Row("comm", False, "the benchmark ended with exit status 1", "logs/verify-7/c.log"),
+        verify_job.Row("equivalence", True, "ddp 1e-08 | fsdp 2e-08", "logs/verify-7/a.log"),
+        verify_job.Row(
+            "comm", False, "the benchmark ended with exit status 1", "logs/verify-7/c.log"
+        ),
     ]
-    text = verify.report_text(rows, {"nodes": "node1 node2"}, [f"{verify.WARNING}sockets"])
-    assert verify.read_rows(text) == rows
-    assert verify.warning_lines(text) == [f"{verify.WARNING}sockets"]
+    text = verify_job.report_text(rows, {"nodes": "node1 node2"}, [f"{verify_job.WARNING}sockets"])
+    assert verify_job.read_rows(text) == rows
+    assert verify_job.warning_lines(text) == [f"{verify_job.WARNING}sockets"]
     assert rows[1].error_line() == (
         "error: verify: comm failed: the benchmark ended with exit status 1; see "
         "logs/verify-7/c.log"
@@ -105,7 +108,7 @@ def test_verify_loads_no_torch_itself():
 
 
 def rows_of(report) -> dict:
-    return {row.check: row for row in verify.read_rows(report.read_text())}
+    return {row.check: row for row in verify_job.read_rows(report.read_text())}
 
 
 def share_rank_zeros_data(repo):

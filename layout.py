@@ -1,0 +1,114 @@
+"""Where the project's files go: the repository's logs/ and jobs/, a sweep's folder and each
+run's log name (written by run_benchmarks.py, read back by collect_results.py), verify's report
+folder, and the results CSV with the CSVs beside it.
+
+The logs folder is the repository's logs/, wherever a tool is started from: run.sh and the job
+scripts run in the repository, and every tool and the training program ask LOGS_DIR. Paths a
+user gives are taken as given.
+"""
+
+import re
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+LOGS_DIR = REPO / "logs"
+JOBS_DIR = REPO / "jobs"  # the sweep's job scripts, and the collect and verify jobs' own logs
+ERR_SUFFIX = ".err"  # X.err beside X.log: that run's stderr
+
+# A sweep's logs live in logs/sweep-<date-time>/, never mixed with another sweep's: the sweep
+# tool makes the folder, the collector reads the newest (or, when asked, several).
+SWEEP_PREFIX = "sweep-"
+# The collect job's outcome in its sweep's folder, one line: where a user of a sweep submitted
+# without --wait learns whether it gave results. The collector reads it as no log.
+SWEEP_OUTCOME = "collect_outcome.txt"
+
+# A run's log is named `{strategy}_{gpus}gpu_{job id}.log` (the job id of a run without SLURM is
+# `local-<date-time>`); the course's were `ddp_4gpu_15epochs.train.log` (where `_15epochs` is no
+# job id), and some name the nodes: `{strategy}_{gpus}gpu[_{nodes}node][_{jobid}].log`.
+LOG_NAME_RE = re.compile(
+    r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpus?"
+    r"(?:_(?P<nodes>\d+)nodes?)?(?:_(?P<job_id>\d+))?(?=[._]|$)"
+)
+
+VERIFY_PREFIX = "verify-"  # logs/verify-<job id>/: a verify job's runs and its report
+VERIFY_REPORT = "report.md"
+
+DEFAULT_RESULTS = Path("results.csv")  # whose side CSVs keep their plain names (side_path)
+COMM_CSV = "comm.csv"  # the [COMM] lines, beside the results CSV
+GPU_TIMELINE_CSV = "gpu_timeline.csv"  # every GPU sample, for plot_results.py
+
+
+def relative(path: Path) -> str:
+    """A path as the tools print it: relative to the repository where it lies inside."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def time_stamp() -> str:
+    """The time now as every time-stamped name of the project writes it: 20261122-141500."""
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def time_stamped(folder: Path, prefix: str, suffix: str = "") -> Path:
+    """folder/<prefix><date-time>[-n]<suffix>: named by the time now, and by n = 2, 3, ... where
+    that name is taken, so never an earlier file or folder (nothing is made here)."""
+    stem = prefix + time_stamp()
+    path, n = folder / f"{stem}{suffix}", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}{suffix}"
+    return path
+
+
+def next_sweep_folder(logs: Path) -> Path:
+    """logs/sweep-<date-time>[-n]: the folder a sweep started now would use (not made here)."""
+    return time_stamped(logs, SWEEP_PREFIX)
+
+
+def sweep_folders(logs: Path) -> list[Path]:
+    """The sweeps in a logs folder, oldest first (their names sort by time)."""
+    if not logs.is_dir():
+        return []
+    return sorted(p for p in logs.iterdir() if p.is_dir() and p.name.startswith(SWEEP_PREFIX))
+
+
+def run_name(strategy: str, gpus: int) -> str:
+    """A configuration's name, its log's and its job script's: ddp_4gpu."""
+    return f"{strategy}_{gpus}gpu"
+
+
+def log_stem(name: str, job_id: str) -> str:
+    """A run's log without its suffix: ddp_4gpu_1234 (sbatch's %j, or local-<date-time>)."""
+    return f"{name}_{job_id}"
+
+
+def name_identity(log_name: str) -> dict:
+    """What a log's name says of its run: strategy, gpus, and nodes and job_id where given."""
+    match = LOG_NAME_RE.match(log_name)
+    if not match:
+        return {}
+    found = {k: v for k, v in match.groupdict().items() if v is not None}
+    for key in ("gpus", "nodes"):
+        if key in found:
+            found[key] = int(found[key])
+    return found
+
+
+def collect_log(sweep: str, job_id: str) -> str:
+    """The collect job's log, relative to the repository (beside the sweep's job scripts)."""
+    return f"jobs/{sweep}/collect_{job_id}.log"
+
+
+def verify_folder(job_id: str) -> Path:
+    """Where a verify job's report and logs go (run_benchmarks.py --wait reads it)."""
+    return LOGS_DIR / f"{VERIFY_PREFIX}{job_id}"
+
+
+def side_path(results: Path, name: str) -> Path:
+    """Where the CSV `name` (comm.csv, gpu_samples.csv, ...) of a results file lies: beside it,
+    and named after it unless it is the default results.csv (old.csv: old_comm.csv), so that
+    two results files in one folder never share, or replace, each other's side files."""
+    if results.name == DEFAULT_RESULTS.name:
+        return results.with_name(name)
+    return results.with_name(f"{results.stem}_{name}")

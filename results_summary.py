@@ -1,0 +1,306 @@
+"""The summary of a results table (collect_results.py's CSV, or the course's): one row per
+strategy and GPU count, with medians over repeated runs, speedup and efficiency against one GPU,
+and the communication the runs' messages would take at the bandwidth they measured; its markdown,
+the pipeline's bubble table, and the warnings on how the runs ran. collect_results.py prints
+it, plot_results.py draws it, so the table and the figures agree.
+"""
+
+import math
+
+import pandas as pd
+
+from utils import COURSE_FIELDS, FSDP_ROOT_UNIT, TIME_PARTS
+
+# The columns that name a run, first in the CSV, then the course's; a run's rows are those of
+# one log file.
+IDENTITY = ("strategy", "gpus", "nodes", "job_id")
+RUN_COLUMNS = ("sweep", "log", *IDENTITY)
+COURSE_COLUMNS = tuple(f.name for f in COURSE_FIELDS)  # epoch, time, val_loss, acc, peak_mem
+
+
+def rank_unit(table: pd.DataFrame) -> tuple[str, str]:
+    """What the `gpus` column counts, singular and plural, for the figures and tables: a rank
+    per GPU where the runs trained on CUDA, processes on CPU cores where they trained on the
+    CPU. The course's CSV names no device; its runs had a GPU each."""
+    devices = set(table["device"].dropna()) - {""} if "device" in table else set()
+    if devices <= {"cuda"}:
+        return "GPU", "GPUs"
+    if devices == {"cpu"}:
+        return "CPU rank", "CPU ranks"
+    return "rank", "ranks"  # a mix of devices
+
+
+def cores_outnumbered(results: pd.DataFrame) -> str | None:
+    """A warning naming the configurations whose ranks had more threads than their node had
+    CPU cores (several ranks on a laptop's cores), or None: their times measure the sharing."""
+    if "threads_per_core" not in results:
+        return None
+    shared = results[pd.to_numeric(results["threads_per_core"], errors="coerce") > 1]
+    if shared.empty:
+        return None
+    names = [
+        f"{strategy} on {gpus:.0f}"
+        for strategy, gpus in sorted(set(zip(shared["strategy"], shared["gpus"])))
+    ]
+    return (
+        f"warning: the ranks outnumbered the CPU cores of their node in {', '.join(names)} "
+        f"{rank_unit(shared)[1]}: their times measure how the ranks shared the cores, not the "
+        "strategy"
+    )
+
+
+def mixed_steps(results: pd.DataFrame) -> list[str]:
+    """A warning for each strategy whose points mix graphed and eager steps: its curve then
+    compares two clocks (a graph's step against an eager one's launches), not GPU counts."""
+    if "step" not in results:
+        return []
+    warnings = []
+    for strategy, rows in results.dropna(subset=["step"]).groupby("strategy"):
+        kinds = {k: sorted(set(r["gpus"])) for k, r in rows.groupby("step")}
+        if len(kinds) > 1:
+            where = "; ".join(
+                f"{k} at {', '.join(f'{g:.0f}' for g in v)}" for k, v in kinds.items()
+            )
+            warnings.append(
+                f"warning: {strategy}'s points mix graphed and eager steps ({where} "
+                f"{rank_unit(rows)[1]}): its curve compares two clocks, not only rank counts"
+            )
+    return warnings
+
+
+def with_run_columns(results: pd.DataFrame) -> pd.DataFrame:
+    """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown."""
+    missing = {c: pd.NA for c in RUN_COLUMNS if c not in results}
+    return results.assign(**missing) if missing else results
+
+
+def median_after_first(run: pd.DataFrame, column: str) -> float:
+    """Median over the epochs after the first, which carries the warm-up (one epoch: itself)."""
+    if column not in run:
+        return math.nan
+    steady = run[column].iloc[1:] if len(run) > 1 else run[column]
+    return steady.median()
+
+
+def steady_breakdown(run: pd.DataFrame) -> dict:
+    """The time parts' medians over the epochs after the first whose breakdown is reliable (all
+    four from the same epochs, so that they still add up), and how many were not
+    (breakdown=unreliable: the compute calibration overshot, train.time_breakdown)."""
+    steady = run.iloc[1:] if len(run) > 1 else run
+    flags = steady["breakdown"] if "breakdown" in steady else pd.Series("ok", index=steady.index)
+    unreliable = flags == "unreliable"
+    reliable = steady[~unreliable]
+    return {
+        **{t: reliable[t].median() if t in reliable else math.nan for t in TIME_PARTS},
+        "unreliable_epochs": int(unreliable.sum()),
+    }
+
+
+def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: final-epoch quality, steady epoch time and throughput, peak memory."""
+    rows = []
+    results = with_run_columns(results)
+    for key, run in results.groupby(list(RUN_COLUMNS), dropna=False, sort=False):
+        run = run.sort_values("epoch")
+        final = run.iloc[-1]
+        rows.append(
+            {
+                **dict(zip(RUN_COLUMNS, key)),
+                "epochs": final["epoch"],
+                "epochs_logged": len(run),  # the course's CSV keeps only the last
+                "val_loss": final["val_loss"],
+                "acc": final["acc"],
+                "time": median_after_first(run, "time"),
+                "throughput": median_after_first(run, "throughput"),
+                "peak_mem": run["peak_mem"].max(),
+                "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
+                **steady_breakdown(run),
+                **{t: median_after_first(run, t) for t in (*UTILISATION, *BUBBLE)},
+                "microbatches": final.get("microbatches", math.nan),
+                "steps": final.get("train_images", math.nan) / final.get("global_batch", math.nan),
+                "sharding": final.get("sharding", pd.NA),
+                "threads_per_core": final.get("threads_per_core", math.nan),
+                "step": final.get("step", pd.NA),
+                "device": final.get("device", pd.NA),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+# How close to the hardware (mfu.py): model TFLOP/s per device, and MFU in percent (empty where
+# the run knew no peak for its device).
+UTILISATION = ("tflops", "mfu")
+
+# A pipeline's bubble (pipeline_utils.py): measured, and the textbook's (p - 1) / (m + p - 1);
+# empty for the other strategies.
+BUBBLE = ("bubble", "bubble_ideal")
+
+
+def message_seconds(comm: pd.DataFrame, op: str, label_prefix: str) -> float:
+    """Sum of the measured times of a run's messages of one kind (nan if it measured none)."""
+    rows = comm[(comm["op"] == op) & comm["label"].astype(str).str.startswith(label_prefix)]
+    return rows["time_us"].sum() / 1e6 if not rows.empty else math.nan
+
+
+def comm_model_time(strategy: str, steps: float, sharding, comm: pd.DataFrame) -> float:
+    """Seconds per epoch this model's messages take at the bandwidth measured in the same job,
+    if nothing hid them. DDP: each step all-reduces every gradient bucket. FSDP: each step
+    gathers every unit for forward and, when full sharding freed it again, for backward, then
+    reduce-scatters its gradients; unsharded (no_shard, FSDP at 1 rank) it all-reduces them."""
+    if comm.empty:
+        return math.nan
+    if strategy == "ddp":
+        return steps * message_seconds(comm, "all_reduce", "bucket")
+    if strategy in ("fsdp", "fsdp2") and str(sharding) == "no_shard":
+        return steps * message_seconds(comm, "all_reduce", "grad")  # FSDP at 1 rank: DDP-like
+    if strategy in ("fsdp", "fsdp2"):
+        # grad_op keeps each unit gathered from forward to backward; full and hybrid (full
+        # within a node) gather again, all but the root, kept for backward under every
+        # sharding; FSDP's default is full, for logs that do not say.
+        gathered = message_seconds(comm, "all_gather", "unit_")
+        if str(sharding) != "grad_op":
+            root = message_seconds(comm, "all_gather", f"unit_{FSDP_ROOT_UNIT}")
+            gathered += gathered - (0.0 if math.isnan(root) else root)
+        return steps * (gathered + message_seconds(comm, "reduce_scatter", "unit_"))
+    return math.nan  # dp and single send nothing through the process group
+
+
+def with_comm_model(runs: pd.DataFrame, comm: pd.DataFrame | None) -> pd.DataFrame:
+    """runs with comm_model: each run's modelled communication time, from its own [COMM] lines."""
+    if comm is None or comm.empty:
+        return runs.assign(comm_model=math.nan)
+    by_log = dict(list(comm.groupby(["sweep", "log"], dropna=False)))
+    empty = comm.iloc[:0]
+    return runs.assign(
+        comm_model=[
+            comm_model_time(
+                r["strategy"], r["steps"], r["sharding"], by_log.get((r["sweep"], r["log"]), empty)
+            )
+            for _, r in runs.iterrows()
+        ]
+    )
+
+
+def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per strategy and GPU count (medians over runs when it ran more than once, with their
+    minimum and maximum), with speedup and efficiency against the same strategy's 1-GPU steady
+    epoch time (a pipeline has no 1-GPU run: against DDP's, the model on one GPU); where the
+    runs' [COMM] lines are given, the communication time their messages would take at the
+    measured bandwidth (comm_model) beside the measured t_comm."""
+    runs = with_comm_model(run_summaries(results), comm)
+    table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
+        nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
+        runs=("epochs", "size"),
+        epochs=("epochs", "max"),
+        epochs_logged=("epochs_logged", "min"),
+        val_loss=("val_loss", "median"),
+        acc=("acc", "median"),
+        time=("time", "median"),
+        throughput=("throughput", "median"),
+        # The spread over repeated runs (--repeats): a single run is one point, not a measurement.
+        time_min=("time", "min"),
+        time_max=("time", "max"),
+        throughput_min=("throughput", "min"),
+        throughput_max=("throughput", "max"),
+        peak_mem=("peak_mem", "max"),
+        state_mem=("state_mem", "max"),
+        **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, *BUBBLE, "comm_model")},
+        unreliable_epochs=("unreliable_epochs", "sum"),
+        threads_per_core=("threads_per_core", "max"),
+        step=("step", lambda s: "/".join(sorted(set(s.dropna()))) or pd.NA),
+        device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
+    )
+    one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
+    baseline = table["strategy"].map(one_gpu)
+    if "ddp" in one_gpu:
+        baseline = baseline.where(table["strategy"] != "pipeline", one_gpu["ddp"])
+    table["speedup"] = baseline / table["time"]
+    table["efficiency"] = 100 * table["speedup"] / table["gpus"]
+    return table.sort_values(["strategy", "gpus"], ignore_index=True)
+
+
+def bubble_table(results: pd.DataFrame) -> pd.DataFrame:
+    """The pipeline's runs by stages (GPUs) and micro-batches: the measured bubble (the median
+    over runs of each run's median after epoch 1) beside the textbook's."""
+    runs = run_summaries(results)
+    if "bubble" not in runs:
+        return pd.DataFrame(columns=["gpus", "microbatches", "runs", *BUBBLE])
+    runs = runs.dropna(subset=["bubble"])
+    return runs.groupby(["gpus", "microbatches"], as_index=False).agg(
+        runs=("bubble", "size"), bubble=("bubble", "median"), bubble_ideal=("bubble_ideal", "max")
+    )
+
+
+def bubble_markdown(table: pd.DataFrame) -> str:
+    lines = ["| stages (GPUs) | micro-batches | runs | bubble measured | textbook (p-1)/(m+p-1) |"]
+    lines.append("|--:|--:|--:|--:|--:|")
+    for _, row in table.iterrows():
+        lines.append(
+            f"| {row['gpus']:.0f} | {row['microbatches']:.0f} | {row['runs']:.0f} | "
+            f"{row['bubble']:.3f} | {row['bubble_ideal']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def scaling(results: pd.DataFrame) -> str | None:
+    """Which study the runs make: strong scaling (one global batch at every GPU count) or weak
+    (one batch per GPU); None where the CSV does not say or the runs mix batch sizes."""
+    if not {"global_batch", "local_batch"} <= set(results) or results["gpus"].nunique() < 2:
+        return None
+    global_batch, local_batch = results["global_batch"].dropna(), results["local_batch"].dropna()
+    if global_batch.nunique() == 1:
+        return f"strong scaling: global batch {global_batch.iloc[0]:.0f} at every GPU count"
+    if local_batch.nunique() == 1:
+        return f"weak scaling: {local_batch.iloc[0]:.0f} images per GPU per step"
+    return None
+
+
+# (column, header, format) of the printed table; {rank} and {ranks} in a header are what the
+# `gpus` column counts (rank_unit).
+TABLE_COLUMNS = (
+    ("strategy", "strategy", "{}"),
+    ("gpus", "{ranks}", "{:d}"),
+    ("nodes", "nodes", "{}"),
+    ("runs", "runs", "{:d}"),
+    ("step", "step", "{}"),  # one CUDA graph or eager: which clock the row measures
+    ("epochs", "epochs", "{:d}"),
+    ("val_loss", "final val loss", "{:.4f}"),
+    ("acc", "final acc %", "{:.2f}"),
+    ("time", "epoch time s", "{:.2f}"),
+    ("time_range", "min-max s", "{}"),
+    ("throughput", "images/s", "{:.0f}"),
+    ("peak_mem", "peak mem MB", "{:.0f}"),
+    ("speedup", "speedup", "{:.2f}"),
+    ("efficiency", "efficiency", "{:.0f}%"),
+    ("tflops", "TFLOP/s per {rank}", "{:.3g}"),
+    ("mfu", "MFU %", "{:.1f}"),
+    ("bubble", "bubble", "{:.2f}"),  # a pipeline's (pipeline_utils.py)
+    # Communication per epoch: not hidden behind compute (measured), and what the model's
+    # messages would take at the bandwidth the job measured (--comm-benchmark).
+    ("t_comm", "t_comm s", "{:.3f}"),
+    ("comm_model", "comm at measured bw s", "{:.3f}"),
+)
+
+
+def cell(value, fmt: str) -> str:
+    if pd.isna(value) or value == "":
+        return "n/a"
+    return fmt.format(int(value) if "d}" in fmt else value)
+
+
+def time_range(row) -> str:
+    """'min-max' of the epoch time over repeated runs; empty for a single run."""
+    return f"{row['time_min']:.2f}-{row['time_max']:.2f}" if row["runs"] > 1 else ""
+
+
+def markdown_table(summary: pd.DataFrame) -> str:
+    summary = summary.assign(time_range=summary.apply(time_range, axis=1))
+    rank, ranks = rank_unit(summary)
+    headers = (header.format(rank=rank, ranks=ranks) for _, header, _ in TABLE_COLUMNS)
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in TABLE_COLUMNS) + "|",
+    ]
+    for _, row in summary.iterrows():
+        lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in TABLE_COLUMNS) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""The verify job from both sides: what run_benchmarks.py --verify submits (one job script) and
+reads back after it (report.md's rows), and what verify.py keeps to inside it (the main.py
+options it chooses in every run, refused after `--`; the report it writes).
+"""
+
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import layout
+import slurm_jobs
+from config import LAUNCHER_OPTION
+from utils import count, fail
+
+# main.py's options that verify sets in every run: given after `--`, they would change what is
+# compared (a batch that does not split, augmentation seeded per rank, Adam's eps amplifying
+# last-bit differences) or where the checkpoints go.
+VERIFY_SETS = set(
+    "strategy epochs batch_size train_samples val_samples optimizer lr lr_schedule precision seed "
+    "augment grad_accum print_every checkpoint checkpoint_dir resume comm_benchmark".split()
+)
+
+DEFAULTS = ["--dataset", "synthetic", "--model", "cnn"]  # the user's options after `--` win
+
+
+def refuse_verify_options(extra: list[str]) -> None:
+    """One error line for an option after `--` that verify chooses in every run."""
+    for token in extra:
+        if LAUNCHER_OPTION.match(token.split("=", 1)[0]):
+            fail(
+                f"{token.split('=', 1)[0]} after -- is no option of main.py: the job's size is "
+                "run_benchmarks.py's --gpus and --gpus-per-node"
+            )
+        if slurm_jobs.main_option(token) in VERIFY_SETS:
+            fail(
+                f"{token.split('=', 1)[0]} after -- is chosen by verify in every run "
+                "(docs/verify.md); leave it out"
+            )
+
+
+@dataclass
+class Row:
+    """One check's outcome: a row of report.md."""
+
+    check: str
+    passed: bool
+    figure: str
+    log: str  # relative to the repository
+
+    def markdown(self) -> str:
+        cells = [self.check, "PASS" if self.passed else "FAIL", self.figure, f"`{self.log}`"]
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    def error_line(self) -> str:
+        return f"error: verify: {self.check} failed: {self.figure}; see {self.log}"
+
+
+WARNING = "warning: verify: "
+
+ROW_RE = re.compile(r"^\| (\S+) \| (PASS|FAIL) \| (.*) \| `([^`]*)` \|$", re.MULTILINE)
+
+
+def read_rows(report: str) -> list[Row]:
+    """The check rows of a report.md (run_benchmarks.py --wait reads them back)."""
+    return [
+        Row(check, result == "PASS", figure.replace("\\|", "|"), log)
+        for check, result, figure, log in ROW_RE.findall(report)
+    ]
+
+
+def warning_lines(report: str) -> list[str]:
+    return [line for line in report.splitlines() if line.startswith(WARNING)]
+
+
+def report_text(rows: list[Row], about: dict, warnings: list[str]) -> str:
+    lines = [
+        "# Cluster acceptance test (verify.py)",
+        "",
+        "What each check proves and what to do with a FAIL: docs/verify.md.",
+        "",
+        "| check | result | figure | log |",
+        "|---|---|---|---|",
+        *(row.markdown() for row in rows),
+        "",
+        *(f"{w}\n" for w in warnings),
+        "## Where",
+        "",
+        *(f"- {k}: {v}" for k, v in about.items()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+VERIFY_TIME = "00:30:00"  # the checks take minutes; a hung one ends at its own bound
+
+
+def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) -> str:
+    command = shlex.join([slurm_jobs.job_python(False), "verify.py", "--", *extra])
+    command += '; status=$?; echo "exit status $status"; exit $status'
+    options = [
+        "--parsable",
+        "--job-name=verify",
+        "--no-requeue",  # a node's failure must not rerun the checks into the same folder
+        f"--time={args.time or VERIFY_TIME}",
+        f"--output=jobs/{folder}/verify_%j.log",
+        *slurm_jobs.slurm_options(args),
+        *slurm_jobs.job_size(nodes, gpus // nodes, args),
+    ]
+    env = {"EDF": slurm_jobs.edf_value(args.environment)} if args.environment else {}
+    comment = (
+        f"# The cluster's acceptance test on {count(gpus, 'GPU')} ({count(nodes, 'node')}): "
+        "verify.py runs its checks inside the job.\n# Its report: logs/verify-<job id>/"
+        f"report.md. Submit again with: bash jobs/{folder}/verify.sh\n"
+    )
+    return slurm_jobs.script(comment, options, ["--wrap", command], env)
+
+
+def verify_report(job: slurm_jobs.Job) -> int:
+    """After the job: the report's path, each failed check's line; 0 only if all passed."""
+    report = layout.verify_folder(job.job_id) / layout.VERIFY_REPORT
+    if not report.is_file():
+        print(
+            f"error: verify: job {job.job_id} ended {job.state} without a report; see "
+            f"{layout.relative(job.log)}",
+            file=sys.stderr,
+        )
+        return 1
+    rows = read_rows(report.read_text())
+    print(f"report: {layout.relative(report)}")
+    for line in warning_lines(report.read_text()):
+        print(line, file=sys.stderr)
+    for row in rows:
+        if not row.passed:
+            print(row.error_line(), file=sys.stderr)
+    return 0 if job.state == "COMPLETED" and rows and all(r.passed for r in rows) else 1
+
+
+def run_verify(args, extra: list[str]) -> int:
+    refuse_verify_options(extra)
+    gpus = args.gpus[0]
+    nodes = slurm_jobs.nodes_for(gpus, args.gpus_per_node)
+    if python := slurm_jobs.checking_python(args):
+        slurm_jobs.check_main(
+            python,
+            [*DEFAULTS, *extra, *slurm_jobs.check_device(args, extra), "--check", str(gpus)],
+            "(verify)",
+        )
+    if args.local:  # here, through torchrun: verify.py's own lines are the report
+        out = layout.time_stamped(layout.LOGS_DIR, f"{layout.VERIFY_PREFIX}local-")
+        command = [sys.executable, "verify.py", "--out", str(out), "--", *extra]
+        return subprocess.run(
+            command, cwd=layout.REPO, env={**slurm_jobs.without_slurm(), "NPROC": str(gpus)}
+        ).returncode
+    folder = layout.time_stamped(layout.JOBS_DIR, layout.VERIFY_PREFIX).name
+    text = verify_script(folder, gpus, nodes, args, extra)
+    if args.dry_run:
+        print(f"# ---- jobs/{folder}/verify.sh\n{text}", end="")
+        return 0
+    try:
+        job_id = slurm_jobs.submit(slurm_jobs.write(layout.JOBS_DIR / folder / "verify.sh", text))
+    except slurm_jobs.SubmitError as e:
+        fail(str(e), code=1)
+    job = slurm_jobs.Job("verify", job_id, layout.JOBS_DIR / folder / f"verify_{job_id}.log")
+    print(
+        f"verify: job {job_id} ({count(nodes, 'node')} x {count(gpus // nodes, 'task')}), "
+        f"log {layout.relative(job.log)}; report: "
+        + layout.relative(layout.verify_folder(job_id) / layout.VERIFY_REPORT),
+        flush=True,
+    )
+    if not args.wait:
+        return 0
+    try:
+        slurm_jobs.wait_for_jobs([job], args.poll_interval)
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; job {job_id} goes on (squeue --me)", file=sys.stderr)
+        return 130
+    return verify_report(job)
