@@ -237,7 +237,7 @@ def _validation_model_and_data():
 
 
 def _validate_on_rank(env) -> dict:
-    from train import all_reduce
+    from measure import all_reduce
 
     model, images, labels = _validation_model_and_data()
     correct, count = _accuracy_counts(model, images, labels, env.rank, env.world_size)
