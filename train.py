@@ -1,12 +1,12 @@
 """Train and evaluate one data-parallel replica: the loop, the step and validation.
 
 `Trainer.fit` is the whole loop: epochs of training and validation, one `[METRIC]` line each,
-a checkpoint after each, and an early stop (with a checkpoint) when SLURM warns. Each rank runs
-the same loop on its own shard. Nothing in the hot loop waits on the device:
-losses and counts accumulate as device tensors and are all-reduced (summed) once per epoch, so
-loss and accuracy are those of the whole data set, not of rank 0's shard. Epoch time is taken
-between two barriers around the training part only (validation is timed on its own); what
-else an epoch measures, and how, is measure.py's.
+a checkpoint after each, and an early stop (with a checkpoint) when SLURM warns; the step is
+`Learner.step`. Each rank runs the same loop on its own shard. Nothing in the hot loop waits on
+the device: losses and counts accumulate as device tensors and are all-reduced (summed) once
+per epoch, so loss and accuracy are those of the whole data set, not of rank 0's shard. Epoch
+time is taken between two barriers around the training part only (validation is timed on its
+own); what else an epoch measures, and how, is measure.py's.
 """
 
 import contextlib
