@@ -247,20 +247,6 @@ def epoch_fields(
     }
 
 
-def fixed_batch(
-    size: int,
-    image_shape: tuple,
-    num_classes: int,
-    device: torch.device,
-    memory_format: torch.memory_format,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random images and labels for ComputeCalibration, in the loaders' memory format: a layout
-    conversion is not the step's compute."""
-    images = torch.randn(size, *image_shape, device=device)
-    labels = torch.randint(0, num_classes, (size,), device=device)
-    return images.contiguous(memory_format=memory_format), labels
-
-
 class ComputeCalibration:
     """One optimizer step's compute as one process does it on this rank's local batch: an
     unwrapped model of its own, stepped as the run steps (micro-batches, precision, clipping;
@@ -290,7 +276,7 @@ class ComputeCalibration:
         losses: torch.Tensor,
     ):
         """step: as train.Learner.train_step (a GraphedStep where the run's step is one);
-        batch: fixed_batch's; losses: where the steps add their loss, unread."""
+        batch: random images and labels; losses: where the steps add their loss, unread."""
         self.step, (self.images, self.labels), self.losses = step, batch, losses
         self.device = self.images.device
         self.round_steps = 1 if self.device.type == "cpu" else self.QUEUED_STEPS

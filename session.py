@@ -21,7 +21,7 @@ import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world, microbatches
 from fsdp_utils import effective_sharding
-from measure import ComputeCalibration, MemoryMeter, fixed_batch
+from measure import ComputeCalibration, MemoryMeter
 from model import build_model, count_parameters
 from optim import make_optimizer, make_scheduler
 from precision import low_precision, make_precision, set_fp32_math, storage_dtype
@@ -185,10 +185,11 @@ def calibrate_compute(
             clip_grad=cfg.clip_grad,
             cuda_graphs=cfg.cuda_graphs,
         )
-        local_batch = cfg.batch_size // env.world_size
-        batch = fixed_batch(
-            local_batch, spec.image_shape, spec.num_classes, env.device, memory_format
-        )
+        size = cfg.batch_size // env.world_size
+        # In the loaders' memory format: a layout conversion is not the step's compute.
+        images = torch.randn(size, *spec.image_shape, device=env.device)
+        labels = torch.randint(0, spec.num_classes, (size,), device=env.device)
+        batch = (images.contiguous(memory_format=memory_format), labels)
         return ComputeCalibration(learner.train_step, batch, learner.loss_sum)
 
 

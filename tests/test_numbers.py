@@ -116,7 +116,7 @@ def test_the_calibration_takes_the_fastest_of_three_to_ten_rounds_in_a_tenth_of_
     step (a busy machine only ever slows a step: the fastest is the nearest to its own cost)."""
     bare = TimedSteps(*step_s)
     monkeypatch.setattr(measure.time, "perf_counter", bare.clock)
-    batch = measure.fixed_batch(2, (3, 8, 8), 10, torch.device("cpu"), torch.contiguous_format)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
     calibration = measure.ComputeCalibration(bare.train_step, batch, bare.loss_sum)
     bare.steps = 0  # the first step, at its making, is not timed
     assert calibration.seconds_per_step(epoch_s) == pytest.approx(min(step_s))
