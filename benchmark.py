@@ -46,9 +46,10 @@ import distributed_utils
 from checkpoint import Position
 from comm_bench import run_comm_benchmark
 from config import Config
+from measure import synchronize
 from model import build_model
+from optim import make_optimizer
 from session import build_trainer
-from train import make_optimizer, synchronize
 from utils import parse_metric
 
 ROOT = Path(__file__).resolve().parent
@@ -360,7 +361,7 @@ def scaling_run(
 
 
 def comm_share(metric: dict) -> str:
-    """t_comm as a share of the epoch, or why there is none (train.time_breakdown)."""
+    """t_comm as a share of the epoch, or why there is none (measure.time_breakdown)."""
     if metric.get("breakdown") == "unreliable":
         return "unreliable (the calibration overshot)"
     return f"{100 * metric['t_comm'] / metric['time']:.1f}%"

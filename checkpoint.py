@@ -381,17 +381,22 @@ def prepare_folder(checkpoint_dir: str | None, resume: str | None) -> Path:
     return folder
 
 
-def finished(directory: Path) -> list[Path]:
-    """The finished checkpoints in `directory`, oldest first (a `.tmp` one is being written)."""
+def _named(directory: Path, holds) -> list[Path]:
+    """The paths in `directory` named as checkpoints for which holds(path), oldest first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     found = [
         (tuple(map(int, m.groups())), p)
         for p in directory.iterdir()
-        if (m := NAME_RE.match(p.name)) and (p / META_FILE).is_file()
+        if (m := NAME_RE.match(p.name)) and holds(p)
     ]
     return [p for _, p in sorted(found)]
+
+
+def finished(directory: Path) -> list[Path]:
+    """The finished checkpoints in `directory`, oldest first (a `.tmp` one is being written)."""
+    return _named(directory, lambda path: (path / META_FILE).is_file())
 
 
 def latest(directory: Path) -> Path | None:
@@ -552,15 +557,7 @@ def load_chosen(
 def candidates(directory: Path) -> list[Path]:
     """Every checkpoint in `directory`, oldest first: the finished ones and those named as one
     but without their meta file (damaged: a finished checkpoint always has it)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [
-        (tuple(map(int, m.groups())), p)
-        for p in directory.iterdir()
-        if (m := NAME_RE.match(p.name)) and p.is_dir()
-    ]
-    return [p for _, p in sorted(found)]
+    return _named(directory, Path.is_dir)
 
 
 def load_newest_readable(

@@ -14,13 +14,13 @@ bandwidths (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)
 """
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from distributed_utils import BACKENDS
+from measure import StageTimer, all_reduce, synchronize_device
 from utils import FSDP_ROOT_UNIT, format_comm, log0
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -152,21 +152,14 @@ def collective(op: str, nbytes: int, world_size: int, device: torch.device):
 
 def time_round(run, device: torch.device, runs: int) -> float:
     """Seconds per collective over `runs` of them back to back. Ranks start together (barrier);
-    on a GPU, CUDA events on the stream around the round, read after a synchronize, so only
-    device time counts."""
+    the device's time, as measure.StageTimer takes a step's stage."""
     dist.barrier()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    timer = StageTimer(device)
+    with timer.measure():
         for _ in range(runs):
             run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / runs
-    start = time.perf_counter()
-    for _ in range(runs):
-        run()
-    return (time.perf_counter() - start) / runs
+    synchronize_device(device)
+    return timer.total() / runs
 
 
 def measure(op: str, nbytes: int, device: torch.device, repeats: tuple[int, int, int]) -> tuple:
@@ -177,13 +170,9 @@ def measure(op: str, nbytes: int, device: torch.device, repeats: tuple[int, int,
     warmup, rounds, runs = repeats
     for _ in range(warmup):
         run()
-    median = torch.tensor(
-        [statistics.median(time_round(run, device, runs) for _ in range(rounds))],
-        dtype=torch.float64,
-        device=device,
-    )
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return moved, median.item()
+    median = statistics.median(time_round(run, device, runs) for _ in range(rounds))
+    (slowest,) = all_reduce([median], device, dist.ReduceOp.MAX)
+    return moved, slowest
 
 
 def run_comm_benchmark(

@@ -22,6 +22,7 @@ STAGED = ("pipeline",)  # each rank holds consecutive layers: a stage (checkpoin
 LAYER_SPLIT = ("pipeline", "model")  # strategies that split the model's layers over devices
 ONE_PROCESS = ("model", "dp", "single")  # baselines that drive every device from one process
 SCHEDULES = ("gpipe", "1f1b")
+STRATEGY_OPTIONS = {"microbatches": "pipeline", "sync_bn": "ddp"}  # options one strategy takes
 # The units each model is cut at (len(model.shard_units()), which tests/test_units.py checks):
 # here, without torch, so that --check and the sweep know which world sizes a pipeline takes.
 MODEL_UNITS = {"cnn": 4, "cnn-wide": 4, "resnet18": 4, "resnet50": 4}
@@ -383,7 +384,8 @@ def pipeline_refusal(cfg: Config, world_size: int) -> str | None:
 
 def check_world(cfg: Config, world_size: int, train_size: int) -> None:
     """Whether this configuration can run on world_size ranks with train_size training images:
-    the checks that need the launcher's world size and the data, not torch."""
+    the checks that need the launcher's world size and the data, not torch, and the options
+    only one strategy takes (STRATEGY_OPTIONS)."""
     if cfg.strategy in ONE_PROCESS and world_size > 1:
         raise UsageError(
             f"--strategy {cfg.strategy} drives every device from one process; "
@@ -391,8 +393,9 @@ def check_world(cfg: Config, world_size: int, train_size: int) -> None:
         )
     if cfg.strategy == "pipeline" and (why := pipeline_refusal(cfg, world_size)):
         raise UsageError(why)
-    if cfg.microbatches and cfg.strategy != "pipeline":
-        raise UsageError("--microbatches is for --strategy pipeline")
+    for name, strategy in STRATEGY_OPTIONS.items():
+        if getattr(cfg, name) and cfg.strategy != strategy:
+            raise UsageError(f"{option_flag(name)} is for --strategy {strategy}")
     world_size = data_world(cfg.strategy, world_size)
     if cfg.batch_size < world_size or cfg.batch_size % world_size:
         raise UsageError(

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import cuda_graphs
 from config import Config
 from layout import LOGS_DIR, time_stamp
+from precision import device_refusal
 from utils import UsageError, env_int, is_rank_zero, read_ranks
 
 # The oldest torch this project runs on; requirements.txt's floor is the same (a test checks).
@@ -204,16 +205,8 @@ def check_device(cfg: Config) -> tuple[torch.device, str]:
 def check_device_options(cfg: Config, device: torch.device) -> None:
     """Options the device cannot do: refused by `main.py --check` (one process, which loads no
     wrapper) and by every rank before it builds its model."""
-    if (
-        cfg.precision == "bf16"
-        and device.type == "cuda"
-        and torch.cuda.is_available()
-        and not torch.cuda.is_bf16_supported()
-    ):
-        raise UsageError(
-            f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
-            "use --precision fp16 or fp32"
-        )
+    if why := device_refusal(cfg.precision, device):
+        raise UsageError(why)
     if cfg.cpu_offload and device.type != "cuda":
         raise UsageError(
             "--cpu-offload moves FSDP's shards from the GPU to the CPU; "
@@ -221,8 +214,6 @@ def check_device_options(cfg: Config, device: torch.device) -> None:
         )
     if cfg.sync_bn and device.type != "cuda":
         raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
-    if cfg.sync_bn and cfg.strategy != "ddp":
-        raise UsageError("--sync-bn is for --strategy ddp")
     if cfg.cuda_graphs and (why := cuda_graphs.refusal(cfg, device)):
         raise UsageError(f"--cuda-graphs: {why}")
 

@@ -34,7 +34,8 @@ Sharding (`--sharding`):
            (replicate, shard) mesh
 NO_SHARD is deprecated upstream: for replicated training, use DDP (--strategy ddp).
 
-Mixed precision: compute in bf16/fp16, reduce gradients in fp32 (as DDP under autocast does).
+Mixed precision: compute in bf16/fp16, reduce gradients in fp32 (as DDP under autocast does;
+precision.py).
 """
 
 import socket
@@ -56,6 +57,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 import distributed_utils
+from precision import low_precision
 from utils import UsageError
 
 SHARDING = {
@@ -64,31 +66,10 @@ SHARDING = {
     "hybrid": ShardingStrategy.HYBRID_SHARD,
 }
 
-# The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs).
 # The fewest parameters a shard unit needs for a unit of its own (as torch's
 # size_based_auto_wrap_policy's min_num_params, 1e8 by default, sized for this project's models):
 # 400 KB in fp32, a few microseconds on NVLink, less than the fixed cost of gathering it.
 MIN_UNIT_PARAMS = 100_000
-
-DTYPES = {
-    "fp32": torch.float32,
-    "tf32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp64": torch.float64,
-}
-
-
-def low_precision(precision: str) -> torch.dtype | None:
-    """The 16-bit dtype a step computes in (autocast, FSDP's mixed precision), or None."""
-    dtype = DTYPES[precision]
-    return dtype if dtype.itemsize < 4 else None
-
-
-def storage_dtype(precision: str) -> torch.dtype:
-    """What parameters, gradients, batches and sums are held in: float64 for fp64; float32
-    otherwise (bf16 and fp16 compute in theirs from fp32 parameters)."""
-    return max(DTYPES[precision], torch.float32, key=lambda dtype: dtype.itemsize)
 
 
 def own_units(model: nn.Module) -> list[nn.Module]:

@@ -143,7 +143,7 @@ def train(cfg: Config, argv: list[str]) -> int:
     dead or hung peer ends this rank with one line."""
     import distributed_utils  # torch loads here, once the options are known to be readable
     import session
-    from train import set_deterministic
+    from precision import set_deterministic
 
     distributed_utils.check_torch()
     set_deterministic(cfg.deterministic)  # before CUDA starts

@@ -19,16 +19,17 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from model import build_model
+from precision import PEAK_KEYS
 
 
 def peaks(fp32: float, tf32: float, half: float) -> dict[str, float]:
-    """A device's peaks by --precision (bf16 and fp16 run at the same rate)."""
-    return {"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half}
+    """A device's peaks by the arithmetic a precision runs on (precision.PEAK_KEYS)."""
+    return {"fp32": fp32, "tf32": tf32, "16-bit": half}
 
 
 # Dense (no sparsity) peak TFLOP/s of one device, from NVIDIA's data sheets: IEEE fp32 on the
-# CUDA cores (what --precision fp32 runs: train.set_fp32_math), TF32 and 16-bit on the tensor
-# cores. Matched against torch.cuda.get_device_name() in this order, first match wins: GH200
+# CUDA cores (what --precision fp32 runs: precision.set_fp32_math), TF32 and 16-bit on the
+# tensor cores. Matched against torch.cuda.get_device_name() in this order, first match wins: GH200
 # before H200 before H100, the PCIe and NVL parts before the SXM part they name.
 PEAK_TFLOPS = (
     ("GH200", peaks(67.0, 494.5, 989.5)),
@@ -67,7 +68,8 @@ def device_peak_tflops(device: torch.device, precision: str) -> float | None:
 
 
 def peak_for_name(name: str, precision: str) -> float | None:
-    return next((by.get(precision) for part, by in PEAK_TFLOPS if part in name), None)
+    key = PEAK_KEYS.get(precision)
+    return next((by.get(key) for part, by in PEAK_TFLOPS if part in name), None)
 
 
 @dataclass(frozen=True)

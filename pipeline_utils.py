@@ -29,8 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from measure import StageTimer, all_reduce
 from model import cut
-from train import StageTimer, Trainer, all_reduce, loss_input
+from precision import loss_input
+from train import Trainer
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # config.SCHEDULES' names
 
@@ -47,7 +49,7 @@ def ideal_bubble(stages: int, microbatches: int) -> float:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that times its forwards and backwards with train.StageTimer: CUDA events
+    """A PipelineStage that times its forwards and backwards with measure.StageTimer: CUDA events
     on the stage's stream on a GPU, so that the timing waits for nothing (a synchronisation
     around each would also wait for the stage's sends, on NCCL's streams, and keep them from
     overlapping the next micro-batch); the host's clock on a CPU."""

@@ -253,7 +253,7 @@ def plot_quality(summary: pd.DataFrame) -> Figure:
     return fig
 
 
-# What peak_mem measured, by the device the runs trained on (train.MemoryMeter).
+# What peak_mem measured, by the device the runs trained on (measure.MemoryMeter).
 # Two lines: one would be taller than a one-panel figure.
 PEAK_MEMORY_LABEL = {
     "cuda": "CUDA allocator peak above baseline\n(MB, max over ranks)",

@@ -85,7 +85,7 @@ def median_after_first(run: pd.DataFrame, column: str) -> float:
 def steady_breakdown(run: pd.DataFrame) -> dict:
     """The time parts' medians over the epochs after the first whose breakdown is reliable (all
     four from the same epochs, so that they still add up), and how many were not
-    (breakdown=unreliable: the compute calibration overshot, train.time_breakdown)."""
+    (breakdown=unreliable: the compute calibration overshot, measure.time_breakdown)."""
     steady = run.iloc[1:] if len(run) > 1 else run
     flags = steady["breakdown"] if "breakdown" in steady else pd.Series("ok", index=steady.index)
     unreliable = flags == "unreliable"

@@ -20,26 +20,14 @@ import mfu
 import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world, microbatches
-from fsdp_utils import effective_sharding, low_precision, storage_dtype
-from layout import LOGS_DIR, relative
+from fsdp_utils import effective_sharding
+from measure import ComputeCalibration, MemoryMeter
 from model import build_model, count_parameters
-from strategies import (
-    STEP_COLLECTIVES,
-    compiled,
-    devices_per_rank,
-    make_precision,
-    wrap_model,
-)
-from train import (
-    ComputeCalibration,
-    Diverged,
-    MemoryMeter,
-    StepProfiler,
-    Trainer,
-    make_optimizer,
-    make_scheduler,
-    set_fp32_math,
-)
+from optim import make_optimizer, make_scheduler
+from precision import low_precision, make_precision, set_fp32_math, storage_dtype
+from profiling import StepProfiler, profile_path, profile_report
+from strategies import STEP_COLLECTIVES, compiled, devices_per_rank, wrap_model
+from train import Diverged, Learner, Trainer
 from utils import format_config, is_rank_zero, log0
 
 # ----------------------------------------------------------------------------- building
@@ -188,7 +176,7 @@ def calibrate_compute(
         )
         # As one process runs it: autocast (also for FSDP, whose policy casts the real one), a
         # plain scaler (FSDP1's would all-reduce, over ranks that step different counts).
-        bare = Trainer(
+        learner = Learner(
             model=compiled(cfg, model),
             optimizer=make_optimizer(cfg, model),
             precision=make_precision(cfg.precision, "single", env.device, cfg.cuda_graphs),
@@ -197,13 +185,12 @@ def calibrate_compute(
             clip_grad=cfg.clip_grad,
             cuda_graphs=cfg.cuda_graphs,
         )
-        return ComputeCalibration(
-            bare,
-            cfg.batch_size // env.world_size,
-            spec.image_shape,
-            spec.num_classes,
-            memory_format,
-        )
+        size = cfg.batch_size // env.world_size
+        # In the loaders' memory format: a layout conversion is not the step's compute.
+        images = torch.randn(size, *spec.image_shape, device=env.device)
+        labels = torch.randint(0, spec.num_classes, (size,), device=env.device)
+        batch = (images.contiguous(memory_format=memory_format), labels)
+        return ComputeCalibration(learner.train_step, batch, learner.loss_sum)
 
 
 # ----------------------------------------------------------------------------- running
@@ -290,24 +277,3 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
     low = low_precision(cfg.precision)  # what FSDP's all-gathers carry (fsdp_utils)
     gathered = (low if cfg.strategy in SHARDED and low else storage_dtype(cfg.precision)).itemsize
     run_comm_benchmark(model, env.device, gathered, extra={"job_id": distributed_utils.job_id()})
-
-
-PROFILE_DIR = LOGS_DIR / "profiles"
-
-
-def profile_path(env: distributed_utils.DistEnv) -> Path:
-    """One trace per rank and run, named as rank 0 names the run."""
-    run = distributed_utils.on_rank0(distributed_utils.run_name)
-    return PROFILE_DIR / f"{run}_rank{env.rank}.json"
-
-
-def profile_report(profiler: StepProfiler) -> str:
-    steps = profiler.traced_steps
-    if not profiler.saved:
-        return f"[PROFILE] no trace: the run trained fewer than {steps[-1]} steps"
-    pattern = profiler.path.with_name(profiler.path.name.replace("rank0", "rank*"))
-    kind = "replays of the captured CUDA graph" if profiler.graphed else "eager"
-    return (
-        f"[PROFILE] steps {steps[0]}-{steps[-1]} ({kind}) of each rank traced: {relative(pattern)} "
-        "(open in https://ui.perfetto.dev)"
-    )

@@ -1,9 +1,9 @@
 """How each `--strategy` runs: the wrapper that makes one rank's model data-parallel (DDP or
 DataParallel from ddp_utils.py, FSDP1 or FSDP2 from fsdp_utils.py, or none) or cuts it into
 parts (a pipeline stage from pipeline_utils.py, or model_parallel.py's parts on consecutive
-GPUs), and how a step of it runs at a `--precision`. What its options need of the device is
-distributed_utils.py's to check (`check_device_options`): `main.py --check` asks that without
-loading the wrappers.
+GPUs). How a step of it runs at a `--precision` is precision.py's to say; what its options
+need of the device is distributed_utils.py's to check (`check_device_options`): `main.py
+--check` asks that without loading the wrappers.
 
 The names of the strategies are config.py's; this module only maps them to the code that runs
 them, so that adding a strategy touches config.py (its name) and this file.
@@ -13,12 +13,11 @@ import contextlib
 
 import torch
 
-from config import SHARDED, Config
+from config import Config
 from cuda_graphs import side_stream
 from ddp_utils import get_ddp_model, get_dp_model
-from fsdp_utils import get_fsdp2_model, get_fsdp_model, low_precision
+from fsdp_utils import get_fsdp2_model, get_fsdp_model
 from model_parallel import get_model_parallel, usable_devices
-from train import Precision
 
 # What a training step of each strategy waits on its peers in: a rank's last words (say_where)
 # before it died or hung name it.
@@ -92,21 +91,3 @@ def devices_per_rank(strategy: str, model_name: str, device: torch.device) -> in
     if strategy == "model":
         return len(usable_devices(model_name, device))
     return 1
-
-
-def make_precision(
-    precision: str, strategy: str, device: torch.device, cuda_graphs: bool = False
-) -> Precision:
-    """How a step of this strategy runs at this --precision: FSDP casts through its mixed
-    precision policy (fsdp_utils); every unsharded model (DDP, DP, single) needs autocast,
-    without its cache of cast weights where the step is a CUDA graph (torch's notes: the cache
-    would hold tensors of the capture)."""
-    fp16 = precision == "fp16"
-    if strategy == "fsdp":  # FSDP1's gradients are flat shards: its scaler sees them all
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(device.type, enabled=fp16)
-    else:
-        scaler = torch.amp.GradScaler(device.type, enabled=fp16)
-    autocast = None if strategy in SHARDED else low_precision(precision)
-    return Precision(autocast, scaler, cache=not cuda_graphs)

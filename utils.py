@@ -88,7 +88,7 @@ COURSE_FIELDS = METRIC[:5]
 METRIC_FIELDS = tuple(f.name for f in METRIC)
 MAY_BE_NA = tuple(f.name for f in METRIC if f.may_be_na)
 LABEL = {f.name: f.label for f in METRIC if f.label}
-# Where an epoch's time went (train.time_breakdown): the `t_` fields, which add up to `time`.
+# Where an epoch's time went (measure.time_breakdown): the `t_` fields, which add up to `time`.
 TIME_PARTS = tuple(name for name in METRIC_FIELDS if name.startswith("t_"))
 
 METRIC_TAG = "[METRIC]"

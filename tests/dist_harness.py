@@ -359,6 +359,12 @@ def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
         return train(env, cfg)
 
 
+def calibration_learner(calibration):
+    """The train.Learner whose step a calibration times (inside a GraphedStep where graphed)."""
+    step = calibration.step
+    return getattr(step, "step", step).__self__
+
+
 def calibration_of(env, cfg, stand_in_compile=False):
     """The calibration a run of cfg makes (session.calibrate_compute, which build_trainer calls;
     --cuda-graphs is refused on a CPU before it), and the steps its step took once made and
@@ -375,12 +381,13 @@ def calibration_of(env, cfg, stand_in_compile=False):
     graphed = calibration.step if isinstance(calibration.step, GraphedStep) else None
     made = graphed.eager_steps if graphed else None
     calibration.seconds_per_step(0.0)
+    learner = calibration_learner(calibration)
     return {
         "graphed": graphed is not None,
         "captured": graphed is not None and graphed.graph is not None,
         "made": made,
         "timed": graphed.eager_steps - made if graphed else None,
-        "compiled": getattr(calibration.bare.model, "compiled_here", False),
-        "autocast_cache": calibration.bare.precision.cache,
-        "capturable": calibration.bare.optimizer.defaults.get("capturable"),
+        "compiled": getattr(learner.model, "compiled_here", False),
+        "autocast_cache": learner.precision.cache,
+        "capturable": learner.optimizer.defaults.get("capturable"),
     }

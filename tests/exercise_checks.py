@@ -27,8 +27,11 @@ from ddp_utils import get_ddp_model
 from dist_harness import in_fresh_process, spawn, spawn_outcomes
 from fsdp_utils import get_fsdp_model, own_units
 from helpers import write_cifar_dir
+from measure import MemoryMeter
+from mfu import ModelFlops
 from model import build_model
-from train import Precision, Trainer
+from precision import Precision
+from train import Trainer
 
 CPU = torch.device("cpu")
 
@@ -378,6 +381,8 @@ def trainer(model: nn.Module, env, lr: float = 0.1, val_size: int = 10) -> Train
         precision=Precision(None, torch.amp.GradScaler("cpu", enabled=False)),
         env=env,
         loaders=StandInLoaders(env.rank, env.world_size, val_size),
+        memory=MemoryMeter(env.device),
+        flops=ModelFlops(per_image=0, devices=1, peak_tflops=None),
         print_every=1000,
     )
 

@@ -88,7 +88,7 @@ def test_without_zero_grad_the_second_backward_adds_to_the_first():
     for g1, g2 in zip(first, second):
         torch.testing.assert_close(g2, 2 * g1)
     optimizer = torch.optim.Adam(model.parameters())
-    optimizer.zero_grad(set_to_none=True)  # what train.py's Trainer.step does first
+    optimizer.zero_grad(set_to_none=True)  # what train.py's Learner.step does first
     assert all(p.grad is None for p in model.parameters())
     for g1, g3 in zip(first, backward()):
         torch.testing.assert_close(g3, g1)
@@ -237,7 +237,7 @@ def _validation_model_and_data():
 
 
 def _validate_on_rank(env) -> dict:
-    from train import all_reduce
+    from measure import all_reduce
 
     model, images, labels = _validation_model_and_data()
     correct, count = _accuracy_counts(model, images, labels, env.rank, env.world_size)

@@ -13,8 +13,8 @@ from config import Config
 from conftest import TINY, assert_one_line_error, run_main
 from cuda_graphs import GraphedStep, decide, refusal
 from dist_harness import EQUAL_CFG, spawn
+from optim import make_optimizer, make_scheduler
 from session import build_trainer
-from train import make_optimizer, make_scheduler
 
 pytestmark = pytest.mark.fast  # make test-fast
 

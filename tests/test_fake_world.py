@@ -34,8 +34,9 @@ def one_rank_of_eight(device_type: str) -> dict:
 
     from config import Config
     from fsdp_utils import get_fsdp2_model, get_fsdp_model
+    from measure import state_bytes
     from model import build_model
-    from train import make_optimizer, state_bytes
+    from optim import make_optimizer
 
     device = torch.device(device_type)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)

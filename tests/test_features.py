@@ -279,7 +279,7 @@ def test_profile_traces_the_scheduled_steps_of_every_rank(repo_copy):
     all-reduce, and training unchanged by it."""
     import json
 
-    from train import PROFILE_SCHEDULE
+    from profiling import PROFILE_SCHEDULE
 
     args = [*ARGS, "--epochs", "1", "--no-checkpoint"]
     done = run_main([*args, "--profile"], nproc=2, cwd=repo_copy)
@@ -305,8 +305,7 @@ def test_a_graphed_run_profiles_replays_of_its_graph(tmp_path):
     """--profile with --cuda-graphs traces steps after the eager warm-up and the capture, and
     says so (the trace itself is test_gpu's: a graph runs only on a GPU)."""
     from cuda_graphs import WARMUP_STEPS
-    from session import profile_report
-    from train import StepProfiler
+    from profiling import StepProfiler, profile_report
 
     profiler = StepProfiler(tmp_path / "x_rank0.json", torch.device("cpu"), graphed=True)
     assert profiler.traced_steps[0] > WARMUP_STEPS + 1  # the capture's step is not traced

@@ -4,12 +4,12 @@ of the GPU path that a CPU can show (the rest is in test_gpu.py, which needs CUD
 import inspect
 import math
 from dataclasses import asdict
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import checkpoint
+import measure
 import train
 from config import Config
 from conftest import (
@@ -21,7 +21,7 @@ from conftest import (
     run_main,
 )
 from cuda_graphs import WARMUP_STEPS
-from dist_harness import calibration_of, spawn, spawn_outcomes
+from dist_harness import calibration_learner, calibration_of, spawn, spawn_outcomes
 from session import build_trainer, run
 from utils import parse_config
 
@@ -85,7 +85,6 @@ class TimedSteps:
     """A trainer whose steps take `seconds` (one after the other, round and round) of a clock of
     its own, and counts them."""
 
-    env = SimpleNamespace(device=torch.device("cpu"))
     loss_sum = torch.zeros(())
 
     def __init__(self, *seconds: float):
@@ -116,8 +115,9 @@ def test_the_calibration_takes_the_fastest_of_three_to_ten_rounds_in_a_tenth_of_
     training and in 0.25 s, never fewer than three, never more than ten; the fastest round's
     step (a busy machine only ever slows a step: the fastest is the nearest to its own cost)."""
     bare = TimedSteps(*step_s)
-    monkeypatch.setattr(train.time, "perf_counter", bare.clock)
-    calibration = train.ComputeCalibration(bare, 2, (3, 8, 8), 10, torch.contiguous_format)
+    monkeypatch.setattr(measure.time, "perf_counter", bare.clock)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+    calibration = measure.ComputeCalibration(bare.train_step, batch, bare.loss_sum)
     bare.steps = 0  # the first step, at its making, is not timed
     assert calibration.seconds_per_step(epoch_s) == pytest.approx(min(step_s))
     assert bare.steps == rounds
@@ -134,7 +134,7 @@ def test_the_calibration_steps_as_a_graphed_run_steps():
     assert graphed["graphed"] and not graphed["autocast_cache"] and graphed["capturable"]
     # warm-up and the capture's step at its making, then every round of the timing
     assert graphed["made"] == WARMUP_STEPS + 1
-    assert graphed["timed"] == train.ComputeCalibration.LEAST
+    assert graphed["timed"] == measure.ComputeCalibration.LEAST
 
 
 def test_the_calibration_is_compiled_where_the_run_is():
@@ -165,6 +165,7 @@ def precision_facts(env, cfg):
     trainer, resolved = build_trainer(cfg, env)
     model = trainer.model
     reduce = getattr(getattr(model, "mixed_precision", None), "reduce_dtype", None)
+    calibration = calibration_learner(trainer.calibration).precision
     return {
         "conv": torch.backends.cudnn.conv.fp32_precision,
         "matmul": torch.backends.cuda.matmul.fp32_precision,
@@ -175,8 +176,8 @@ def precision_facts(env, cfg):
         "reduce": reduce,
         "scaler": trainer.precision.scaler.is_enabled(),
         "grad_dtype": next(model.parameters()).dtype,
-        "calibration_autocast": trainer.calibration.bare.precision.autocast_dtype,
-        "calibration_scaler": type(trainer.calibration.bare.precision.scaler).__name__,
+        "calibration_autocast": calibration.autocast_dtype,
+        "calibration_scaler": type(calibration.scaler).__name__,
     }
 
 
@@ -386,8 +387,8 @@ def test_a_calibration_over_the_epoch_makes_the_breakdown_unreliable_not_negativ
     """The rest (t_comm) is what the epoch took beyond compute and data: where the calibration
     says the steps took longer than the epoch, the split is unknown and said to be, never
     printed as a negative time nor clamped to zero."""
-    segment = train.Segment(elapsed=elapsed, data=0.1, steps=9)
-    m = {"time": elapsed, **train.time_breakdown(segment, step_s, torch.device("cpu"))}
+    segment = measure.Segment(elapsed=elapsed, data=0.1, steps=9)
+    m = {"time": elapsed, **measure.time_breakdown(segment, step_s, torch.device("cpu"))}
     assert_breakdown_holds(m)
     assert (m["breakdown"] == "ok") == reliable
     if reliable:

@@ -191,16 +191,16 @@ def test_the_bubble_is_the_time_a_stage_waits_for_a_slow_neighbour():
 
 def synchronisations_in_an_epoch(env, cfg):
     """How often the device is synchronised while a pipeline stage trains an epoch."""
+    import measure
     import pipeline_utils
-    import train
 
-    calls, synchronize_device = [], train.synchronize_device
+    calls, synchronize_device = [], measure.synchronize_device
 
     def counted(device):
         calls.append(device)
         synchronize_device(device)
 
-    for module in (train, pipeline_utils):  # wherever a stage could reach it from
+    for module in (measure, pipeline_utils):  # wherever a stage could reach it from
         if hasattr(module, "synchronize_device"):
             module.synchronize_device = counted
     trainer = build_trainer(cfg, env)[0]

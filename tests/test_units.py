@@ -288,12 +288,14 @@ def test_cut_parts_compute_the_model_and_hold_its_units(name, parts, first_units
 
 def test_a_trainer_is_built_with_keywords():
     """Trainer's fields are named where it is built: no row of positional Nones to miscount."""
-    from train import Trainer
+    from train import Learner, Trainer
 
     with pytest.raises(TypeError):
-        Trainer(None, None, None, None)
-    bare = Trainer(model=None, optimizer=None, precision=None, env=None)
-    assert bare.loaders is None and bare.labels == {} and bare.grad_accum == 1
+        Learner(None, None, None, None)
+    with pytest.raises(TypeError):  # a trainer has loaders, a memory meter and the FLOPs
+        Trainer(model=None, optimizer=None, precision=None, env=None)
+    learner = Learner(model=None, optimizer=None, precision=None, env=None)
+    assert learner.grad_accum == 1 and learner.clip_grad is None
 
 
 def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):

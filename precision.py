@@ -1,0 +1,125 @@
+"""What numbers a step computes with, for each `--precision`: the dtype table, the 16-bit dtype
+of autocast and FSDP's mixed precision, the loss scaler, what fp32 means on a GPU, which devices
+can compute in bf16, the device peak a precision runs at (mfu), and whether kernels must be
+deterministic. The wrappers, the trainer and the metrics ask this module; it asks only torch
+(and config.py for the strategies' names).
+
+Mixed precision computes in bf16 or fp16 from fp32 parameters and reduces gradients in fp32:
+autocast for an unsharded model (DDP, DP, single), FSDP's own policy for a sharded one
+(fsdp_utils). fp16 adds a gradient scaler; bf16 needs none. fp64 stores and computes everything
+in float64 (verify.py's equivalence check).
+"""
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from config import SHARDED
+
+# The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs).
+DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
+
+# The arithmetic each --precision runs on, which sets a device's peak (mfu.PEAK_TFLOPS): IEEE
+# fp32 on the CUDA cores (set_fp32_math), TF32 and 16-bit on the tensor cores, bf16 and fp16 at
+# the same rate. fp64 has none in the table.
+PEAK_KEYS = {"fp32": "fp32", "tf32": "tf32", "bf16": "16-bit", "fp16": "16-bit"}
+
+
+def low_precision(precision: str) -> torch.dtype | None:
+    """The 16-bit dtype a step computes in (autocast, FSDP's mixed precision), or None."""
+    dtype = DTYPES[precision]
+    return dtype if dtype.itemsize < 4 else None
+
+
+def storage_dtype(precision: str) -> torch.dtype:
+    """What parameters, gradients, batches and sums are held in: float64 for fp64; float32
+    otherwise (bf16 and fp16 compute in theirs from fp32 parameters)."""
+    return max(DTYPES[precision], torch.float32, key=lambda dtype: dtype.itemsize)
+
+
+def loss_input(logits: torch.Tensor) -> torch.Tensor:
+    """Logits computed in bf16 or fp16, in fp32 for the loss; fp32's and fp64's as they are."""
+    return logits.float() if logits.dtype.itemsize < 4 else logits
+
+
+@dataclass
+class Precision:
+    """How a step runs in low precision: autocast (DDP), and a loss scaler enabled for fp16."""
+
+    autocast_dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler
+    cache: bool = True  # autocast's cache of cast weights (off in a CUDA graph)
+
+    def autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype, cache_enabled=self.cache)
+
+
+def make_precision(
+    precision: str, strategy: str, device: torch.device, cuda_graphs: bool = False
+) -> Precision:
+    """How a step of this strategy runs at this --precision: FSDP casts through its mixed
+    precision policy (fsdp_utils); every unsharded model (DDP, DP, single) needs autocast,
+    without its cache of cast weights where the step is a CUDA graph (torch's notes: the cache
+    would hold tensors of the capture)."""
+    fp16 = precision == "fp16"
+    if strategy == "fsdp":  # FSDP1's gradients are flat shards: its scaler sees them all
+        # Imported here: FSDP's modules take seconds to import, which `main.py --check` (it
+        # asks device_refusal) never needs.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device.type, enabled=fp16)
+    else:
+        scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+    autocast = None if strategy in SHARDED else low_precision(precision)
+    return Precision(autocast, scaler, cache=not cuda_graphs)
+
+
+def device_refusal(precision: str, device: torch.device) -> str | None:
+    """Why this device cannot compute at this --precision, or None."""
+    if (
+        precision == "bf16"
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and not torch.cuda.is_bf16_supported()
+    ):
+        return (
+            f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
+            "use --precision fp16 or fp32"
+        )
+    return None
+
+
+def set_fp32_math(precision: str) -> str:
+    """GPUs compute fp32 convolutions in TF32 unless told otherwise (cuDNN's default): make
+    fp32 mean IEEE fp32, and tf32 ask for TF32 in convolutions and matrix products alike.
+    Returns what fp32 operations run as. (No effect on a CPU.)"""
+    math = "tf32" if precision == "tf32" else "ieee"
+    # The legacy switches first, to the same answer: code that still reads them (torch.compile's
+    # in some versions) raises where only the per-operation settings below were made.
+    torch.set_float32_matmul_precision("high" if math == "tf32" else "highest")
+    torch.backends.cudnn.allow_tf32 = math == "tf32"
+    torch.backends.cuda.matmul.fp32_precision = math
+    torch.backends.cudnn.conv.fp32_precision = math
+    torch.backends.cudnn.rnn.fp32_precision = math
+    return math
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels only (an error names any op that has none); cuBLAS needs its
+    workspace fixed before CUDA starts for that."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # cuDNN tries its algorithms on the first batch of each shape and keeps the fastest: the
+    # fastest may not be deterministic.
+    torch.backends.cudnn.benchmark = not enabled
+    torch.use_deterministic_algorithms(enabled)
