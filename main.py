@@ -35,9 +35,11 @@ from utils import (
 if TYPE_CHECKING:  # only named here: session.py loads torch
     from session import Outcome
 
-# How long a rank other than 0 that met bad input waits for its launcher to end it once rank 0
-# has said why and exited (stopping.await_stop_signal): rank 0 may still be starting Python.
-PEER_EXIT_WAIT_S = 30.0
+# How long a rank other than 0 whose command line is bad waits for its launcher to end it once
+# rank 0 has said why and exited (stopping.await_stop_signal): rank 0 may still be starting
+# Python. A few seconds cover a loaded machine's start; plain srun (no --kill-on-bad-exit) waits
+# them out.
+PEER_EXIT_WAIT_S = 5.0
 
 # ----------------------------------------------------------------------------- parse
 
@@ -214,8 +216,10 @@ def report(outcome: "Outcome", epochs: int, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with stopping.catch_stop_signals():  # a warning during start-up must not kill us either
+        parsed = False
         try:
             cfg, world_sizes = parse_command_line(argv)  # before torch loads
+            parsed = True
             # What loads next, torch and the project, lives as long as the process: collecting
             # while it loads frees nothing and costs 0.4 s. distributed_utils.setup freezes it
             # and turns the collector back on.
@@ -227,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, OptionError):
                 log0(USAGE, file=sys.stderr)
             log0(f"error: {e}", file=sys.stderr)
-            if not is_rank_zero():  # rank 0 exits first; its launcher then ends this one
+            # Found within milliseconds of the start, when rank 0 may not yet have taken the
+            # stop signals: let rank 0 exit first, its launcher then ends this rank. (Later
+            # errors come after torch has loaded, or after the ranks have met.)
+            if not parsed and not is_rank_zero():
                 stopping.await_stop_signal(timeout_s=PEER_EXIT_WAIT_S)
             if isinstance(e, CheckpointError):
                 return EXIT_STATUS["checkpoint"]

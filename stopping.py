@@ -62,9 +62,9 @@ def stop_signal() -> str | None:
 def await_stop_signal(timeout_s: float) -> str | None:
     """Wait, stop signals taken, until one comes or timeout_s passes; its name, or None.
 
-    A rank other than 0 that meets bad input says nothing (rank 0 says it) and must not exit
-    before rank 0 has: torchrun and srun --kill-on-bad-exit end the other ranks with SIGTERM as
-    soon as one exits non-zero, and rank 0, still starting up, would die with its error unsaid.
+    A rank other than 0 whose command line is bad says nothing (rank 0 says it) and should not
+    exit before rank 0 has: torchrun and srun --kill-on-bad-exit end the other ranks with SIGTERM
+    as soon as one exits non-zero, and rank 0, still starting up, would die with its error unsaid.
     """
     deadline = time.monotonic() + timeout_s
     while _stop_signal is None and time.monotonic() < deadline:

@@ -17,14 +17,19 @@ MODULES = {path.stem: path for path in sorted(REPO.glob("*.py"))}
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 
 
-def project_imports(nodes) -> set[str]:
+def imported_names(nodes) -> set[str]:
+    """The top-level names of the modules that these nodes import (absolute imports)."""
     names = set()
     for node in nodes:
         if isinstance(node, ast.Import):
             names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
-    return names & MODULES.keys()
+    return names
+
+
+def project_imports(nodes) -> set[str]:
+    return imported_names(nodes) & MODULES.keys()
 
 
 def imports_of(path) -> tuple[set[str], set[str]]:
@@ -112,3 +117,14 @@ def test_the_architecture_map_says_what_each_module_imports():
 def test_the_map_reader_reads_imports_and_later_imports():
     text = "- **`a.py`**: one idea. Imports `b`, `c`; later `d`.\n- **`b.py`**: x. Imports none.\n"
     assert mapped_imports(text) == {"a": ({"b", "c"}, {"d"}), "b": (set(), set())}
+
+
+def test_no_test_file_imports_another():
+    """What two test files share lives in conftest.py, helpers.py or dist_harness.py: importing
+    a test file would also collect its tests again under another name, and tie the two."""
+    tests = sorted((REPO / "tests").glob("*.py"))
+    found = {p.name: imported_names(ast.walk(ast.parse(p.read_text()))) for p in tests}
+    imports = {
+        name: sorted(n for n in names if n.startswith("test_")) for name, names in found.items()
+    }
+    assert not any(imports.values()), imports

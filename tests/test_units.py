@@ -346,28 +346,6 @@ def test_a_forked_main_py_is_killed_as_a_process_is():
     assert forked.wait(timeout=30) == -9 and forked.pid != os.getpid()
 
 
-def test_no_test_file_imports_another():
-    """What two test files share lives in conftest.py, helpers.py or dist_harness.py: importing
-    a test file would also collect its tests again under another name, and tie the two."""
-    import ast
-    from pathlib import Path
-
-    imports = []
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = (
-                [alias.name for alias in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
-            imports += [
-                f"{path.name}: {name}" for name in names if name.split(".")[0].startswith("test_")
-            ]
-    assert not imports, imports
-
-
 def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypatch):
     """On GPUs each rank's last collectives are dumped on a timeout, named by job and rank; a
     setting the job made itself is kept."""
