@@ -95,9 +95,20 @@ def name_identity(log_name: str) -> dict:
     return found
 
 
+def logs_folder(name: str) -> str:
+    """A folder of logs/ (a sweep's) as job scripts and messages name it: relative to the
+    repository, where the scripts run."""
+    return relative(LOGS_DIR / name)
+
+
+def jobs_folder(name: str) -> str:
+    """A folder of jobs/ (a sweep's job scripts, verify's), relative to the repository."""
+    return relative(JOBS_DIR / name)
+
+
 def collect_log(sweep: str, job_id: str) -> str:
     """The collect job's log, relative to the repository (beside the sweep's job scripts)."""
-    return f"jobs/{sweep}/collect_{job_id}.log"
+    return f"{jobs_folder(sweep)}/collect_{job_id}.log"
 
 
 def verify_folder(job_id: str) -> Path:

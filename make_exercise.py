@@ -26,7 +26,8 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent
+from layout import REPO
+
 SHEET = "EXERCISES.md"
 DEFAULT_DIR = REPO / "exercise"  # git-ignored
 # Written into every copy: the only folder besides an empty one that a build may replace.

@@ -296,7 +296,8 @@ def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
 
 
 def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
-    log = f"logs/{sweep}/{layout.log_stem(run.name, '%j')}"
+    logs, jobs = layout.logs_folder(sweep), layout.jobs_folder(sweep)
+    log = f"{logs}/{layout.log_stem(run.name, '%j')}"
     options = [
         "--parsable",
         f"--job-name=bench-{run.name}",
@@ -307,32 +308,33 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
     ]
     if args.time:
         options.append(f"--time={args.time}")
-    env = {"SAMPLES_DIR": f"logs/{sweep}"}  # run.sh's GPU and CPU samplers: beside the logs
+    env = {"SAMPLES_DIR": logs}  # run.sh's GPU and CPU samplers: beside the logs
     if args.environment:
         env["EDF"] = slurm_jobs.edf_value(args.environment)
     comment = (
         f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
         f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
-        f"# Submit again with: bash jobs/{sweep}/{run.name}.sh [more sbatch options]\n"
+        f"# Submit again with: bash {jobs}/{run.name}.sh [more sbatch options]\n"
         "# run.sh is the launch recipe; these options size the job and name its logs.\n"
     )
     return slurm_jobs.script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
 
 
 def collect_script(sweep: str, args) -> str:
+    logs, jobs = layout.logs_folder(sweep), layout.jobs_folder(sweep)
     command = "bash plot_results.sh"
     if args.environment:  # the host may lack pandas and matplotlib; the image has them
         command = (
             f"srun --environment={shlex.quote(slurm_jobs.edf_value(args.environment))} {command}"
         )
-    command = f"LOGS=logs/{sweep} {command}"  # first: an assignment after srun is no assignment
+    command = f"LOGS={logs} {command}"  # first: an assignment after srun is no assignment
     # Its exit status is the job's (sacct shows it); its outcome, with the last error line of
     # its log, goes to the sweep's folder, where the user of a sweep not waited for looks.
     log = layout.collect_log(sweep, "$SLURM_JOB_ID")
     command += (
         f'; status=$?; echo "exit status $status"; {{ echo "collect job $SLURM_JOB_ID: exit '
         f'status $status (0: results.csv and plots/ written), log {log}"; '
-        f'grep "^error: " {log} | tail -n 1; }} > logs/{sweep}/{layout.SWEEP_OUTCOME}; exit $status'
+        f'grep "^error: " {log} | tail -n 1; }} > {logs}/{layout.SWEEP_OUTCOME}; exit $status'
     )
     options = [
         "--parsable",
@@ -343,9 +345,9 @@ def collect_script(sweep: str, args) -> str:
         *slurm_jobs.slurm_options(args),
     ]
     comment = (
-        f"# Collects logs/{sweep}/ into results.csv and plots into plots/. Written by "
+        f"# Collects {logs}/ into results.csv and plots into plots/. Written by "
         "run_benchmarks.py,\n# which submits it with --dependency=afterany:<the sweep's "
-        f"job ids>.\n# Submit again with: bash jobs/{sweep}/collect.sh [more sbatch "
+        f"job ids>.\n# Submit again with: bash {jobs}/collect.sh [more sbatch "
         "options]\n"
     )
     return slurm_jobs.script(comment, options, ["--wrap", command], {})
@@ -364,7 +366,9 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[slur
     logs.mkdir(parents=True)
     sweep, jobs = logs.name, []
     print(
-        f"sweep {sweep}: logs in {layout.relative(logs)}/, job scripts in jobs/{sweep}/", flush=True
+        f"sweep {sweep}: logs in {layout.relative(logs)}/, "
+        f"job scripts in {layout.jobs_folder(sweep)}/",
+        flush=True,
     )
     try:
         for run, name in repeated(runs, args.repeats):
@@ -407,7 +411,8 @@ def how_to_follow(jobs: list[slurm_jobs.Job]) -> str:
     ids = ",".join(job.job_id for job in jobs)
     return (
         f"not waiting (--wait would, and report failures): when every job has ended, "
-        f"logs/{sweep}/{layout.SWEEP_OUTCOME} says whether collecting gave results; each job's "
+        f"{layout.logs_folder(sweep)}/{layout.SWEEP_OUTCOME} says whether collecting gave "
+        "results; each job's "
         "state: "
         f"sacct -X -j {ids} --format=JobID,JobName,State,ExitCode"
     )
@@ -428,10 +433,11 @@ def report(jobs: list[slurm_jobs.Job]) -> int:
 
 def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
     sweep = layout.next_sweep_folder(layout.LOGS_DIR).name
+    jobs = layout.jobs_folder(sweep)
     for run in runs:
-        print(f"# ---- jobs/{sweep}/{run.name}.sh\n{run_script(run, sweep, args, extra)}")
+        print(f"# ---- {jobs}/{run.name}.sh\n{run_script(run, sweep, args, extra)}")
     print(
-        f"# ---- jobs/{sweep}/collect.sh, submitted with --dependency=afterany:<the job ids "
+        f"# ---- {jobs}/collect.sh, submitted with --dependency=afterany:<the job ids "
         f"above>\n{collect_script(sweep, args)}",
         end="",
     )

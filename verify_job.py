@@ -104,7 +104,7 @@ def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) ->
         "--job-name=verify",
         "--no-requeue",  # a node's failure must not rerun the checks into the same folder
         f"--time={args.time or VERIFY_TIME}",
-        f"--output=jobs/{folder}/verify_%j.log",
+        f"--output={layout.jobs_folder(folder)}/verify_%j.log",
         *slurm_jobs.slurm_options(args),
         *slurm_jobs.job_size(nodes, gpus // nodes, args),
     ]
@@ -112,7 +112,7 @@ def verify_script(folder: str, gpus: int, nodes: int, args, extra: list[str]) ->
     comment = (
         f"# The cluster's acceptance test on {count(gpus, 'GPU')} ({count(nodes, 'node')}): "
         "verify.py runs its checks inside the job.\n# Its report: logs/verify-<job id>/"
-        f"report.md. Submit again with: bash jobs/{folder}/verify.sh\n"
+        f"report.md. Submit again with: bash {layout.jobs_folder(folder)}/verify.sh\n"
     )
     return slurm_jobs.script(comment, options, ["--wrap", command], env)
 
@@ -156,7 +156,7 @@ def run_verify(args, extra: list[str]) -> int:
     folder = layout.time_stamped(layout.JOBS_DIR, layout.VERIFY_PREFIX).name
     text = verify_script(folder, gpus, nodes, args, extra)
     if args.dry_run:
-        print(f"# ---- jobs/{folder}/verify.sh\n{text}", end="")
+        print(f"# ---- {layout.jobs_folder(folder)}/verify.sh\n{text}", end="")
         return 0
     try:
         job_id = slurm_jobs.submit(slurm_jobs.write(layout.JOBS_DIR / folder / "verify.sh", text))
