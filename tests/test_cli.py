@@ -176,6 +176,12 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0(args, message):
     assert not re.search(rf'File "{re.escape(str(REPO))}/\w+\.py"', result.stderr)
 
 
+def catches_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
 def test_a_rank_other_than_0_with_a_bad_command_line_outlives_rank_0_until_ended():
     """Rank 1 says nothing and waits (main.PEER_EXIT_WAIT_S at most) for its launcher's SIGTERM,
     sent once rank 0 has exited with the error: exiting first, it would get rank 0 killed
@@ -191,6 +197,13 @@ def test_a_rank_other_than_0_with_a_bad_command_line_outlives_rank_0_until_ended
         text=True,
     )
     try:
+        # Signalled only once it catches SIGTERM (/proc's SigCgt mask), as it would be when
+        # rank 0 exits; still alive a second later.
+        deadline = time.monotonic() + 60
+        while (
+            rank1.poll() is None and not catches_sigterm(rank1.pid) and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
         time.sleep(1)
         assert rank1.poll() is None, "rank 1 exited before its launcher ended it"
         rank1.send_signal(signal.SIGTERM)
