@@ -60,12 +60,14 @@ METRIC = (
     MetricField("val_loss", fmt="{:.4f}"),
     MetricField("acc", "%", fmt="{:.2f}"),
     MetricField("peak_mem", "MB", fmt="{:d}MB"),
-    *map(MetricField, ("strategy", "world_size", "nodes", "global_batch", "local_batch")),
+    *map(MetricField, ("strategy", "world_size", "nodes")),
+    MetricField("global_batch", "images"),
+    MetricField("local_batch", "images"),
     MetricField("train_loss"),  # first measurements
     MetricField("val_time", "s"),
     MetricField("throughput", "images/s"),
     MetricField("data_wait", "s"),
-    MetricField("state_mem", "MB"),
+    MetricField("state_mem", "bytes"),  # exact: FSDP's shard is half of DDP's
     *map(MetricField, ("precision", "device", "dataset", "seed", "job_id")),  # the setting
     MetricField("data_mem", "MB"),  # measured since
     MetricField("reserved_mem", "MB"),
@@ -77,8 +79,8 @@ METRIC = (
     MetricField("mfu", "%", may_be_na=True),
     MetricField("slowest_rank"),
     MetricField("rank_time_spread", "s"),
-    MetricField("bubble", may_be_na=True),
-    MetricField("bubble_ideal", may_be_na=True),
+    MetricField("bubble", "share", may_be_na=True),
+    MetricField("bubble_ideal", "share", may_be_na=True),
     MetricField("breakdown"),
     MetricField("sharding"),  # labels added since (e.g. the sharding FSDP really used)
     MetricField("train_images", "images"),

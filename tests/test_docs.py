@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from utils import EXIT_STATUS, METRIC_FIELDS, parse_metric
+from utils import EXIT_STATUS, METRIC, METRIC_FIELDS, parse_metric
 
 pytestmark = pytest.mark.fast  # make test-fast
 
@@ -256,6 +256,17 @@ def test_the_exit_statuses_are_utils():
     (block,) = re.findall(r"-eq \d+ \]; then +# main.py's own: .*?\n +fi", run_sh, re.S)
     statuses = re.findall(r"(?<!&)\b\d+\b", block)  # not >&2, the stream
     assert set(statuses) == {str(EXIT_STATUS["stopped"])}, block
+
+
+def test_the_metric_fields_units_are_utils():
+    """docs/metrics.md's table names every `[METRIC]` field once, in the unit utils.METRIC gives
+    it (a note in brackets may follow: `MB (2^20 B)`)."""
+    text = (REPO / "docs" / "metrics.md").read_text()
+    rows = re.findall(r"^\| ([a-z_, ]+) \|([^|]*)\|", text, re.M)[1:]  # past the header
+    documented = {
+        name: unit.split(" (")[0].strip() for names, unit in rows for name in names.split(", ")
+    }
+    assert documented == {field.name: field.unit for field in METRIC}
 
 
 def unrecorded_ranges(text: str, record: str) -> list[str]:
