@@ -295,7 +295,7 @@ run_local() {
     # Each rank's stderr and torchrun's own report go to files, so that a failure ends with
     # the failed rank's one line instead of torchrun's report; rank 0's stdout stays here.
     local folder status=0
-    folder=logs/torchrun/$(date +%Y%m%d-%H%M%S)-$$
+    folder=$LOGS/torchrun/$(date +%Y%m%d-%H%M%S)-$$
     mkdir -p "$folder"
     echo "run.sh: no SLURM job: $procs process(es) on this machine through torchrun, $PYTHON;" \
          "stderr in $folder"
@@ -357,7 +357,8 @@ REPO=$(find_repo)
 cd "$REPO"
 # shellcheck source=pick_python.sh  # pick_python, require_modules: which Python, shared
 source "$REPO/pick_python.sh"
-SAMPLES_DIR=$(realpath -m "${SAMPLES_DIR:-logs}")
+LOGS=logs   # layout.LOGS_DIR, relative to the repository (tests/test_docs.py checks it)
+SAMPLES_DIR=$(realpath -m "${SAMPLES_DIR:-$LOGS}")
 SAMPLE_EVERY=${SAMPLE_EVERY:-5}
 [[ "$SAMPLE_EVERY" =~ ^[1-9][0-9]*$ ]] || fail "SAMPLE_EVERY must be whole seconds: '$SAMPLE_EVERY'"
 MAX_REQUEUES=${MAX_REQUEUES:-10}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import layout
 from utils import EXIT_STATUS, METRIC, METRIC_FIELDS, parse_metric
 
 pytestmark = pytest.mark.fast  # make test-fast
@@ -256,6 +257,12 @@ def test_the_exit_statuses_are_utils():
     (block,) = re.findall(r"-eq \d+ \]; then +# main.py's own: .*?\n +fi", run_sh, re.S)
     statuses = re.findall(r"(?<!&)\b\d+\b", block)  # not >&2, the stream
     assert set(statuses) == {str(EXIT_STATUS["stopped"])}, block
+
+
+def test_run_sh_logs_folder_is_layouts():
+    """run.sh writes its torchrun logs and samples under layout.LOGS_DIR, named once."""
+    (folder,) = re.findall(r"^LOGS=(\S+)", (REPO / "run.sh").read_text(), re.M)
+    assert folder == layout.relative(layout.LOGS_DIR)
 
 
 def test_the_metric_fields_units_are_utils():
