@@ -14,11 +14,16 @@ the capture too, and the optimizer keeps its step count on the device (`capturab
 These warm-up steps are real training steps, so a graphed run trains the same steps as an eager
 one.
 
-Run on one H200 (docs/gpu-runs/2026-11-26-h200): graphed runs train as eager ones, resume and
-stop exactly, and an epoch of 50,000 images at batch 256 takes 0.17-0.19 s against 0.45-0.53 s
-eager (docs/performance.md). So on a GPU it is the default wherever it applies and a GPU run has
-shown it (`decide`; --no-cuda-graphs turns it off); elsewhere the run is eager and its
-[CONFIG] note says why. Where an explicit --cuda-graphs cannot apply, `refusal` says why, and
+FSDP2 is built on that side stream too, and its step captured the same way (torch 2.11 or
+newer): its hooks queue each unit's all-gather and reduce-scatter on streams of its own, which
+the capture records with the compute. No GPU has run that yet: it waits behind an explicit
+--cuda-graphs (tests/test_gpu.py holds the proof to run).
+
+Run on one H200 (docs/gpu-runs/2026-11-26-h200): graphed DDP runs train as eager ones, resume
+and stop exactly, and an epoch of 50,000 images at batch 256 takes 0.17-0.19 s against
+0.45-0.53 s eager (docs/performance.md). So on a GPU it is the default wherever it applies and a
+GPU run has shown it (`decide`; --no-cuda-graphs turns it off); elsewhere the run is eager and
+its [CONFIG] note says why. Where an explicit --cuda-graphs cannot apply, `refusal` says why, and
 `main.py --check` and every rank refuse the run (distributed_utils.check_device_options).
 """
 
@@ -30,9 +35,16 @@ import torch
 import torch.distributed as dist
 
 from config import Config
+from utils import release
 
 # torch's notes: DDP needs at least 11 eager iterations before its backward can be captured.
 WARMUP_STEPS = 11
+CAPTURABLE = ("single", "ddp", "fsdp2")
+# FSDP2 (fully_shard) gathers and reshards each unit on streams of its own, from hooks that
+# only queue work; its all-gather's copy-in takes pinned host memory, which a capture may
+# allocate since pytorch#167507, and torch's own tests capture a sharded step since 2.11
+# (TestFullyShardCudaGraph, pytorch#171835): the release this project asks for.
+FSDP2_SINCE = (2, 11)
 
 
 def refusal(cfg: Config, device: torch.device) -> str | None:
@@ -42,12 +54,18 @@ def refusal(cfg: Config, device: torch.device) -> str | None:
     replays: make_optimizer)."""
     if device.type != "cuda":
         return "a CUDA graph records GPU kernels: it needs a GPU (leave the option out on a CPU)"
-    if cfg.strategy not in ("single", "ddp"):
+    if cfg.strategy not in CAPTURABLE:
         return (
-            f"--strategy {cfg.strategy} cannot be captured (FSDP gathers and frees each unit "
-            "from hooks run on the host; dp copies the model at every step; a pipeline's "
-            "schedule and model parallelism's moves are decided on the host): use ddp or single"
+            f"--strategy {cfg.strategy} cannot be captured (FSDP1 gathers and frees each unit "
+            "from hooks that wait on the host; dp copies the model at every step; a pipeline's "
+            "schedule and model parallelism's moves are decided on the host): use "
+            f"{', '.join(CAPTURABLE)}"
         )
+    if cfg.cpu_offload:
+        return "--cpu-offload copies the parameters between host and GPU around every step"
+    if cfg.strategy == "fsdp2" and release(torch.__version__) < FSDP2_SINCE:
+        since = ".".join(map(str, FSDP2_SINCE))
+        return f"torch captures FSDP2's step from {since} on (this is {torch.__version__})"
     if cfg.precision == "fp16":
         return (
             "fp16's gradient scaler decides on the host whether to skip each step: use "
@@ -63,11 +81,14 @@ def refusal(cfg: Config, device: torch.device) -> str | None:
 
 # What a GPU run has shown captured (docs/gpu-runs/2026-11-26-h200*): the default graphs only
 # these; anything else runs eager unless --cuda-graphs asks for it, until a GPU run shows it.
+SHOWN_STRATEGIES = ("single", "ddp")
 SHOWN_MODELS = ("cnn", "resnet18")
 
 
 def not_yet_shown(cfg: Config) -> str | None:
     """Why a capturable run still runs eager by default: a part of it no GPU run has captured."""
+    if cfg.strategy not in SHOWN_STRATEGIES:
+        return f"--strategy {cfg.strategy}"
     if cfg.model not in SHOWN_MODELS:
         return f"--model {cfg.model}"
     if cfg.lr_schedule != "none" or cfg.warmup_epochs:

@@ -36,7 +36,7 @@ import cuda_graphs
 from config import Config
 from layout import LOGS_DIR, time_stamp
 from precision import device_refusal
-from utils import UsageError, env_int, is_rank_zero, read_ranks
+from utils import UsageError, env_int, is_rank_zero, read_ranks, release
 
 # The oldest torch this project runs on; requirements.txt's floor is the same (a test checks).
 # torch 2.9's pipeline stages greet their neighbours with a tensor of another type than the one
@@ -158,8 +158,7 @@ def check_torch(version: str | None = None) -> None:
     release alone: NVIDIA's NGC containers carry builds such as 2.10.0a0+b4e4ee81d3, made on
     the way to 2.10."""
     version = version or torch.__version__
-    major, minor = (int(part) for part in version.split(".")[:2])
-    if (major, minor) < OLDEST_TORCH:
+    if release(version) < OLDEST_TORCH:
         oldest = ".".join(map(str, OLDEST_TORCH))
         raise UsageError(
             f"torch {version} is older than {oldest}, the oldest this project runs on: "

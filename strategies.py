@@ -52,9 +52,10 @@ def wrap_model(
         cpu_offload=cfg.cpu_offload,
         ranks_per_node=world_size // nodes,
     )
+    # A step captured as a CUDA graph must find none of the wrapper's set-up on the default stream.
+    built_aside = side_stream(device) if cfg.cuda_graphs else contextlib.nullcontext()
     if cfg.strategy == "ddp":
-        # A step captured as a CUDA graph must find none of DDP's set-up on the default stream.
-        with side_stream(device) if cfg.cuda_graphs else contextlib.nullcontext():
+        with built_aside:
             # exercise 5.1 begin
             model = get_ddp_model(model, device)
             # exercise 5.1 end
@@ -63,7 +64,8 @@ def wrap_model(
         model = get_fsdp_model(model, device, **shard)
         # exercise 5.1 end
     elif cfg.strategy == "fsdp2":
-        model = get_fsdp2_model(model, device, **shard)
+        with built_aside:
+            model = get_fsdp2_model(model, device, **shard)
     elif cfg.strategy == "pipeline":
         from pipeline_utils import get_stage_model  # see session.trainer_class
 

@@ -212,6 +212,12 @@ def parse_config(line: str) -> dict | None:
     return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(CONFIG_TAG) :])}
 
 
+def release(version: str) -> tuple[int, int]:
+    """A torch version's release, (major, minor): "2.10.0a0+b4e4ee81d3" is (2, 10)."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return major, minor
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """End a command-line program with a one-line error."""
     print(f"error: {message}", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ from cuda_graphs import GraphedStep, decide, refusal
 from dist_harness import EQUAL_CFG, spawn
 from optim import make_optimizer, make_scheduler
 from session import build_trainer
+from utils import release
 
 pytestmark = pytest.mark.fast  # make test-fast
 
@@ -25,7 +26,7 @@ CHECK = [*TINY, "--cuda-graphs", "--device", "cuda", "--check", "1"]
     "options, reason",
     [
         ({"strategy": "fsdp"}, "--strategy fsdp cannot be captured"),
-        ({"strategy": "fsdp2"}, "--strategy fsdp2 cannot be captured"),
+        ({"strategy": "fsdp2", "cpu_offload": True}, "--cpu-offload copies the parameters"),
         ({"strategy": "dp"}, "--strategy dp cannot be captured"),
         ({"precision": "fp16"}, "use --precision bf16"),
         ({"compile": True}, "torch.compile makes CUDA graphs of its own"),
@@ -39,7 +40,24 @@ def test_what_cannot_be_one_graph_is_refused_with_the_reason(options, reason):
     assert why == reason or reason in why, why
 
 
+def test_fsdp2_is_refused_before_torch_2_11_only():
+    """make test runs it on torch 2.14, make test-oldest on 2.10: both sides of the line."""
+    why = refusal(Config(cuda_graphs=True, strategy="fsdp2"), torch.device("cuda"))
+    if release(torch.__version__) >= (2, 11):
+        assert why is None
+    else:
+        assert why == f"torch captures FSDP2's step from 2.11 on (this is {torch.__version__})"
+
+
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+# FSDP2 runs eager by default: captured by torch 2.11 and newer, but not yet on a GPU here.
+FSDP2_EAGER = (
+    "--strategy fsdp2 has not yet run captured"
+    if release(torch.__version__) >= (2, 11)
+    else "torch captures FSDP2's step from 2.11 on"
+)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +69,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
         ({}, CPU, False, None),  # a CPU: eager, nothing to say
         ({"cuda_graphs": False}, CUDA, False, None),  # --no-cuda-graphs
         ({"strategy": "fsdp"}, CUDA, False, "--strategy fsdp cannot be captured"),
+        ({"strategy": "fsdp2"}, CUDA, False, FSDP2_EAGER),
         ({"precision": "fp16"}, CUDA, False, "use --precision bf16"),
         ({"lr_schedule": "cosine"}, CUDA, False, "a learning-rate schedule has not yet run"),
         ({"grad_accum": 2}, CUDA, False, "--grad-accum has not yet run captured"),
@@ -88,12 +107,15 @@ def test_refusals_are_one_line_also_from_check_and_on_a_cpu():
     assert done.returncode == 0 and "check: ok" in done.stdout, done.stderr
 
 
-def train_two_epochs(env, static_buffers: bool, schedule: dict | None = None):
-    """DDP's parameters and every step's loss sum after two epochs, with the plain step or the
-    static-buffer step (eager; its warm-up covers part of the first epoch). With a learning-rate
-    schedule, the static-buffer step gets the optimizer a graphed run gets: its rate a tensor
-    that the scheduler fills between steps."""
-    cfg = Config(**{**EQUAL_CFG, "optimizer": "adam", "augment": True, **(schedule or {})})
+def train_two_epochs(env, static_buffers: bool, schedule: dict | None = None, strategy="ddp"):
+    """This rank's parameters (its shards under FSDP2) and every step's loss sum after two
+    epochs, with the plain step or the static-buffer step (eager; its warm-up covers part of the
+    first epoch). With a learning-rate schedule, the static-buffer step gets the optimizer a
+    graphed run gets: its rate a tensor that the scheduler fills between steps."""
+    cfg = Config(
+        **{**EQUAL_CFG, "optimizer": "adam", "augment": True, "strategy": strategy},
+        **(schedule or {}),
+    )
     trainer, _ = build_trainer(cfg, env)
     if static_buffers:
         trainer.train_step = GraphedStep(trainer.step, env.device, warmup=3, capture=False)
@@ -114,13 +136,15 @@ def train_two_epochs(env, static_buffers: bool, schedule: dict | None = None):
         assert torch.is_tensor(rate) and now is rate and float(now) != cfg.lr, (rate, now)
     step = trainer.train_step
     buffers = (step.images.data_ptr(), step.loss_sum is trainer.loss_sum) if static_buffers else ()
-    return [p.detach().clone() for p in trainer.model.parameters()], sums, buffers
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in trainer.model.parameters()]
+    return [p.detach().clone() for p in local], sums, buffers
 
 
 @pytest.mark.timeout(240)
-def test_the_static_buffer_step_trains_exactly_as_the_plain_step():
-    plain = spawn(train_two_epochs, 2, False)
-    static = spawn(train_two_epochs, 2, True)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_static_buffer_step_trains_exactly_as_the_plain_step(strategy):
+    plain = spawn(train_two_epochs, 2, False, None, strategy)
+    static = spawn(train_two_epochs, 2, True, None, strategy)
     for (params, sums, _), (static_params, static_sums, buffers) in zip(plain, static):
         assert sums == static_sums
         assert all(torch.equal(a, b) for a, b in zip(params, static_params))
