@@ -200,8 +200,8 @@ class Config:
     cuda_graphs: bool | None = option(
         None,
         "capture the whole training step as one CUDA graph after a few eager steps and replay "
-        "it (single, ddp and fsdp2 on a GPU). Default: on a GPU wherever it applies and has been shown "
-        "to (the [CONFIG] line notes why a run stays eager); off on a CPU",
+        "it (single, ddp and fsdp2 on a GPU). Default: on a GPU wherever it applies and has "
+        "been shown to (the [CONFIG] line notes why a run stays eager); off on a CPU",
         flag="--cuda-graphs",
     )
     seed: int = option(42, "seed for weights, data order and synthetic data", minimum=0)
