@@ -317,7 +317,10 @@ def graphed_step(cfg: Config, env, device: torch.device) -> str:
         return "no GPU"
     if cuda_graphs.refusal(cfg, device):
         return "eager only"
-    seconds, _ = seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)
+    try:
+        seconds, _ = seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)
+    except RuntimeError as e:  # a first capture (FSDP2's) that torch rejects: the cell says so
+        return f"capture failed: {str(e).strip().splitlines()[-1][:80]}"
     return f"{1000 * seconds:.2f}"
 
 
