@@ -1,12 +1,15 @@
 """What an epoch measures, and how: memory (the training peak above a baseline, the state's
 exact bytes), the time of a stage of every step (StageTimer), where the epoch's time went
-(time_breakdown, with the compute calibration behind t_compute), and the `[METRIC]` fields they
-make, each reduced over the ranks (all_reduce: every number reported is a global one).
+(time_breakdown, with the compute calibration behind t_compute), the share of it the GPU ran
+kernels (gpu_busy, from a kernel trace of the calibration's step), and the `[METRIC]` fields
+they make, each reduced over the ranks (all_reduce: every number reported is a global one).
 docs/metrics.md says what each field means.
 """
 
 import contextlib
 import ctypes
+import math
+import os
 import re
 import resource
 import time
@@ -16,11 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd import DeviceType
 
 from checkpoint import Position
 from cuda_graphs import GraphedStep
 from distributed_utils import barrier
 from mfu import UNKNOWN
+from profiling import KINETO_QUIET
 
 
 def synchronize_device(device: torch.device) -> None:
@@ -181,11 +186,14 @@ class Segment:
     steps: int
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def every_rank(value: float, device: torch.device) -> list[float]:
     """Each rank's value, in rank order, on every rank (one all-reduce of a vector)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return all_reduce([value if r == rank else 0.0 for r in range(world)], device)
+    return all_reduce([value if r == rank else 0.0 for r in range(world_size())], device)
 
 
 def time_breakdown(segment: Segment, step_seconds: float, device: torch.device) -> dict:
@@ -222,6 +230,47 @@ def time_breakdown(segment: Segment, step_seconds: float, device: torch.device) 
         "slowest_rank": busy.index(slowest),
         "rank_time_spread": slowest - min(busy),
     }
+
+
+def busy_seconds(events) -> float:
+    """Seconds in which the GPU ran at least one of a kernel trace's device events (the torch
+    profiler's FunctionEvents: kernels, memory copies and sets, timed by the device from their
+    start to their end, in microseconds): the union of their intervals, so that kernels that
+    overlap on two streams count once. Left out as torch's own device totals leave them out:
+    the host's events (operators, launches), and user annotations mirrored onto the device's
+    timeline, which span the gaps between kernels."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    )
+    busy, reached = 0.0, -math.inf
+    for start, end in spans:
+        busy += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return busy / 1e6
+
+
+def traced_busy_seconds(work: Callable[[], None], device: torch.device) -> float:
+    """busy_seconds of what work() runs on the GPU, from a trace of the device's activity only:
+    CUPTI records each kernel's start and end on the device, so whatever the trace costs the
+    host lengthens no kernel (it may widen the gaps between them, which are not counted)."""
+    # kineto's own lines (its markers at start and stop) would otherwise reach every run's stderr.
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+        work()
+        synchronize_device(device)  # every kernel done before the trace stops
+    return busy_seconds(trace.events())
+
+
+def gpu_busy(segment: Segment, kernel_seconds: float | None, device: torch.device) -> dict:
+    """gpu_busy: the share of the segment's training time the GPU spent running the steps'
+    kernels, kernel_seconds a step (ComputeCalibration.kernel_seconds_per_step) x the steps /
+    the segment's time, the mean over ranks; UNKNOWN where a rank knows no kernel time (a CPU,
+    or a trace that saw no kernel). Not clamped: above 1 the trace and the clock disagree."""
+    share = kernel_seconds * segment.steps / segment.elapsed if kernel_seconds else math.nan
+    (total,) = all_reduce([share], device)  # one rank's nan makes the sum nan
+    return {"gpu_busy": UNKNOWN if math.isnan(total) else total / world_size()}
 
 
 def epoch_fields(
@@ -284,6 +333,12 @@ class ComputeCalibration:
         graphed = isinstance(self.step, GraphedStep)
         for _ in range(self.step.warmup + 1 if graphed else 1):
             self.step(self.images, self.labels, self.losses)
+        # A CPU runs no kernels: nothing to trace, the profiler never starts.
+        self.traced, self.kernel_seconds = self.device.type != "cuda", None
+
+    def run_round(self) -> None:
+        for _ in range(self.round_steps):
+            self.step(self.images, self.labels, self.losses)
 
     def seconds_per_step(self, epoch_seconds: float) -> float:
         """The fastest round's step, of the rounds timed after an epoch of epoch_seconds'
@@ -296,8 +351,18 @@ class ComputeCalibration:
         ):
             synchronize_device(device)
             t0 = time.perf_counter()
-            for _ in range(self.round_steps):
-                self.step(self.images, self.labels, self.losses)
+            self.run_round()
             synchronize_device(device)
             rounds.append((time.perf_counter() - t0) / self.round_steps)
         return min(rounds)
+
+    def kernel_seconds_per_step(self) -> float | None:
+        """The GPU's time running one step's kernels (for gpu_busy): one more round, after the
+        timed ones and never timed itself, under a kernel trace (traced_busy_seconds). Traced at
+        the first call only: a step runs the same kernels every epoch. None on a CPU, or where
+        the trace saw no kernel."""
+        if not self.traced:
+            self.traced = True
+            busy = traced_busy_seconds(self.run_round, self.device)
+            self.kernel_seconds = busy / self.round_steps if busy else None
+        return self.kernel_seconds

@@ -365,6 +365,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
         label=f"ideal: time on 1 {one} / N",
         **IDEAL_STYLE,
     )
+    mark_gpu_busy(ax, rows["gpu_busy"] if "gpu_busy" in rows else [], bottom)
     ax.set_xticks(
         list(x),
         [f"{s}\n{g:.0f} {one if g == 1 else many}" for s, g in zip(rows["strategy"], rows["gpus"])],
@@ -373,6 +374,30 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     ax.set_title("Where an epoch's time goes")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
+
+
+def gpu_busy_mark(share: float, sep: str = ", ") -> str:
+    """What a bar or a report line says of a point's gpu_busy (measure.gpu_busy): the share,
+    and host-bound below results_summary.HOST_BOUND_BELOW."""
+    mark = f"GPU busy {100 * share:.0f}%"
+    return f"{mark}{sep}host-bound" if results_summary.host_bound(share) else mark
+
+
+def mark_gpu_busy(ax, shares, tops) -> None:
+    """Each bar's gpu_busy above it, so that a bar whose time is the host's says so; nothing
+    where the share is unknown (a CPU's runs)."""
+    for i, (share, top) in enumerate(zip(shares, tops)):
+        if pd.notna(share):
+            ax.annotate(
+                gpu_busy_mark(share, "\n"),
+                (i, top),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize="x-small",
+            )
+    if any(pd.notna(share) for share in shares):
+        ax.set_ylim(top=1.15 * ax.get_ylim()[1])  # room for the marks above the tallest bar
 
 
 def comm_points(comm: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -605,7 +630,8 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
     """One sentence per strategy and GPU count: the largest of the four parts of an epoch, and
     the modelled communication beside the measured where the jobs measured their collectives;
     and the epochs whose breakdown was unreliable (their compute calibration overshot the epoch:
-    left out of the parts, docs/metrics.md), where there were any."""
+    left out of the parts, docs/metrics.md), where there were any; and on a GPU the share of
+    the epoch it ran kernels, host-bound where that is low (gpu_busy_mark), with what that means."""
     sentences, (one, many) = [], results_summary.rank_unit(summary)
     for _, row in summary.iterrows():
         point = f"{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
@@ -614,9 +640,11 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
             f"{unreliable:.0f} epoch(s) left out, whose compute calibration took longer than the "
             "epoch (breakdown=unreliable)"
         )
+        busy = row.get("gpu_busy", math.nan)
+        busy = f"; {gpu_busy_mark(busy)}" if pd.notna(busy) else ""
         if row[list(utils.TIME_PARTS)].isna().any():
             if unreliable > 0:
-                sentences.append(f"- {point}: no reliable breakdown; {left_out}.")
+                sentences.append(f"- {point}: no reliable breakdown; {left_out}{busy}.")
             continue
         part = max(utils.TIME_PARTS, key=lambda p: row[p])
         text = (
@@ -632,8 +660,18 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
             )
         if unreliable > 0:
             text += f"; {left_out}"
-        sentences.append(f"- {text}.")
-    return sentences or ["- The CSV has no t_compute, t_data, t_comm, t_wait: no breakdown."]
+        sentences.append(f"- {text}{busy}.")
+    sentences = sentences or ["- The CSV has no t_compute, t_data, t_comm, t_wait: no breakdown."]
+    if "gpu_busy" in summary and summary["gpu_busy"].notna().any():
+        sentences.append(HOST_BOUND_NOTE.format(100 * results_summary.HOST_BOUND_BELOW))
+    return sentences
+
+
+HOST_BOUND_NOTE = (
+    "\nGPU busy: the share of the epoch the GPU ran the step's kernels (gpu_busy). Host-bound: "
+    "below {:.0f}%, the GPU idled longer than it worked, so the host (Python, kernel launches), "
+    "not the GPU, set the step's time, and more GPUs cannot shorten it (docs/metrics.md)."
+)
 
 
 def pipeline_section(results: pd.DataFrame) -> list[str]:

@@ -127,9 +127,21 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-# How close to the hardware (mfu.py): model TFLOP/s per device, and MFU in percent (empty where
-# the run knew no peak for its device).
-UTILISATION = ("tflops", "mfu")
+# How close to the hardware (mfu.py): model TFLOP/s per device, MFU in percent (empty where
+# the run knew no peak for its device), and the share of the epoch the GPU ran the steps'
+# kernels (measure.gpu_busy; empty on a CPU).
+UTILISATION = ("tflops", "mfu", "gpu_busy")
+
+# Below this gpu_busy a point is host-bound: its GPU idled longer than it ran kernels, so the
+# host's Python and launches, not the GPU, set the step's time, and more or faster GPUs cannot
+# shorten it (docs/metrics.md).
+HOST_BOUND_BELOW = 0.5
+
+
+def host_bound(gpu_busy: float) -> bool:
+    """Whether a point's gpu_busy says the host set its time; False where unknown (nan)."""
+    return gpu_busy < HOST_BOUND_BELOW
+
 
 # A pipeline's bubble (pipeline_utils.py): measured, and the textbook's (p - 1) / (m + p - 1);
 # empty for the other strategies.
@@ -274,6 +286,7 @@ TABLE_COLUMNS = (
     ("efficiency", "efficiency", "{:.0f}%"),
     ("tflops", "TFLOP/s per {rank}", "{:.3g}"),
     ("mfu", "MFU %", "{:.1f}"),
+    ("gpu_busy", "GPU busy", "{:.2f}"),  # below HOST_BOUND_BELOW: host-bound; GPU runs only
     ("bubble", "bubble", "{:.2f}"),  # a pipeline's (pipeline_utils.py)
     # Communication per epoch: not hidden behind compute (measured), and what the model's
     # messages would take at the bandwidth the job measured (--comm-benchmark).
@@ -294,13 +307,15 @@ def time_range(row) -> str:
 
 
 def markdown_table(summary: pd.DataFrame) -> str:
+    """TABLE_COLUMNS' columns, but gpu_busy where no row has it: a CPU's table names no GPU."""
     summary = summary.assign(time_range=summary.apply(time_range, axis=1))
+    columns = [c for c in TABLE_COLUMNS if c[0] != "gpu_busy" or summary[c[0]].notna().any()]
     rank, ranks = rank_unit(summary)
-    headers = (header.format(rank=rank, ranks=ranks) for _, header, _ in TABLE_COLUMNS)
+    headers = (header.format(rank=rank, ranks=ranks) for _, header, _ in columns)
     lines = [
         "| " + " | ".join(headers) + " |",
-        "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in TABLE_COLUMNS) + "|",
+        "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in columns) + "|",
     ]
     for _, row in summary.iterrows():
-        lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in TABLE_COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in columns) + " |")
     return "\n".join(lines)

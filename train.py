@@ -35,6 +35,7 @@ from measure import (
     StageTimer,
     all_reduce,
     epoch_fields,
+    gpu_busy,
     reserved_peak_bytes,
     state_bytes,
     synchronize,
@@ -244,12 +245,14 @@ class Trainer(Learner):
         # calibration's unsharded model would otherwise hide FSDP's saving).
         own_peak, own_reserved = self.memory.training_peak(replay_peak), reserved_peak_bytes(device)
         breakdown = time_breakdown(segment, self.compute_seconds_per_step(segment.elapsed), device)
+        busy = gpu_busy(segment, self.kernel_seconds_per_step(), device)  # after the timing
         val = self.evaluate()
         memory = [own_peak, state_bytes(self.model, self.optimizer), own_reserved]
         epoch = epoch_fields(reached, val, memory, self.loaders.device_bytes(), device)
         return reached, {
             **epoch,
             **breakdown,
+            **busy,
             **self.flops.fields(epoch["throughput"]),
             **self.strategy_fields(),
         }
@@ -264,6 +267,14 @@ class Trainer(Learner):
     def compute_seconds_per_step(self, epoch_seconds: float) -> float:
         """One step's compute on this rank, for t_compute (time_breakdown)."""
         return self.calibration.seconds_per_step(epoch_seconds) if self.calibration else 0.0
+
+    def kernel_seconds_per_step(self) -> float | None:
+        """One step's GPU kernel time on this rank, for gpu_busy; None where unknown (no
+        calibration: a pipeline). Not while --profile's own trace is still to come: the profiler
+        runs one trace at a time (the next epoch's calibration traces instead)."""
+        if self.calibration is None or (self.profiler and not self.profiler.saved):
+            return None
+        return self.calibration.kernel_seconds_per_step()
 
     def strategy_fields(self) -> dict:
         """The pipeline's measurements (pipeline_utils.PipelineTrainer): no bubble here."""

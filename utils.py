@@ -82,6 +82,7 @@ METRIC = (
     MetricField("bubble", "share", may_be_na=True),
     MetricField("bubble_ideal", "share", may_be_na=True),
     MetricField("breakdown"),
+    MetricField("gpu_busy", "share", "GPU busy", may_be_na=True),
     MetricField("sharding"),  # labels added since (e.g. the sharding FSDP really used)
     MetricField("train_images", "images"),
     MetricField("microbatches", may_be_na=True),

@@ -592,3 +592,26 @@ def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp
     (warning,) = results_summary.mixed_steps(results)
     assert "ddp's points mix graphed and eager steps (eager at 2; graph at 1" in warning
     assert plot_results.step_mark(summary.reset_index()) == " (eager/CUDA graph)"
+
+
+def test_gpu_busy_is_a_column_of_the_results_and_the_summary(tmp_path):
+    """gpu_busy as logged: a number on a GPU, `na` (an empty cell) on a CPU; the summary takes
+    the median after epoch 1, as the times, and its table shows it, n/a where unknown."""
+    gpu = [
+        metric_fields(e, device="cuda", job_id="1", gpu_busy=b)
+        for e, b in [(1, 0.5), (2, 0.2), (3, 0.3)]
+    ]
+    write_log(tmp_path / "ddp_1gpu_1.log", gpu)
+    write_log(
+        tmp_path / "ddp_2gpu_2.log",
+        [metric_fields(e, world_size=2, job_id="2", gpu_busy="na") for e in (1, 2)],
+    )
+    results, _ = collect(tmp_path)
+    assert results["gpu_busy"].tolist()[:3] == [0.5, 0.2, 0.3]
+    assert results["gpu_busy"].iloc[3:].isna().all()
+    summary = results_summary.summarize(results).set_index("gpus")
+    assert summary.loc[1, "gpu_busy"] == pytest.approx(0.25)
+    assert pd.isna(summary.loc[2, "gpu_busy"])
+    header, _, one, two = results_summary.markdown_table(summary.reset_index()).splitlines()
+    column = header.split(" | ").index("GPU busy")
+    assert (one.split(" | ")[column], two.split(" | ")[column]) == ("0.25", "n/a")

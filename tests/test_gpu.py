@@ -309,6 +309,21 @@ def test_the_time_breakdown_on_cuda_is_never_negative(batch, extra):
         assert_breakdown_holds(m)
 
 
+def test_gpu_busy_is_a_share_and_higher_graphed_than_eager():
+    """gpu_busy, from a kernel trace of the calibration's step: a share of the epoch in every
+    epoch (above 1 only by the trace's and the clock's error), and at a small local batch,
+    where the eager step is host-bound, higher graphed, which launches one graph a step."""
+    args = [*TINY, "--train-samples", "4096", "--batch-size", "32", "--epochs", "2"]
+    busy = {}
+    for extra in ("--no-cuda-graphs", "--cuda-graphs"):
+        _, metrics = run_gpu([*args, "--no-checkpoint", extra])
+        busy[extra] = [m["gpu_busy"] for m in metrics]
+    print("gpu_busy", busy)
+    for shares in busy.values():
+        assert all(isinstance(s, float) and 0 < s <= 1.05 for s in shares), busy
+    assert busy["--cuda-graphs"][-1] > busy["--no-cuda-graphs"][-1], busy
+
+
 def test_a_graphed_runs_calibration_replays_a_graph():
     from config import Config
     from dist_harness import calibration_of, spawn

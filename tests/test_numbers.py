@@ -1,18 +1,24 @@
 """Every reported number means what docs/metrics.md says, and no run goes wrong silently: the parts
 of the GPU path that a CPU can show (the rest is in test_gpu.py, which needs CUDA)."""
 
+import gzip
 import inspect
+import json
 import math
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 import checkpoint
 import measure
 import train
 from config import Config
 from conftest import (
+    REPO,
     TINY,
     assert_breakdown_holds,
     assert_one_line_error,
@@ -22,6 +28,7 @@ from conftest import (
 )
 from cuda_graphs import WARMUP_STEPS
 from dist_harness import calibration_learner, calibration_of, spawn, spawn_outcomes
+from results_summary import host_bound
 from session import build_trainer, run
 from utils import parse_config
 
@@ -79,6 +86,9 @@ class GreedyCalibration:
     def seconds_per_step(self, epoch_seconds: float) -> float:
         held = torch.ones(2**26)
         return float(held[0]) * 0.001
+
+    def kernel_seconds_per_step(self) -> None:
+        return None  # a CPU's
 
 
 class TimedSteps:
@@ -375,6 +385,124 @@ def test_the_time_breakdown_is_never_negative_and_adds_up(strategy, ranks, batch
     assert done.returncode == 0, done.stderr[-2000:]
     for m in metrics_in(done.stdout):
         assert_breakdown_holds(m)
+        assert m["gpu_busy"] == "na"  # a CPU runs no kernels
+
+
+# ----------------------------------------------------------------------------- gpu_busy
+
+# One H200's --profile trace of DDP at batch 256, eager, steps 4-6 (docs/gpu-runs/2026-11-26-h200).
+H200_TRACE = REPO / "docs" / "gpu-runs" / "2026-11-26-h200" / "trace_1.json.gz"
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
+
+
+def trace_events(path) -> list[FunctionEvent]:
+    """A Chrome trace's timed events as the profiler hands them to measure.busy_seconds: the
+    device's timeline (kernels, memory sets, and the annotations that mirror the host's
+    record_function ranges there, each a whole step long) as CUDA events, the host's
+    (operators, launches) as CPU's."""
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    return [
+        FunctionEvent(
+            id=i,
+            name=e["name"],
+            thread=e.get("tid", 0),
+            start_us=e["ts"],
+            end_us=e["ts"] + e["dur"],
+            device_type=DeviceType.CUDA if e.get("cat") in DEVICE_CATEGORIES else DeviceType.CPU,
+            is_user_annotation=e.get("cat") in ("user_annotation", "gpu_user_annotation"),
+        )
+        for i, e in enumerate(events)
+        if e.get("ph") == "X"
+    ]
+
+
+def test_gpu_busy_of_the_h200s_eager_and_graphed_ddp_epochs():
+    """The H200's trace holds 0.77 ms of kernels a step (docs/gpu-runs' README: 0.767 ms of
+    kernels, and 4 us of memory sets) amid 3 ms of host time a step: neither the host's events
+    nor the step-long annotations on the device's timeline count. Against that machine's epochs
+    of 195 such steps, 0.53 s eager and 0.17 s graphed (2_epochs.log): the eager one is
+    host-bound, the graphed one is not."""
+    per_step = measure.busy_seconds(trace_events(H200_TRACE)) / 3
+    assert per_step == pytest.approx(0.7714e-3, abs=1e-6)
+    cpu = torch.device("cpu")
+    eager = measure.gpu_busy(measure.Segment(0.53, 0.06, 195), per_step, cpu)["gpu_busy"]
+    graphed = measure.gpu_busy(measure.Segment(0.17, 0.03, 195), per_step, cpu)["gpu_busy"]
+    print(
+        f"H200 ddp b256: {per_step * 1e3:.3f} ms of kernels a step, eager {eager:.3f}, "
+        f"graphed {graphed:.3f}"
+    )
+    assert eager == pytest.approx(0.284, abs=1e-3) and host_bound(eager)
+    assert graphed == pytest.approx(0.885, abs=1e-3) and not host_bound(graphed)
+
+
+def kernel(start_us: float, end_us: float, device=DeviceType.CUDA) -> FunctionEvent:
+    return FunctionEvent(0, "k", 0, start_us, end_us, device_type=device)
+
+
+def test_kernels_overlapping_on_two_streams_count_once_and_the_host_not_at_all():
+    events = [kernel(0, 100), kernel(50, 150), kernel(60, 70), kernel(300, 400)]
+    events.append(kernel(0, 1000, DeviceType.CPU))  # a launch, or an operator, on the host
+    assert measure.busy_seconds(events) == pytest.approx(250e-6)
+    assert measure.busy_seconds([]) == 0.0
+
+
+def test_a_cpu_profiles_events_are_no_gpu_time():
+    """Real FunctionEvents of this torch (a trace of a CPU's step): the host's, none counted."""
+    model = torch.nn.Linear(8, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        model(torch.randn(4, 8)).sum().backward()
+    assert trace.events() and measure.busy_seconds(trace.events()) == 0.0
+
+
+def test_the_kernel_trace_is_one_more_round_traced_once_and_never_on_a_cpu(monkeypatch):
+    """On a CPU the profiler never starts: gpu_busy is na. On a GPU (here pretended) one round
+    after the timed ones is traced, at the first call only, and its busy time is per step."""
+
+    def no_profiler(*args, **kwargs):
+        raise AssertionError("the profiler started on a CPU")
+
+    monkeypatch.setattr(torch.profiler, "profile", no_profiler)
+    bare = TimedSteps(0.01)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+    calibration = measure.ComputeCalibration(bare.train_step, batch, bare.loss_sum)
+    assert calibration.kernel_seconds_per_step() is None
+    segment = measure.Segment(1.0, 0.0, 10)
+    assert measure.gpu_busy(segment, None, torch.device("cpu")) == {"gpu_busy": "na"}
+
+    traced = []
+
+    def trace(work, device):
+        before = bare.steps
+        work()
+        traced.append(bare.steps - before)
+        return 0.004
+
+    monkeypatch.setattr(measure, "traced_busy_seconds", trace)
+    calibration.traced, calibration.round_steps = False, 8  # as on a GPU
+    assert calibration.kernel_seconds_per_step() == calibration.kernel_seconds_per_step() == 5e-4
+    assert traced == [8]
+
+
+def test_the_kernel_trace_waits_for_profiles_own_trace():
+    """--profile's trace and the kernel trace cannot overlap: none while the first is still to
+    be saved (that epoch's gpu_busy is na), the next epoch's calibration traces instead."""
+    calibration = SimpleNamespace(kernel_seconds_per_step=lambda: 5e-4)
+    profiling = SimpleNamespace(calibration=calibration, profiler=SimpleNamespace(saved=False))
+    assert train.Trainer.kernel_seconds_per_step(profiling) is None
+    profiling.profiler.saved = True
+    assert train.Trainer.kernel_seconds_per_step(profiling) == 5e-4
+    plain = SimpleNamespace(calibration=calibration, profiler=None)
+    assert train.Trainer.kernel_seconds_per_step(plain) == 5e-4
+
+
+def busy_on_each_rank(env, kernel_seconds):
+    segment = measure.Segment(1.0, 0.0, 10)
+    return measure.gpu_busy(segment, kernel_seconds[env.rank], env.device)["gpu_busy"]
+
+
+def test_gpu_busy_is_the_mean_over_ranks_and_na_where_a_rank_knows_none():
+    assert spawn(busy_on_each_rank, 2, [0.01, 0.02]) == pytest.approx([0.15, 0.15])
+    assert spawn(busy_on_each_rank, 2, [0.01, None]) == ["na", "na"]
 
 
 @pytest.mark.parametrize(

@@ -547,3 +547,25 @@ def test_the_models_own_messages_sit_on_the_bandwidth_curves():
     for ax in fig.axes:
         (curve,) = ax.lines
         assert (ax.collections[0].get_facecolor()[0][:3] == to_rgb(curve.get_color())).all()
+
+
+def test_a_point_whose_gpu_idled_more_than_it_worked_is_called_host_bound():
+    """report.md and the time-breakdown bars: a point whose GPU ran kernels under half the
+    epoch is host-bound (0.3), one above is not (0.8), with each share; CPU runs, whose
+    gpu_busy is na, say nothing of it."""
+    results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}))
+    on_gpu = results.assign(device="cuda", gpu_busy=results["gpus"].map({1: 0.3, 2: 0.8}))
+    costs = plot_results.largest_costs(results_summary.summarize(on_gpu))
+    assert costs[0].startswith("- ddp on 1 GPU: ") and costs[0].endswith(
+        "; GPU busy 30%, host-bound."
+    )
+    assert costs[1].startswith("- ddp on 2 GPUs: ") and costs[1].endswith("; GPU busy 80%.")
+    assert "below 50%" in costs[2], costs
+    (bars,) = plot_results.plot_time_breakdown(results_summary.summarize(on_gpu)).axes
+    assert [t.get_text() for t in bars.texts] == ["GPU busy 30%\nhost-bound", "GPU busy 80%"]
+    on_cpu = results.assign(device="cpu", gpu_busy=math.nan)
+    assert "busy" not in plot_results.report_text(on_cpu, None, [])
+    (bars,) = plot_results.plot_time_breakdown(results_summary.summarize(on_cpu)).axes
+    assert not bars.texts
+    assert results_summary.host_bound(0.49) and not results_summary.host_bound(0.5)
+    plt.close("all")

@@ -45,6 +45,7 @@ MACHINE_FIELDS = {
     "slowest_rank",
     "rank_time_spread",
     "breakdown",  # whether the calibration came out within the epoch's time
+    "gpu_busy",
 }
 
 
