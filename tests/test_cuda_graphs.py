@@ -112,10 +112,8 @@ def train_two_epochs(env, static_buffers: bool, schedule: dict | None = None, st
     epochs, with the plain step or the static-buffer step (eager; its warm-up covers part of the
     first epoch). With a learning-rate schedule, the static-buffer step gets the optimizer a
     graphed run gets: its rate a tensor that the scheduler fills between steps."""
-    cfg = Config(
-        **{**EQUAL_CFG, "optimizer": "adam", "augment": True, "strategy": strategy},
-        **(schedule or {}),
-    )
+    options = {"optimizer": "adam", "augment": True, "strategy": strategy, **(schedule or {})}
+    cfg = Config(**{**EQUAL_CFG, **options})
     trainer, _ = build_trainer(cfg, env)
     if static_buffers:
         trainer.train_step = GraphedStep(trainer.step, env.device, warmup=3, capture=False)
