@@ -1,7 +1,7 @@
-"""What the tests share, written once: the tiny run's arguments, running a command as a user
-would (without the SLURM variables of a surrounding job), reading `[METRIC]` lines, a scratch copy
-of the repository, and the project's loopback SLURM cluster (.ci/slurm/start.sh) for the tests
-marked `slurm`."""
+"""What the tests share, written once: the tiny run's arguments, running or starting a command
+as a user would (without the SLURM variables of a surrounding job), reading `[METRIC]` and
+`[CONFIG]` lines, a scratch copy of the repository, and the project's loopback SLURM cluster
+(.ci/slurm/start.sh) for the tests marked `slurm`."""
 
 import inspect
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from utils import parse_metric
+from utils import parse_config, parse_metric
 
 # One torch thread per process, for the tests' own training and every process they start, as
 # torchrun does per rank: make test runs two workers on two cores (pytest_xdist_make_scheduler),
@@ -37,6 +37,8 @@ TINY = [
     "--print-every",
     "1000",
 ]
+# TINY as session.run's Config fields.
+TINY_CFG = dict(dataset="synthetic", train_samples=256, val_samples=64, print_every=1000)
 
 # A run long enough to be signalled during its first epoch (128 steps of 32 images), with a
 # progress line every 20 steps to signal it on.
@@ -54,6 +56,9 @@ LONG_RUN = [
     "--print-every",
     "20",
 ]
+
+# torchrun on this machine alone (its own rendezvous): add --nproc_per_node and the program.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def clean_environment(**extra) -> dict:
@@ -75,6 +80,24 @@ def run(command: list, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProce
         text=True,
         timeout=timeout,
     )
+
+
+def popen(command: list, cwd=REPO, **env) -> subprocess.Popen:
+    """A command started as a user starts it (text pipes for stdout and stderr), with
+    clean_environment(**env): for a test that acts on it while it runs."""
+    return subprocess.Popen(
+        [str(c) for c in command],
+        cwd=cwd,
+        env=clean_environment(**env),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def benchmarks(*args, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProcess:
+    """run_benchmarks.py, the copy in cwd, as a user runs it there."""
+    return run([sys.executable, Path(cwd) / "run_benchmarks.py", *args], cwd, timeout, **env)
 
 
 def forks(program: str, cwd, env: dict) -> bool:
@@ -99,9 +122,7 @@ def run_main(
         finally:
             started.kill()
         return subprocess.CompletedProcess(started.args, started.returncode, out, err)
-    launcher = [sys.executable]
-    if nproc:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = [*TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
     return run([*launcher, "main.py", *args], cwd=cwd, timeout=timeout, **env)
 
 
@@ -121,14 +142,7 @@ def stop_at_first_progress(
 ) -> subprocess.CompletedProcess:
     """main.py with `args` (one process, as a user starts it), sent `sig` once its first progress
     line of epoch 1 is out; it runs to its end."""
-    proc = subprocess.Popen(
-        [sys.executable, "main.py", *map(str, args)],
-        cwd=cwd,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=clean_environment(),
-    )
+    proc = popen([sys.executable, "main.py", *args], cwd)
     seen = []
     try:
         for line in proc.stdout:
@@ -145,6 +159,11 @@ def stop_at_first_progress(
 def metrics_in(text: str) -> list[dict]:
     """The `[METRIC]` lines of a log, parsed."""
     return [m for m in map(parse_metric, text.splitlines()) if m]
+
+
+def config_in(text: str) -> dict:
+    """The first `[CONFIG]` line of a log, parsed: the run's own."""
+    return next(filter(None, map(parse_config, text.splitlines())))
 
 
 def assert_breakdown_holds(m: dict) -> None:
@@ -308,33 +327,21 @@ def start_ranks(
     starts its tasks (no torchrun agent between the test and the ranks): each rank's own
     signals and exit status are seen. Forked where `forks` says so (dist_harness.ForkedMain, a
     Popen in all but that)."""
-    from dist_harness import ForkedMain, free_port
+    from dist_harness import ForkedMain, free_port, launcher_variables
 
-    port = str(free_port())
+    port = free_port()
 
     def rank_environment(rank: int) -> dict:
-        ours = dict(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            OMP_NUM_THREADS="1",
-        )
-        return clean_environment(**{**ours, **env})  # a test may override ours
+        ours = launcher_variables(rank, world_size, port)
+        return {**ours, "OMP_NUM_THREADS": "1", **env}  # a test may override ours
 
     if forks(program, cwd, env):
-        return [ForkedMain(args, cwd, rank_environment(rank)) for rank in range(world_size)]
+        return [
+            ForkedMain(args, cwd, clean_environment(**rank_environment(rank)))
+            for rank in range(world_size)
+        ]
     return [
-        subprocess.Popen(
-            [sys.executable, program, *map(str, args)],
-            cwd=cwd,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=rank_environment(rank),
-        )
+        popen([sys.executable, program, *args], cwd, **rank_environment(rank))
         for rank in range(world_size)
     ]
 

@@ -37,6 +37,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launcher_variables(rank: int, world_size: int, port: int) -> dict:
+    """What torchrun sets for one rank of a one-node world: who it is, where rank 0 listens."""
+    return dict(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
 def _to_bytes(value) -> bytes:
     # Tensors sent through a queue as-is travel as shared memory that dies with this process.
     buffer = io.BytesIO()
@@ -85,40 +97,15 @@ def _context():
 
 def _worker(fn, rank, world_size, port, queue, args, pg_timeout_s, share_gpu=False, plain=False):
     distributed_utils.SHARE_ONE_GPU = share_gpu
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(launcher_variables(rank, world_size, port))
     torch.set_num_threads(1)  # as torchrun does: N ranks share 2 cores
     queue.put((rank, *_outcome(_in_process_group, fn, args, pg_timeout_s, plain)))
 
 
-def spawn(
-    fn,
-    world_size: int,
-    *args,
-    timeout: float = 180,
-    pg_timeout_s: float = 60,
-    share_gpu: bool = False,
-    plain: bool = False,
-) -> list:
+def spawn(fn, world_size: int, *args, **options) -> list:
     """fn(env, *args) on every rank; returns the results by rank. Raises if any rank fails.
-    share_gpu: every rank on GPU 0, gloo carrying its CUDA tensors (distributed_utils'
-    SHARE_ONE_GPU), for GPU tests of more ranks than the machine has GPUs. plain: a gloo group
-    on the CPU made without distributed_utils.setup (_plain_gloo)."""
-    outcomes = spawn_outcomes(
-        fn,
-        world_size,
-        *args,
-        timeout=timeout,
-        pg_timeout_s=pg_timeout_s,
-        share_gpu=share_gpu,
-        plain=plain,
-    )
+    options: spawn_outcomes's."""
+    outcomes = spawn_outcomes(fn, world_size, *args, **options)
     errors = [f"rank {r}: {value}" for r, (status, value) in enumerate(outcomes) if status != "ok"]
     if errors:
         raise AssertionError("\n".join(errors))
@@ -134,7 +121,10 @@ def spawn_outcomes(
     share_gpu: bool = False,
     plain: bool = False,
 ) -> list[tuple[str, object]]:
-    """(status, value) for every rank: ('ok', result) or ('error', message)."""
+    """(status, value) for every rank: ('ok', result) or ('error', message). share_gpu: every
+    rank on GPU 0, gloo carrying its CUDA tensors (distributed_utils' SHARE_ONE_GPU), for GPU
+    tests of more ranks than the machine has GPUs. plain: a gloo group on the CPU made without
+    distributed_utils.setup (_plain_gloo)."""
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
@@ -289,6 +279,16 @@ EQUAL_CFG = dict(
 )
 
 
+def steps_cfg(batch: int, steps: int, **fields):
+    """A Config of synthetic data, `steps` training batches of `batch` images and one of
+    validation, one epoch (unless `fields` say otherwise), no checkpoint, no progress lines."""
+    from config import Config
+
+    every = dict(dataset="synthetic", epochs=1, checkpoint=False, print_every=10**9)
+    shape = dict(batch_size=batch, train_samples=batch * steps, val_samples=batch)
+    return Config(**{**every, **shape, **fields})
+
+
 def full_state(env, model) -> dict | None:
     """The whole model's parameters, gathered from every rank's shard, on rank 0 (else None).
     Moved to the CPU only from a GPU: FSDP1's gather with cpu_offload of tensors already on the
@@ -296,6 +296,13 @@ def full_state(env, model) -> dict | None:
     options = StateDictOptions(full_state_dict=True, cpu_offload=env.device.type == "cuda")
     state = get_model_state_dict(model, options=options)  # every rank must take part
     return {k: v.clone() for k, v in state.items()} if env.rank == 0 else None
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest difference between two state dicts' tensors of the same names (in float64:
+    exact for every dtype the runs hold)."""
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def train_and_gather(env, cfg):
@@ -336,22 +343,22 @@ def stop_mid_epoch_then_resume(folder, cfg, **spawn_options) -> tuple[str, float
     spawn(signal_rank_then_train, 2, saved, at_poll, **spawn_options)
     reached = checkpoint.latest(folder).name
     resumed, _ = spawn(train_and_gather, 2, replace(saved, resume="auto"), **spawn_options)[0]
-    return reached, max(
-        (straight[k].float() - resumed[k].float()).abs().max().item() for k in straight
-    )
+    return reached, max_diff(straight, resumed)
 
 
-def signal_rank_then_train(env, cfg, at_poll, rank=1, train=train_and_gather):
-    """SLURM's warning signal reaches `rank` alone, at its `at_poll`-th training step, while
-    train(env, cfg) runs. The ranks agree on stops every TEST_POLL_EVERY steps."""
-    stopping.STOP_POLL_EVERY = TEST_POLL_EVERY
-    if env.rank == rank:
+def signal_rank_then_train(
+    env, cfg, at_poll, rank=1, train=train_and_gather, signum=signal.SIGUSR1, every=TEST_POLL_EVERY
+):
+    """`signum` (SLURM's warning signal) reaches `rank` alone, at its `at_poll`-th training step
+    (0: never), while train(env, cfg) runs. The ranks agree on stops every `every` steps."""
+    stopping.STOP_POLL_EVERY = every
+    if env.rank == rank and at_poll:
         poll, calls = stopping.StopRequest.poll, []
 
         def poll_and_signal(self):
             calls.append(1)
             if len(calls) == at_poll:
-                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signum)
             return poll(self)
 
         stopping.StopRequest.poll = poll_and_signal

@@ -9,12 +9,13 @@ import signal
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from conftest import REPO, TINY, clean_environment, start_ranks
+from conftest import LONG_RUN, REPO, TINY, popen, start_ranks
 from utils import format_metric
 
 COURSE_LOGS = REPO / "tests" / "fixtures" / "alps-course-logs"  # the course's real outputs
@@ -121,22 +122,35 @@ def write_cifar_dir(root, n_train_per_file=20, n_test=30, seed=0):
     return folder
 
 
+# ----------------------------------------------------------------------------- stand-ins
+
+
+def executable(path: Path, body: str) -> Path:
+    """A bash script at path that runs body."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def on_path(folder: Path, **bodies: str) -> str:
+    """Bash stand-ins for commands (name -> body) in folder: the PATH that finds them first."""
+    for name, body in bodies.items():
+        executable(folder / name, body)
+    return f"{folder}:{os.environ['PATH']}"
+
+
 # ----------------------------------------------------------------------------- a peer fails
 
 # Long enough that training is still under way when rank 1 is stopped.
 ARGS = [
-    "--dataset",
-    "synthetic",
+    *LONG_RUN,
     "--train-samples",
     "40000",
     "--val-samples",
     "256",
-    "--batch-size",
-    "32",
     "--epochs",
     "1",
-    "--print-every",
-    "20",
     "--no-checkpoint",
 ]
 PG_TIMEOUT_S = 10
@@ -151,7 +165,15 @@ def wait_for_training(rank0) -> None:
     for line in rank0.stdout:  # rank 0's progress lines: training is under way
         if line.startswith("epoch 1 step"):
             return
-    raise AssertionError("training never started: " + rank0.stderr.read()[-2000:])
+    raise AssertionError("training never started: " + rank0.stderr.read()[-3000:])
+
+
+def assert_stopped_mid_epoch_1(folder: Path) -> None:
+    """One checkpoint in folder, saved inside epoch 1 (not at its start)."""
+    saved = [p.name for p in folder.iterdir()]
+    assert (
+        len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != "ckpt_e0001_s000000"
+    ), saved
 
 
 def first_error_line(rank0) -> str:
@@ -164,41 +186,39 @@ def first_error_line(rank0) -> str:
     return "no error: line; stderr:\n" + "".join(lines[-40:])
 
 
-def end_rank1_during_training(args: list, signal_sent) -> tuple[str, int, float]:
-    """Two ranks train; rank 1 gets signal_sent. Rank 0's error line, exit status, and the
-    seconds it took to say so."""
-    ranks = start_ranks([*args, "--pg-timeout", PG_TIMEOUT_S], 2)
-    rank0, rank1 = ranks
-    watchdog = threading.Timer(150, rank0.kill)  # a rank 0 that never reacts ends the test
-    watchdog.start()
-    try:
-        wait_for_training(rank0)
-        t0 = time.monotonic()
-        os.kill(rank1.pid, signal_sent)
-        error = first_error_line(rank0)
-        elapsed = time.monotonic() - t0
-        status = rank0.wait(timeout=60)
-    finally:
-        watchdog.cancel()
-        for rank in ranks:  # SIGKILL also ends a stopped process
-            rank.kill()
-            rank.communicate()
-    return error, status, elapsed
-
-
-def kill_during_training(args: list, world_size: int, victim: int) -> list[str]:
-    """world_size ranks train; rank `victim` is killed (SIGKILL). Every rank's stderr."""
+@contextmanager
+def training_ranks(args: list, world_size: int):
+    """world_size ranks started with args and --pg-timeout PG_TIMEOUT_S, yielded once rank 0
+    trains; killed after 150 s (ranks that never react end the test) and at the end."""
     ranks = start_ranks([*args, "--pg-timeout", PG_TIMEOUT_S], world_size)
     watchdog = threading.Timer(150, lambda: [rank.kill() for rank in ranks])
     watchdog.start()
     try:
         wait_for_training(ranks[0])
-        os.kill(ranks[victim].pid, signal.SIGKILL)
-        return [rank.communicate(timeout=60)[1] for rank in ranks]
+        yield ranks
     finally:
         watchdog.cancel()
-        for rank in ranks:
+        for rank in ranks:  # SIGKILL also ends a stopped process
             rank.kill()
+            rank.communicate()
+
+
+def end_rank1_during_training(args: list, signal_sent) -> tuple[str, int, float]:
+    """Two ranks train; rank 1 gets signal_sent. Rank 0's error line, exit status, and the
+    seconds it took to say so."""
+    with training_ranks(args, 2) as (rank0, rank1):
+        t0 = time.monotonic()
+        os.kill(rank1.pid, signal_sent)
+        error = first_error_line(rank0)
+        elapsed = time.monotonic() - t0
+        return error, rank0.wait(timeout=60), elapsed
+
+
+def kill_during_training(args: list, world_size: int, victim: int) -> list[str]:
+    """world_size ranks train; rank `victim` is killed (SIGKILL). Every rank's stderr."""
+    with training_ranks(args, world_size) as ranks:
+        os.kill(ranks[victim].pid, signal.SIGKILL)
+        return [rank.communicate(timeout=60)[1] for rank in ranks]
 
 
 def start_batch_script(
@@ -208,12 +228,10 @@ def start_batch_script(
     SLURM's binaries and the Python (name -> bash body) first on PATH; they write what they were
     asked into the returned file (CALLS) and end the tasks with tasks_status."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    bin_dir.mkdir()
-    for name, body in stand_ins.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    env = clean_environment(
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
+    script = popen(
+        ["bash", "run.sh", *TINY],
+        repo_copy,
+        PATH=on_path(bin_dir, **stand_ins),
         CALLS=str(calls),
         TASKS_STATUS=str(tasks_status),
         PYTHON=str(bin_dir / "python"),
@@ -222,14 +240,6 @@ def start_batch_script(
         SLURM_NTASKS="2",
         SLURM_JOB_NODELIST="node1",
         SLURM_RESTART_COUNT=str(restarts),
-    )
-    script = subprocess.Popen(
-        ["bash", "run.sh", *TINY],
-        cwd=repo_copy,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
     )
     return script, calls
 

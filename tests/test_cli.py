@@ -3,9 +3,9 @@ statuses, and bad input."""
 
 import re
 import signal
-import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,23 +17,27 @@ from conftest import (
     REPO,
     TINY,
     assert_one_line_error,
-    clean_environment,
+    config_in,
     main_on_ranks,
     metrics_in,
+    popen,
+    run,
     run_main,
     start_ranks,
     stop_at_first_progress,
 )
+from helpers import assert_stopped_mid_epoch_1, wait_for_training
 from utils import (
     COURSE_METRIC_RE,
     EXIT_STATUS,
     METRIC_FIELDS,
     format_metric,
-    parse_config,
     parse_metric,
 )
 
-QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
+BATCH_64 = [*TINY, "--batch-size", "64"]
+QUICK = [*BATCH_64, "--no-checkpoint"]
+ONE_EPOCH = [*BATCH_64, "--epochs", "1"]
 
 
 # ----------------------------------------------------------------------------- [METRIC] format
@@ -97,20 +101,17 @@ def test_parser_reads_srun_prefixed_coloured_lines_and_rejects_cut_ones():
 def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     result = run_main(
         [
+            *TINY,
             "--strategy",
             "fsdp",
             "--epochs",
             "3",
-            "--dataset",
-            "synthetic",
             "--train-samples",
             "2048",
             "--val-samples",
             "512",
             "--batch-size",
             "128",
-            "--print-every",
-            "1000",
             "--no-checkpoint",
         ],
         nproc=2,
@@ -130,7 +131,7 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     assert last["acc"] > 50, "synthetic data is learnable: far above 10% chance"
     assert last["throughput"] > 0 and last["time"] > 0 and last["peak_mem"] > 0
     assert result.stdout.count("[CONFIG]") == 1  # rank 0 alone prints
-    config = next(filter(None, map(parse_config, result.stdout.splitlines())))
+    config = config_in(result.stdout)
     assert config["rendezvous"].startswith(("127.0.0.1:", "localhost:"))
     assert config["threads"] >= 1
 
@@ -187,14 +188,11 @@ def test_a_rank_other_than_0_with_a_bad_command_line_outlives_rank_0_until_ended
     sent once rank 0 has exited with the error: exiting first, it would get rank 0 killed
     before rank 0 said why. (Errors found after the ranks met end every rank at once:
     test_faults.py's one-line checkpoint errors.)"""
-    env = {**clean_environment(), "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
-    rank1 = subprocess.Popen(
+    rank1 = popen(
         [sys.executable, "main.py", *QUICK, "--epochs", "0"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        RANK="1",
+        LOCAL_RANK="1",
+        WORLD_SIZE="2",
     )
     try:
         # Signalled only once it catches SIGTERM (/proc's SigCgt mask), as it would be when
@@ -252,14 +250,7 @@ sys.exit(status)
 
 
 def test_a_mistyped_option_is_answered_before_torch_loads_with_what_was_meant():
-    done = subprocess.run(
-        [sys.executable, "-c", RUN_MAIN_THEN_ASK_FOR_TORCH, "--stratgy", "ddp"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_environment(),
-    )
+    done = run([sys.executable, "-c", RUN_MAIN_THEN_ASK_FOR_TORCH, "--stratgy", "ddp"])
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
     assert lines[-1] == "error: unrecognized option --stratgy; did you mean --strategy?", lines
@@ -288,14 +279,7 @@ def test_the_modules_that_read_the_options_load_no_torch():
         "import sys, config, utils, stopping, main, run_benchmarks; "
         "print(sorted(m for m in ('torch', 'numpy', 'pandas') if m in sys.modules))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_environment(),
-    )
+    done = run([sys.executable, "-c", code])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
@@ -304,7 +288,7 @@ def test_unwritable_checkpoint_folder_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # root ignores permission bits: use a file as parent
     result, _ = main_on_ranks(
-        [*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir", str(blocker / "ckpt")],
+        [*ONE_EPOCH, "--checkpoint-dir", str(blocker / "ckpt")],
         2,
     )
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -338,13 +322,9 @@ def test_offline_first_run_says_how_to_run_without_the_download(tmp_path):
         result, "downloading CIFAR-10", "--dataset synthetic", "python data.py --download"
     )
     assert "no route to host" in line.lower()
-    fetch = subprocess.run(
-        [sys.executable, "data.py", "--download", "--data-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_environment(PYTHONPATH=str(REPO / "tests" / "offline")),
+    fetch = run(
+        [sys.executable, "data.py", "--download", "--data-dir", tmp_path],
+        PYTHONPATH=str(REPO / "tests" / "offline"),
     )
     line = assert_one_line_error(fetch, "downloading CIFAR-10", "--dataset synthetic")
     assert "python data.py --download" not in line  # it would tell you to run itself
@@ -354,11 +334,11 @@ def test_offline_first_run_says_how_to_run_without_the_download(tmp_path):
 
 
 def test_check_validates_every_world_size_without_training():
-    done = run_main(["--check", "1", "2", "4", *TINY, "--batch-size", "64"], timeout=60)
+    done = run_main(["--check", "1", "2", "4", *BATCH_64], timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("check: ok: strategy=ddp world sizes 1 2 4")
     assert "[CONFIG]" not in done.stdout and "[METRIC]" not in done.stdout
-    bad = run_main(["--check", "1", "2", "3", *TINY, "--batch-size", "64"], timeout=60)
+    bad = run_main(["--check", "1", "2", "3", *BATCH_64], timeout=60)
     assert_one_line_error(bad, "global batch size 64 must be a multiple of the world size 3")
 
 
@@ -380,13 +360,7 @@ def test_check_finds_what_the_run_would_fail_on(tmp_path, args, message):
 
 
 def test_check_takes_the_launchers_world_size():
-    done = run_main(
-        ["--check", *TINY, "--batch-size", "64"],
-        timeout=60,
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="3",
-    )
+    done = run_main(["--check", *BATCH_64], timeout=60, RANK="0", LOCAL_RANK="0", WORLD_SIZE="3")
     assert_one_line_error(done, "multiple of the world size 3")
 
 
@@ -417,14 +391,7 @@ def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     stop = next(line for line in out.splitlines() if "stopped on SIGUSR1" in line)
     command = stop.split("continue with: ", 1)[1]
     assert command.startswith("main.py ") and "--resume checkpoints/local-" in command
-    resumed = subprocess.run(
-        [sys.executable, *command.split()],
-        cwd=repo_copy,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean_environment(),
-    )
+    resumed = run([sys.executable, *command.split()], cwd=repo_copy, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "[CHECKPOINT] resumed from checkpoints/local-" in resumed.stdout
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
@@ -435,16 +402,15 @@ def stop_run(folder: Path) -> list[str]:
     return [*LONG_RUN, "--checkpoint-dir", str(folder), "--pg-timeout", "60"]
 
 
-def signal_rank_1_in_epoch_1(args: list, signum: int, cwd: Path = REPO, **start):
+@contextmanager
+def rank_1_signalled_in_epoch_1(args: list, signum: int, cwd: Path = REPO, **start):
     """Two ranks started directly; rank 1 alone gets `signum` once rank 0 trains epoch 1.
-    Returns the ranks, ended, and their (stdout, stderr)."""
+    Yields the ranks; what is left of them is killed at the end."""
     ranks = start_ranks(args, 2, cwd=cwd, **start)
     try:
-        for line in ranks[0].stdout:
-            if line.startswith("epoch 1 step"):
-                ranks[1].send_signal(signum)
-                break
-        return ranks, [rank.communicate(timeout=120) for rank in ranks]
+        wait_for_training(ranks[0])
+        ranks[1].send_signal(signum)
+        yield ranks
     finally:
         for rank in ranks:
             rank.kill()
@@ -456,13 +422,11 @@ def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(tmp_path, signal
     alone: both ranks agree on a step, save one checkpoint mid-epoch and exit with status 3;
     resuming finishes the run."""
     args = stop_run(tmp_path / "ckpt")
-    ranks, outputs = signal_rank_1_in_epoch_1(args, getattr(signal, signal_name))
+    with rank_1_signalled_in_epoch_1(args, getattr(signal, signal_name)) as ranks:
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [3, 3], outputs[0][1][-2000:]
     assert "stopped on a signal to another rank at epoch 1 step" in outputs[0][0]
-    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert (
-        len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != "ckpt_e0001_s000000"
-    ), saved
+    assert_stopped_mid_epoch_1(tmp_path / "ckpt")
     resumed, _ = main_on_ranks([*args, "--resume", "auto"], 2)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
@@ -491,9 +455,10 @@ def test_a_stopped_rank_leaves_only_once_rank_0_is_done(repo_copy):
     printed how to continue: under srun --kill-on-bad-exit, the first rank to exit non-zero
     ends the others."""
     (repo_copy / "slow_prune_main.py").write_text(SLOW_PRUNE)
-    ranks, outputs = signal_rank_1_in_epoch_1(
+    with rank_1_signalled_in_epoch_1(
         stop_run(repo_copy / "ckpt"), signal.SIGUSR1, repo_copy, program="slow_prune_main.py"
-    )
+    ) as ranks:
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [3, 3], outputs[1][1][-2000:]
     pruned = float((repo_copy / "pruned").read_text())
     assert float((repo_copy / "exit_rank1").read_text()) >= pruned
@@ -514,37 +479,19 @@ def test_a_stopped_rank_sent_sigterm_while_it_exits_still_exits_3(repo_copy):
     """srun --kill-on-bad-exit (and torchrun) send SIGTERM to the other ranks once the first
     exits 3: a rank still on its way out takes it as one more stop, and exits 3 too."""
     (repo_copy / "slow_exit_main.py").write_text(SLOW_EXIT)
-    ranks = start_ranks(stop_run(repo_copy / "ckpt"), 2, cwd=repo_copy, program="slow_exit_main.py")
-    try:
-        for line in ranks[0].stdout:
-            if line.startswith("epoch 1 step"):
-                ranks[1].send_signal(signal.SIGUSR1)
-                break
+    with rank_1_signalled_in_epoch_1(
+        stop_run(repo_copy / "ckpt"), signal.SIGUSR1, repo_copy, program="slow_exit_main.py"
+    ) as ranks:
         rank0 = ranks[0].communicate(timeout=120)
         assert ranks[0].returncode == 3, rank0[1][-2000:]
         while ranks[1].poll() is None:  # what srun does, until rank 1 is gone
             ranks[1].send_signal(signal.SIGTERM)
             time.sleep(0.1)
-    finally:
-        for rank in ranks:
-            rank.kill()
     assert ranks[1].returncode == 3, ranks[1].stderr.read()[-2000:]
 
 
 def test_resume_auto_says_when_it_found_nothing(tmp_path):
-    done = run_main(
-        [
-            *TINY,
-            "--batch-size",
-            "64",
-            "--epochs",
-            "1",
-            "--resume",
-            "auto",
-            "--checkpoint-dir",
-            str(tmp_path / "empty"),
-        ]
-    )
+    done = run_main([*ONE_EPOCH, "--resume", "auto", "--checkpoint-dir", tmp_path / "empty"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"--resume auto: no checkpoint in {tmp_path / 'empty'}; starting fresh" in done.stdout
 
@@ -565,14 +512,12 @@ def missing_cifar_dir(tmp_path) -> list[str]:
 
 
 def folder_of_an_earlier_run(tmp_path) -> list[str]:
-    args = [*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir", str(tmp_path)]
-    assert run_main(args).returncode == 0
+    assert run_main([*ONE_EPOCH, "--checkpoint-dir", tmp_path]).returncode == 0
     return ["--checkpoint-dir", str(tmp_path)]
 
 
 def checkpoint_of_another_strategy(tmp_path) -> list[str]:
-    args = [*TINY, "--batch-size", "64", "--epochs", "1", "--checkpoint-dir", str(tmp_path)]
-    assert run_main([*args, "--strategy", "ddp"]).returncode == 0
+    assert run_main([*ONE_EPOCH, "--checkpoint-dir", tmp_path, "--strategy", "ddp"]).returncode == 0
     return ["--checkpoint-dir", str(tmp_path), "--strategy", "fsdp", "--resume", "auto"]
 
 
@@ -590,4 +535,4 @@ def test_bad_input_table_as_the_user_sees_it(tmp_path, setup, message):
     """Each row of the bad-input table (docs/troubleshooting.md): one `error:` line, exit
     status 2, no traceback."""
     args = setup(tmp_path)
-    assert_one_line_error(run_main([*TINY, "--batch-size", "64", "--epochs", "2", *args]), message)
+    assert_one_line_error(run_main([*BATCH_64, "--epochs", "2", *args]), message)

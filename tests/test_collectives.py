@@ -15,8 +15,7 @@ import torch
 from benchmark import OperationCounter
 from checkpoint import Position
 from comm_bench import ddp_buckets, messages
-from config import Config
-from dist_harness import spawn
+from dist_harness import spawn, steps_cfg
 from fsdp_utils import own_units
 from model import build_model
 from session import build_trainer
@@ -64,17 +63,8 @@ def one_step_each(env) -> dict:
     of each, in the order issued."""
     found = {}
     for strategy, sharding, precision, accum in SETUPS:
-        cfg = Config(
-            strategy=strategy,
-            sharding=sharding,
-            precision=precision,
-            grad_accum=accum,
-            dataset="synthetic",
-            batch_size=32,
-            train_samples=32 * 2,
-            val_samples=32,
-            checkpoint=False,
-            print_every=10**9,
+        cfg = steps_cfg(
+            32, 2, strategy=strategy, sharding=sharding, precision=precision, grad_accum=accum
         )
         trainer, _ = build_trainer(cfg, env)
         trainer.train_epoch(Position(1))

@@ -2,14 +2,13 @@
 sizes of the course CNN, the [COMM] line's round trip, and real 2-rank gloo runs."""
 
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import comm_bench
-from conftest import REPO, TINY, metrics_in, run_main
+from conftest import REPO, TINY, TORCHRUN, metrics_in, run_main
 from dist_harness import spawn
 from model import build_model, count_parameters
 from utils import COMM_FIELDS, format_comm, parse_comm
@@ -150,15 +149,7 @@ def test_two_gloo_ranks_measure_every_message():
 @pytest.mark.timeout(180)
 def test_benchmark_py_comm_under_torchrun():
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "benchmark.py",
-            "--comm",
-        ],
+        [*TORCHRUN, "--nproc_per_node=2", "benchmark.py", "--comm"],
         cwd=REPO,
         capture_output=True,
         text=True,

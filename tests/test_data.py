@@ -65,14 +65,7 @@ def test_every_sample_once_per_epoch_new_order_each_epoch(kind, world_size):
     for epoch in range(2):
         per_rank = []
         for rank in range(world_size):
-            loaders = cpu_loaders(
-                split,
-                kind=kind,
-                rank=rank,
-                world_size=world_size,
-                global_batch=global_batch,
-                seed=3,
-            )
+            loaders = cpu_loaders(split, global_batch, kind, rank, world_size, seed=3)
             loaders.train_sampler.set_epoch(epoch)
             per_rank.append(seen_indices(loaders.train, split))
         everything = sorted(i for r in per_rank for i in r)

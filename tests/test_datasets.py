@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 import data
-from conftest import assert_one_line_error, main_on_ranks, metrics_in, run_main
+from conftest import assert_one_line_error, config_in, main_on_ranks, metrics_in, run_main
 from dataset_files import FASHION_FILES, FASHION_FOLDER, FASHION_URL, TINY_FOLDER, TINY_URL
 from model import build_model
-from utils import UsageError, parse_config
+from utils import UsageError
 
 RUN_TIMEOUT_S = 120  # each run below takes seconds; a hang fails instead of stalling the suite
 
@@ -342,7 +342,7 @@ def test_training_run_on_each_set_with_each_loader(tmp_path, dataset, loader, np
     (metric,) = metrics_in(done.stdout)
     assert metric["dataset"] == dataset and metric["world_size"] == (nproc or 1)
     assert metric["train_images"] == 16
-    config = next(filter(None, map(parse_config, done.stdout.splitlines())))
+    config = config_in(done.stdout)
     spec = data.DATASETS[dataset]
     assert config["parameters"] == sum(
         p.numel() for p in build_model("cnn", spec.num_classes, spec.image_shape).parameters()

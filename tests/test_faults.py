@@ -8,7 +8,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,15 +21,16 @@ from conftest import (
     LONG_RUN,
     REPO,
     TINY,
+    TORCHRUN,
     assert_one_line_error,
-    clean_environment,
     main_on_ranks,
     metrics_in,
+    popen,
     run_main,
     start_ranks,
 )
-from dist_harness import full_state, spawn
-from helpers import start_batch_script, wait_for
+from dist_harness import full_state, signal_rank_then_train, spawn
+from helpers import assert_stopped_mid_epoch_1, start_batch_script, wait_for, wait_for_training
 
 STATUS_CHECKPOINT = 5  # utils.EXIT_STATUS["checkpoint"]
 STATUS_STOPPED = 3
@@ -83,20 +83,8 @@ def test_resume_auto_with_only_unreadable_checkpoints_fails_and_writes_nothing(t
     (second / checkpoint.DDP_FILE).write_bytes(b"half")
     before = snapshot(tmp_path)
     world_size = 1 if strategy == "ddp" else 2
-    done, statuses = main_on_ranks(
-        [
-            *ARGS,
-            "--strategy",
-            strategy,
-            "--checkpoint-dir",
-            tmp_path,
-            "--epochs",
-            3,
-            "--resume",
-            "auto",
-        ],
-        world_size,
-    )
+    args = [*ARGS, "--strategy", strategy, "--checkpoint-dir", tmp_path, "--epochs", 3]
+    done, statuses = main_on_ranks([*args, "--resume", "auto"], world_size)
     assert set(statuses) == {STATUS_CHECKPOINT}, statuses
     line = assert_one_line_error(
         done,
@@ -344,43 +332,14 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def wait_for_training(process: subprocess.Popen) -> None:
-    for line in process.stdout:  # rank 0's progress lines: training is under way
-        if line.startswith("epoch 1 step"):
-            return
-    raise AssertionError("training never started: " + process.stderr.read()[-3000:])
-
-
-def assert_stopped_mid_epoch_1(folder: Path) -> None:
-    saved = [p.name for p in folder.iterdir()]
-    assert (
-        len(saved) == 1 and saved[0].startswith("ckpt_e0001_s") and saved[0] != "ckpt_e0001_s000000"
-    ), saved
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("signal_name, rank", [("SIGUSR1", 1), ("SIGUSR2", 0), ("SIGTERM", 0)])
 def test_every_stop_signal_stops_two_torchrun_ranks_with_a_checkpoint(tmp_path, signal_name, rank):
     """The signal reaches one rank of two under torchrun (rank 1: rank 0 learns of it when the
     ranks agree on a stop, StopRequest): both stop at one step boundary, save one checkpoint,
     and exit 3 (torchrun's report says so)."""
-    torchrun = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "main.py",
-            *LONG,
-            "--checkpoint-dir",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=clean_environment(),
+    torchrun = popen(
+        [*TORCHRUN, "--nproc_per_node=2", "main.py", *LONG, "--checkpoint-dir", tmp_path]
     )
     try:
         wait_for_training(torchrun)
@@ -409,14 +368,7 @@ def test_every_stop_signal_stops_two_torchrun_ranks_with_a_checkpoint(tmp_path, 
 def test_every_stop_signal_to_run_sh_reaches_every_rank(repo_copy, signal_name):
     """run.sh without SLURM passes the signal to every rank (not to torchrun, which SIGUSR1 and
     SIGUSR2 would end, orphaning the ranks): a checkpoint, and run.sh's status 3."""
-    script = subprocess.Popen(
-        ["bash", "run.sh", *LONG, "--checkpoint-dir", "ckpt"],
-        cwd=repo_copy,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=clean_environment(NPROC="2"),
-    )
+    script = popen(["bash", "run.sh", *LONG, "--checkpoint-dir", "ckpt"], repo_copy, NPROC="2")
     try:
         wait_for_training(script)
         script.send_signal(getattr(signal, signal_name))
@@ -508,26 +460,19 @@ STOP_CFG = dict(
 STEPS_PER_EPOCH = 12
 
 
+def model_and_stop(env, cfg):
+    """The whole model and where a stop left training."""
+    import session
+
+    outcome = session.run(cfg, env)
+    return full_state(env, outcome.trainer.model), outcome.stopped_at
+
+
 def train_until_signalled(env, cfg, at_poll, rank, signum):
     """main.py's run on every rank, with `signum` sent to `rank` at its at_poll-th step (0:
     never). The ranks agree on a stop at every step (the next step after the signal), as main()
-    catches the signals. Returns the whole model and where a stop left training."""
-    import session
-
-    stopping.STOP_POLL_EVERY = 1
-    if env.rank == rank and at_poll:
-        poll, calls = stopping.StopRequest.poll, []
-
-        def poll_and_signal(self):
-            calls.append(1)
-            if len(calls) == at_poll:
-                os.kill(os.getpid(), signum)
-            return poll(self)
-
-        stopping.StopRequest.poll = poll_and_signal
-    with stopping.catch_stop_signals():
-        outcome = session.run(cfg, env)
-    return full_state(env, outcome.trainer.model), outcome.stopped_at
+    catches the signals. Returns model_and_stop's."""
+    return signal_rank_then_train(env, cfg, at_poll, rank, model_and_stop, signum, every=1)
 
 
 @pytest.mark.slow
@@ -543,28 +488,15 @@ def test_ten_stops_at_random_steps_then_resumes_end_as_the_uninterrupted_run(tmp
     total = cfg["epochs"] * STEPS_PER_EPOCH
     targets = sorted(rng.sample(range(1, total), 10))
     done, stops = 0, []
+    resumed = Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto")
     for target in targets:
         signum, rank = rng.choice(SIGNALS), rng.randrange(2)
-        state, at = spawn(
-            train_until_signalled,
-            2,
-            Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"),
-            target - done,
-            rank,
-            signum,
-        )[0]
+        state, at = spawn(train_until_signalled, 2, resumed, target - done, rank, signum)[0]
         assert at is not None, f"no stop at step {target}"
         done = (at.epoch - 1) * STEPS_PER_EPOCH + at.step
         assert done == target, (done, target)
         stops.append(f"{signal.Signals(signum).name}@rank{rank}:e{at.epoch}s{at.step}")
-    state, at = spawn(
-        train_until_signalled,
-        2,
-        Config(**cfg, checkpoint_dir=str(tmp_path), resume="auto"),
-        0,
-        0,
-        0,
-    )[0]
+    state, at = spawn(train_until_signalled, 2, resumed, 0, 0, 0)[0]
     assert at is None and state.keys() == reference.keys()
     differing = [k for k in state if not torch.equal(state[k], reference[k])]
     print(
@@ -576,16 +508,13 @@ def test_ten_stops_at_random_steps_then_resumes_end_as_the_uninterrupted_run(tmp
 
 
 KILL_ARGS = [
-    "--dataset",
-    "synthetic",
+    *TINY,
     "--train-samples",
     "64",
     "--val-samples",
     "32",
     "--batch-size",
     "16",
-    "--print-every",
-    "1000",
     "--device",
     "cpu",
     # A killed rank's sockets close at once, so the survivor needs no timeout to notice; a

@@ -15,22 +15,13 @@ import torch
 
 from checkpoint import Position
 from config import Config
-from conftest import TINY, main_on_ranks, metrics_in, run_main
+from conftest import TINY, TINY_CFG, config_in, main_on_ranks, metrics_in, run_main
 from dist_harness import spawn
 from session import build_trainer
-from utils import parse_config
 
 # Two epochs of 8 steps on TINY's 256 images: a few seconds per run.
 ARGS = [*TINY, "--batch-size", "32", "--epochs", "2"]
-CFG = dict(
-    dataset="synthetic",
-    train_samples=256,
-    val_samples=64,
-    batch_size=32,
-    epochs=1,
-    print_every=10**6,
-    checkpoint=False,
-)
+CFG = dict(TINY_CFG, batch_size=32, epochs=1, checkpoint=False)
 
 
 def trained(args: list, nproc: int | None = None, epochs: int = 2, timeout=240, **env):
@@ -43,7 +34,7 @@ def trained(args: list, nproc: int | None = None, epochs: int = 2, timeout=240, 
     assert [m["epoch"] for m in lines] == list(range(1, epochs + 1)), done.stdout[-3000:]
     for m in lines:
         assert math.isfinite(m["train_loss"]) and math.isfinite(m["val_loss"]), m
-    config = next(filter(None, map(parse_config, done.stdout.splitlines())))
+    config = config_in(done.stdout)
     return lines, config
 
 

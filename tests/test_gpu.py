@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, metrics_in, run, run_main
-from utils import parse_comm, parse_config
+from conftest import REPO, TINY, config_in, metrics_in, run, run_main
+from utils import parse_comm
 from verify import max_param_diffs
 
 pytestmark = [
@@ -28,7 +28,7 @@ QUICK = [*TINY, "--batch-size", "64", "--no-checkpoint"]
 def run_gpu(args: list, timeout: int = 300):
     done = run_main(args, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    config = next(filter(None, map(parse_config, done.stdout.splitlines())))
+    config = config_in(done.stdout)
     return config, metrics_in(done.stdout)
 
 
@@ -141,7 +141,7 @@ def fetch_with_device_work(env, cycles: int) -> tuple[float, int, float]:
     the host only launches: (the last epoch's data_wait, its steps, one fetch's kernel time
     measured in this process right after)."""
     import data
-    from config import Config
+    from dist_harness import steps_cfg
     from session import run as run_session
 
     normalize = data.Normalize.__call__
@@ -151,16 +151,7 @@ def fetch_with_device_work(env, cycles: int) -> tuple[float, int, float]:
         return normalize(self, images)
 
     data.Normalize.__call__ = busy_normalize
-    cfg = Config(
-        dataset="synthetic",
-        train_samples=64 * 32,
-        val_samples=64,
-        batch_size=64,
-        epochs=2,
-        checkpoint=False,
-        print_every=10**9,
-    )
-    data_wait = run_session(cfg, env).history[-1]["data_wait"]
+    data_wait = run_session(steps_cfg(64, 32, epochs=2), env).history[-1]["data_wait"]
     return data_wait, 32, sleep_seconds(cycles)
 
 
@@ -213,13 +204,7 @@ def test_comm_benchmark_times_nccl_on_the_gpu():
 
 @pytest.mark.timeout(960)
 def test_benchmark_runs_and_reports_the_one_gpu_epoch():
-    done = subprocess.run(
-        [sys.executable, "benchmark.py", "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = run([sys.executable, "benchmark.py", "--quick"], timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "One epoch of" in done.stdout and "on one GPU" in done.stdout
     print(done.stdout)
@@ -457,20 +442,16 @@ def test_a_graphed_run_stops_at_a_step_on_sigusr1_and_finishes_after_resume(repo
 # and anything across GPUs or nodes.
 
 
-def most_different(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 def test_two_ranks_on_one_gpu_train_as_one_process_and_report_global_numbers():
     """DDP at world size 2 ends with one process's parameters (IEEE fp32; cuDNN's kernels may
     sum in another order: 1e-4 allowed) and reports the same global losses and accuracy."""
     from config import Config
-    from dist_harness import EQUAL_CFG, spawn, train_and_gather
+    from dist_harness import EQUAL_CFG, max_diff, spawn, train_and_gather
 
     cfg = Config(**EQUAL_CFG, strategy="ddp", deterministic=True)
     one_state, one_history = spawn(train_and_gather, 1, cfg)[0]
     two_state, two_history = spawn(train_and_gather, 2, cfg, share_gpu=True)[0]
-    difference = most_different(one_state, two_state)
+    difference = max_diff(one_state, two_state)
     print(f"two ranks on one GPU vs one process: largest parameter difference {difference:.3g}")
     assert difference <= 1e-4
     for one, two in zip(one_history, two_history, strict=True):

@@ -11,9 +11,8 @@ import collect_results
 import mfu
 import plot_results
 import results_summary
-from conftest import TINY, main_on_ranks, metrics_in
+from conftest import TINY, config_in, main_on_ranks, metrics_in
 from helpers import metric_fields, write_log
-from utils import parse_config
 
 pytestmark = pytest.mark.fast  # make test-fast
 
@@ -91,7 +90,7 @@ def test_tflops_and_mfu_follow_from_the_other_fields_and_an_impossible_mfu_is_sa
         [*TINY, "--epochs", "2", "--batch-size", "64", "--peak-tflops", str(peak)], 2
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    config = next(filter(None, map(parse_config, done.stdout.splitlines())))
+    config = config_in(done.stdout)
     assert config["flops_per_image"] == mfu.training_flops_per_image("cnn", 10, (3, 32, 32))
     assert config["peak_tflops"] == peak
     metrics = metrics_in(done.stdout)

@@ -20,8 +20,10 @@ from config import Config
 from conftest import (
     REPO,
     TINY,
+    TINY_CFG,
     assert_breakdown_holds,
     assert_one_line_error,
+    config_in,
     main_on_ranks,
     metrics_in,
     run_main,
@@ -30,21 +32,8 @@ from cuda_graphs import WARMUP_STEPS
 from dist_harness import calibration_learner, calibration_of, spawn, spawn_outcomes
 from results_summary import host_bound
 from session import build_trainer, run
-from utils import parse_config
 
-CFG = dict(
-    dataset="synthetic",
-    train_samples=256,
-    val_samples=64,
-    batch_size=32,
-    epochs=1,
-    print_every=10**6,
-    checkpoint=False,
-)
-
-
-def config_line(stdout: str) -> dict:
-    return next(filter(None, map(parse_config, stdout.splitlines())))
+CFG = dict(TINY_CFG, batch_size=32, epochs=1, checkpoint=False)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -349,9 +338,9 @@ def test_deterministic_switches_torch_to_deterministic_kernels():
         [*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint", "--deterministic"]
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert config_line(done.stdout)["deterministic"] == "True"
+    assert config_in(done.stdout)["deterministic"] == "True"
     plain = run_main([*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint"])
-    assert config_line(plain.stdout)["deterministic"] == "False"
+    assert config_in(plain.stdout)["deterministic"] == "False"
 
 
 def test_multi_node_nccl_without_the_network_plugin_is_warned():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_one_line_error, clean_environment
+from helpers import executable
 
 pytestmark = pytest.mark.fast  # make test-fast
 
@@ -24,13 +25,6 @@ def script(cwd: Path, name: str, env: dict, *args: str) -> subprocess.CompletedP
     return subprocess.run(
         ["bash", name, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
     )
-
-
-def executable(path: Path, body: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"#!/bin/bash\n{body}\n")
-    path.chmod(0o755)
-    return path
 
 
 def without_site_packages(folder: Path) -> Path:

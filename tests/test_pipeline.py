@@ -10,7 +10,7 @@ from checkpoint import Position
 from config import Config
 from conftest import TINY, assert_one_line_error, metrics_in, run_main
 from dist_harness import EQUAL_CFG as CFG
-from dist_harness import signal_rank_then_train, spawn, train_and_gather
+from dist_harness import max_diff, signal_rank_then_train, spawn, train_and_gather
 from session import build_trainer, run
 
 # fp32 on the CPU: the pipeline sums a step's gradient over its micro-batches, one process over
@@ -40,11 +40,6 @@ def merged(results) -> dict:
         assert not whole.keys() & state.keys()
         whole.update(state)
     return whole
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")

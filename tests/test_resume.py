@@ -8,6 +8,7 @@ from config import Config
 from dist_harness import (
     EQUAL_CFG,
     full_state,
+    max_diff,
     mid_epoch_stop,
     signal_rank_then_train,
     spawn,
@@ -50,7 +51,7 @@ MACHINE_FIELDS = {
 
 
 def assert_same_run(state, history, ref_state, ref_history, epochs):
-    assert max((state[k] - ref_state[k]).abs().max().item() for k in state) <= 1e-6
+    assert max_diff(state, ref_state) <= 1e-6
     assert [h["epoch"] for h in history] == list(epochs)
     for mine in history:
         ref = ref_history[mine["epoch"] - 1]

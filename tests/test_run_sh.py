@@ -17,21 +17,19 @@ import tomllib
 
 import samples
 from config import option_flag
-from conftest import REPO, TINY, assert_one_line_error, copy_repo, metrics_in, run
-from helpers import run_log, start_batch_script, wait_for
+from conftest import (
+    REPO,
+    TINY,
+    assert_one_line_error,
+    benchmarks,
+    config_in,
+    copy_repo,
+    metrics_in,
+    run,
+)
+from helpers import on_path, run_log, start_batch_script, wait_for
 from layout import SWEEP_OUTCOME
 from utils import parse_comm
-
-
-def benchmarks(*args, cwd=REPO, **env):
-    return run([sys.executable, cwd / "run_benchmarks.py", *args], cwd=cwd, **env)
-
-
-def config_line(text: str) -> dict:
-    """The fields of the run's own `[CONFIG]` line."""
-    line = next(line for line in text.splitlines() if line.startswith("[CONFIG] "))
-    return dict(field.split("=", 1) for field in line.split()[1:])
-
 
 # ----------------------------------------------------------------------------- edf.toml
 
@@ -152,11 +150,11 @@ def test_run_sh_trains_locally_with_torchrun(local_launch):
     metrics = metrics_in(done.stdout)
     assert [m["epoch"] for m in metrics] == [1, 2]
     assert all(m["world_size"] == 2 and m["job_id"] == "local" for m in metrics)
-    config = config_line(done.stdout)
-    assert (config["world_size"], config["nodes"]) == ("2", "1")
+    config = config_in(done.stdout)
+    assert (config["world_size"], config["nodes"]) == (2, 1)
     assert re.fullmatch(r"[\w.-]+:\d+", config["rendezvous"]), config["rendezvous"]
-    assert config["threads"] == str(max(1, os.cpu_count() // 2))
-    assert config["cpus"] == str(os.cpu_count())  # what the collector weighs the threads against
+    assert config["threads"] == max(1, os.cpu_count() // 2)
+    assert config["cpus"] == os.cpu_count()  # what the collector weighs the threads against
     assert done.stdout.startswith("check: ok: strategy=ddp world sizes 2")
 
 
@@ -388,15 +386,6 @@ def test_dry_run_passes_slurm_options_and_the_container(repo_copy):
         assert option in done.stdout
 
 
-def stand_ins(folder: Path, **bodies: str) -> str:
-    """Bash stand-ins for SLURM's commands, by name: the PATH that finds them first."""
-    folder.mkdir()
-    for name, body in bodies.items():
-        (folder / name).write_text(f"#!/bin/bash\n{body}\n")
-        (folder / name).chmod(0o755)
-    return f"{folder}:{os.environ['PATH']}"
-
-
 def collect_job(repo_copy: Path, *options: str) -> tuple[str, Path]:
     """The sweep's name and its collect job's script, as a dry run writes it."""
     done = benchmarks("--dry-run", "--gpus", "1", "--strategies", "ddp", *options, cwd=repo_copy)
@@ -414,7 +403,7 @@ def test_the_collect_job_runs_the_collector_in_the_container_with_its_sweep(repo
     """The collect job's command, run by stand-ins for sbatch (runs --wrap) and srun (drops its
     options, shows what it would start and with which LOGS)."""
     sweep, job = collect_job(repo_copy, "--environment", "edf.toml")
-    path = stand_ins(
+    path = on_path(
         tmp_path / "bin",
         sbatch='while [ "$1" != --wrap ]; do shift; done; exec bash -c "$2"',
         srun='while [[ "$1" == --* ]]; do shift; done; echo "LOGS=$LOGS starts: $*"',
@@ -440,7 +429,7 @@ def test_a_failed_collect_job_says_so_in_its_status_and_the_sweeps_folder(repo_c
     logs = repo_copy / "logs" / sweep
     logs.mkdir()
     (logs / "ddp_1gpu_5.log").write_text("error: rank 0 died\n")
-    path = stand_ins(tmp_path / "bin", sbatch=SBATCH_RUNS_THE_JOB)
+    path = on_path(tmp_path / "bin", sbatch=SBATCH_RUNS_THE_JOB)
     failed = run(["bash", job], cwd=repo_copy, PATH=path, timeout=120)
     outcome = (logs / SWEEP_OUTCOME).read_text().splitlines()
     assert failed.returncode != 0
@@ -460,7 +449,7 @@ def test_a_sweep_not_waited_for_says_where_to_learn_its_outcome(repo_copy, tmp_p
     """Without --wait: the last line names the outcome file the collect job will write and the
     sacct command that shows every job's state, with every job id submitted."""
     ids = tmp_path / "last_job_id"
-    path = stand_ins(
+    path = on_path(
         tmp_path / "bin",
         sbatch=f"n=$(($(cat {ids} 2>/dev/null || echo 100) + 1)); echo $n >{ids}; echo $n",
     )
@@ -714,9 +703,7 @@ def test_local_sweep_trains_collects_and_plots(repo_copy):
         "--batch-size",
         "32",
         "--",
-        *TINY[:6],
-        "--print-every",
-        "1000",
+        *TINY,
         cwd=repo_copy,
         timeout=290,
     )

@@ -19,7 +19,7 @@ import distributed_utils as du
 import samples
 import verify
 import verify_job
-from conftest import REPO, SLURM_DIR, metrics_in
+from conftest import LONG_RUN, REPO, SLURM_DIR, benchmarks, config_in, metrics_in, run
 from conftest import TINY as TINY_RUN
 from verify_runs import task_pid
 
@@ -48,10 +48,10 @@ def submitted(done: subprocess.CompletedProcess) -> str:
     return re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
 
 
-def sh(command: list, cwd, env, timeout) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+def sbatch_run_sh(options: list, main_args: list, cwd, timeout, **env):
+    """run.sh submitted with sbatch and its options, one CPU a task, with main.py's arguments."""
+    command = ["sbatch", *options, "--cpus-per-task=1", "run.sh", *main_args]
+    return run(command, cwd, timeout, **env)
 
 
 @pytest.mark.timeout(120)
@@ -63,7 +63,7 @@ def test_step_id_is_set_inside_srun_only(slurm_env, tmp_path):
         'echo "nodes $SLURM_JOB_NODELIST" $(scontrol show hostnames "$SLURM_JOB_NODELIST"); '
         "srun bash -c 'echo \"task $SLURM_PROCID ${SLURM_STEP_ID:-unset}\"'"
     )
-    done = sh(
+    done = run(
         [
             "sbatch",
             "--wait",
@@ -74,8 +74,8 @@ def test_step_id_is_set_inside_srun_only(slurm_env, tmp_path):
             script,
         ],
         tmp_path,
-        slurm_env,
         100,
+        **slurm_env,
     )
     assert done.returncode == 0, done.stderr
     lines = sorted((tmp_path / "out.txt").read_text().split("\n"))
@@ -99,23 +99,13 @@ def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "29400",
     }
-    done = sh(
-        [
-            "sbatch",
-            "--wait",
-            "--nodes=2",
-            "--ntasks-per-node=2",
-            "--cpus-per-task=1",
-            "run.sh",
-            *TINY,
-            "--epochs",
-            "2",
-            "--batch-size",
-            "32",
-        ],
+    done = sbatch_run_sh(
+        ["--wait", "--nodes=2", "--ntasks-per-node=2"],
+        [*TINY, "--epochs", "2", "--batch-size", "32"],
         repo_copy,
-        {**slurm_env, **left_over},
         220,
+        **slurm_env,
+        **left_over,
     )
     job_id = submitted(done)
     log = job_file(repo_copy, job_id, ".log").read_text()
@@ -128,9 +118,8 @@ def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
         assert str(m["job_id"]) == job_id
     # What the ranks used, from their own [CONFIG] line: SLURM's world and nodes, the
     # rendezvous found by main.py (first node, a port from the job id), one thread per CPU.
-    config_line = next(line for line in log.splitlines() if line.startswith("[CONFIG] "))
-    config = dict(field.split("=", 1) for field in config_line.split()[1:])
-    assert (config["world_size"], config["nodes"], config["threads"]) == ("4", "2", "1")
+    config = config_in(log)
+    assert (config["world_size"], config["nodes"], config["threads"]) == (4, 2, 1)
     assert config["rendezvous"] == f"node1:{du.master_port_for_job(job_id)}"
     # The configuration was checked once, before srun started the tasks.
     assert log.count("check: ok: strategy=ddp world sizes 4,") == 1
@@ -141,23 +130,12 @@ def test_sbatch_run_sh_trains_over_two_nodes(slurm_env, repo_copy):
 def test_gpus_torch_cannot_see_are_refused_not_replaced_by_the_cpu(slurm_env, repo_copy):
     """The job is given (fake) GPUs that torch cannot see: one error line before any task
     starts, instead of hours of training on the CPU; --device cpu is the way to ask for that."""
-    done = sh(
-        [
-            "sbatch",
-            "--wait",
-            "--nodes=1",
-            "--ntasks-per-node=2",
-            "--cpus-per-task=1",
-            "run.sh",
-            *TINY_RUN,
-            "--epochs",
-            "1",
-            "--batch-size",
-            "32",
-        ],
+    done = sbatch_run_sh(
+        ["--wait", "--nodes=1", "--ntasks-per-node=2"],
+        [*TINY_RUN, "--epochs", "1", "--batch-size", "32"],
         repo_copy,
-        slurm_env,
         100,
+        **slurm_env,
     )
     assert done.returncode == 2, done.stdout + done.stderr
     job_id = submitted(done)
@@ -170,18 +148,14 @@ def test_gpus_torch_cannot_see_are_refused_not_replaced_by_the_cpu(slurm_env, re
 
 
 def queued_jobs(env) -> list[str]:
-    return sh(["squeue", "--noheader", "--format=%i"], REPO, env, 30).stdout.split()
+    return run(["squeue", "--noheader", "--format=%i"], REPO, 30, **env).stdout.split()
 
 
 @pytest.mark.timeout(120)
 def test_a_sweep_with_one_bad_configuration_submits_nothing(slurm_env, repo_copy):
     before = queued_jobs(slurm_env)
-    done = sh(
-        [sys.executable, "run_benchmarks.py", "--gpus", "1", "2", "--", *TINY, "--clip-grad", "-1"],
-        repo_copy,
-        slurm_env,
-        100,
-    )
+    bad = ["--gpus", "1", "2", "--", *TINY, "--clip-grad", "-1"]
+    done = benchmarks(*bad, cwd=repo_copy, timeout=100, **slurm_env)
     assert done.returncode == 2 and "--clip-grad" in done.stderr, done.stderr
     assert done.stderr.count("error: ") == 1 and "nothing submitted" in done.stderr
     assert queued_jobs(slurm_env) == before
@@ -191,22 +165,18 @@ def test_a_sweep_with_one_bad_configuration_submits_nothing(slurm_env, repo_copy
 @pytest.mark.timeout(60)
 def test_a_refused_job_is_a_clear_error(slurm_env, repo_copy):
     # One node of 8 GPUs: the emulated nodes have 4, so sbatch refuses the job at once.
-    done = sh(
-        [
-            sys.executable,
-            "run_benchmarks.py",
-            "--gpus",
-            "8",
-            "--gpus-per-node",
-            "8",
-            "--strategies",
-            "ddp",
-            "--",
-            *TINY,
-        ],
-        repo_copy,
-        slurm_env,
-        50,
+    done = benchmarks(
+        "--gpus",
+        "8",
+        "--gpus-per-node",
+        "8",
+        "--strategies",
+        "ddp",
+        "--",
+        *TINY,
+        cwd=repo_copy,
+        timeout=50,
+        **slurm_env,
     )
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
@@ -220,34 +190,30 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     collection job plots it, and plot_results.sh then picks that sweep by default."""
     from plot_results import FIGURES
 
-    sweep = sh(
-        [
-            sys.executable,
-            "run_benchmarks.py",
-            "--gpus",
-            "1",
-            "2",
-            "4",
-            "--wait",
-            "--one-at-a-time",
-            "--poll-interval",
-            "2",
-            "--cpus-per-task",
-            "1",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "32",
-            "--",
-            *TINY,
-        ],
-        repo_copy,
-        {
+    sweep = benchmarks(
+        "--gpus",
+        "1",
+        "2",
+        "4",
+        "--wait",
+        "--one-at-a-time",
+        "--poll-interval",
+        "2",
+        "--cpus-per-task",
+        "1",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--",
+        *TINY,
+        cwd=repo_copy,
+        timeout=400,
+        **{
             **slurm_env,
             "SAMPLE_EVERY": "1",  # run.sh's samplers, with a fake nvidia-smi
             "PATH": f"{REPO / 'tests' / 'fake-bin'}{os.pathsep}{slurm_env['PATH']}",
         },
-        400,
     )
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr + stderr_tails(repo_copy / "logs")
     folder = re.search(r"^sweep (sweep-[\d-]+): logs in logs/\1/", sweep.stdout, re.MULTILINE)
@@ -270,7 +236,7 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     spans = sorted(job_span(job_id) for job_id in job_ids.values())
     assert all(start >= end for (_, end), (start, _) in zip(spans, spans[1:])), spans
 
-    plots = sh(["./plot_results.sh"], repo_copy, slurm_env, 120)
+    plots = run(["./plot_results.sh"], repo_copy, 120, **slurm_env)
     assert plots.returncode == 0, plots.stderr
     assert re.search(rf"^reading \S*logs/{folder.group(1)}\b", plots.stderr, re.M), plots.stderr
     # A sound sweep is called sound: no run skipped, none said to have failed after its epochs.
@@ -297,13 +263,7 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
 
 def job_fields(job_id: str, env) -> dict:
     """A job as the controller knows it now (empty once it has forgotten a finished job)."""
-    out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job_id],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout
+    out = run(["scontrol", "show", "job", "-o", job_id], REPO, 30, **env).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
@@ -330,18 +290,10 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
     # started some 10 s into the job, still train at 45 s on a machine half as fast again.
     # Every epoch more is paid by the suite, on the slower machines the more.
     epochs = 11
-    submit = sh(
+    submit = sbatch_run_sh(
+        ["--parsable", "--time=00:01:00", "--signal=B:USR1@15", "--nodes=1", "--ntasks-per-node=1"],
         [
-            "sbatch",
-            "--parsable",
-            "--time=00:01:00",
-            "--signal=B:USR1@15",
-            "--nodes=1",
-            "--ntasks-per-node=1",
-            "--cpus-per-task=1",
-            "run.sh",
-            "--dataset",
-            "synthetic",
+            *LONG_RUN,
             "--train-samples",
             "8192",
             "--val-samples",
@@ -349,14 +301,12 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
             "--batch-size",
             "64",
             "--epochs",
-            str(epochs),
-            "--print-every",
-            "20",
+            epochs,
             *CPU,
         ],
         repo_copy,
-        slurm_env,
         60,
+        **slurm_env,
     )
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
@@ -372,7 +322,7 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
             # time to finish: one requeue is what this test is about, not how many.
             held_since = held_since or time.monotonic()
             if time.monotonic() - held_since > 6:
-                lift = sh(
+                lift = run(
                     [
                         "scontrol",
                         "update",
@@ -381,8 +331,8 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
                         "TimeLimit=00:05:00",
                     ],
                     repo_copy,
-                    slurm_env,
                     30,
+                    **slurm_env,
                 )
                 assert lift.returncode == 0, lift.stderr
                 held_since = None
@@ -400,11 +350,11 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
     logs = repo_copy / "one_job"
     logs.mkdir()
     (logs / f"ddp_1gpu_{job_id}.log").write_text(log)
-    collect = sh(
+    collect = run(
         [sys.executable, "collect_results.py", "--logs", logs, "--out", repo_copy / "one.csv"],
         repo_copy,
-        slurm_env,
         60,
+        **slurm_env,
     )
     assert collect.returncode == 0, collect.stderr
     with open(repo_copy / "one.csv", newline="") as f:
@@ -415,33 +365,12 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_env, repo_co
 def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_copy):
     """srun --kill-on-bad-exit: when one rank dies the job ends within a minute, not at its
     30-minute limit, and the log says which rank."""
-    submit = sh(
-        [
-            "sbatch",
-            "--parsable",
-            "--time=00:30:00",
-            "--nodes=1",
-            "--ntasks-per-node=2",
-            "--cpus-per-task=1",
-            "run.sh",
-            "--dataset",
-            "synthetic",
-            "--train-samples",
-            "50000",
-            "--val-samples",
-            "64",
-            "--batch-size",
-            "32",
-            "--epochs",
-            "5",
-            "--print-every",
-            "20",
-            "--no-checkpoint",
-            *CPU,
-        ],
+    submit = sbatch_run_sh(
+        ["--parsable", "--time=00:30:00", "--nodes=1", "--ntasks-per-node=2"],
+        [*LONG_RUN, "--train-samples", "50000", "--epochs", "5", "--no-checkpoint", *CPU],
         repo_copy,
-        slurm_env,
         60,
+        **slurm_env,
     )
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
@@ -473,27 +402,23 @@ def test_a_killed_task_ends_the_job_long_before_its_time_limit(slurm_env, repo_c
 def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy, ranks_per_node):
     """A sound cluster passes every check, at 2 ranks (one a node) and 4 (two a node: the
     equivalence check once failed there on a rounding tie, issue 38)."""
-    done = sh(
-        [
-            sys.executable,
-            "run_benchmarks.py",
-            "--verify",
-            "--wait",
-            "--gpus",
-            str(2 * ranks_per_node),
-            "--gpus-per-node",
-            str(ranks_per_node),
-            "--cpus-per-task",
-            "1",
-            "--poll-interval",
-            "2",
-            "--",
-            "--device",
-            "cpu",
-        ],
+    done = benchmarks(
+        "--verify",
+        "--wait",
+        "--gpus",
+        str(2 * ranks_per_node),
+        "--gpus-per-node",
+        str(ranks_per_node),
+        "--cpus-per-task",
+        "1",
+        "--poll-interval",
+        "2",
+        "--",
+        "--device",
+        "cpu",
         cwd=repo_copy,
-        env=slurm_env,
         timeout=580,
+        **slurm_env,
     )
     job_log = next(iter((repo_copy / "jobs").glob("verify-*/verify_*.log")), None)
     assert done.returncode == 0, (

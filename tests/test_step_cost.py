@@ -11,9 +11,8 @@ import pytest
 
 from benchmark import OPERATIONS_AGAINST_DDP, operations_per_epoch_step, operations_per_step
 from checkpoint import Position
-from config import Config
 from conftest import run
-from dist_harness import spawn
+from dist_harness import spawn, steps_cfg
 from session import build_trainer
 
 pytestmark = pytest.mark.fast  # make test-fast
@@ -30,18 +29,8 @@ HOST_SYNC = "aten._local_scalar_dense"  # .item(), a bool of a tensor: the host 
 def count_step(
     env, strategy: str, precision: str = "fp32", batch: int = 256, optimizer: str = "adam"
 ) -> dict:
-    cfg = Config(
-        strategy=strategy,
-        precision=precision,
-        optimizer=optimizer,
-        dataset="synthetic",
-        augment=True,
-        batch_size=batch,
-        train_samples=batch * 12,
-        val_samples=batch,
-        epochs=1,
-        checkpoint=False,
-        print_every=10**9,
+    cfg = steps_cfg(
+        batch, 12, strategy=strategy, precision=precision, optimizer=optimizer, augment=True
     )
     trainer, _ = build_trainer(cfg, env)
     trainer.train_epoch(Position(1))  # warm-up: first allocations, lazy state
@@ -66,18 +55,7 @@ def epoch_operations(env, strategies: tuple, steps: int = 6) -> dict:
     steps (benchmark.operations_per_epoch_step), after a warm-up epoch."""
     found = {}
     for strategy in strategies:
-        cfg = Config(
-            strategy=strategy,
-            dataset="synthetic",
-            augment=True,
-            batch_size=256,
-            train_samples=256 * steps,
-            val_samples=256,
-            epochs=1,
-            checkpoint=False,
-            print_every=10**9,
-        )
-        trainer, _ = build_trainer(cfg, env)
+        trainer, _ = build_trainer(steps_cfg(256, steps, strategy=strategy, augment=True), env)
         trainer.train_epoch(Position(1))
         found[strategy] = operations_per_epoch_step(trainer, epoch=2)
     return found

@@ -8,13 +8,8 @@ import checkpoint
 from config import Config
 from conftest import TINY, assert_one_line_error, main_on_ranks, metrics_in, run_main
 from dist_harness import EQUAL_CFG as EQUAL
-from dist_harness import full_state, signal_rank_then_train, spawn, train_and_gather
+from dist_harness import full_state, max_diff, signal_rank_then_train, spawn, train_and_gather
 from session import build_trainer, run
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +130,9 @@ def test_resnets_are_sharded_per_residual_stage(model, parameters):
 def test_resnet18_trains():
     done = run_main(
         [
+            *TINY,
             "--model",
             "resnet18",
-            "--dataset",
-            "synthetic",
             "--train-samples",
             "128",
             "--val-samples",
@@ -148,8 +142,6 @@ def test_resnet18_trains():
             "--epochs",
             "2",
             "--no-checkpoint",
-            "--print-every",
-            "1000",
         ],
         timeout=400,
     )

@@ -12,7 +12,7 @@ import pytest
 import run_benchmarks
 import verify
 import verify_job
-from conftest import assert_one_line_error, call_main, run
+from conftest import assert_one_line_error, benchmarks, call_main, run
 
 # The fake GPUs of the loopback cluster, and this machine: the CPU (gloo).
 CPU = ["--device", "cpu"]
@@ -128,11 +128,7 @@ def test_local_verify_fails_a_planted_bug_and_passes_the_rest(repo_copy):
     compared with itself, a kill, the collectives), pass: each check stands on its own. Every
     log in the report's folder. (A tree without the bug passes all four: test_slurm.py.)"""
     share_rank_zeros_data(repo_copy)
-    done = run(
-        [sys.executable, "run_benchmarks.py", "--verify", "--local", "--gpus", "2", "--", *CPU],
-        cwd=repo_copy,
-        timeout=580,
-    )
+    done = benchmarks("--verify", "--local", "--gpus", "2", "--", *CPU, cwd=repo_copy, timeout=580)
     line = assert_one_line_error(done, "over tolerance", status=1)
     assert line.startswith("error: verify: equivalence failed: max abs param diff"), line
     report = repo_copy / re.search(r"^report: (\S+)", done.stdout, re.M).group(1)
