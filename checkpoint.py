@@ -26,6 +26,7 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,16 @@ class Identity:
     model: str
     parameters: int
     global_batch: int  # a step count means this many images: mid-epoch positions need it
+
+
+class Resumable(NamedTuple):
+    """What a checkpoint holds of a run beside its position: the model and optimizer (any
+    wrapper's, through get/set_state_dict), the loaders' random stream and the schedule."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
 
 @contextlib.contextmanager
@@ -132,15 +143,7 @@ def _stage_file(tmp: Path) -> Path:
     return tmp / STAGE_FILE.format(rank=_rank())
 
 
-def save(
-    directory: Path,
-    position: Position,
-    identity: Identity,
-    model,
-    optimizer,
-    generator: torch.Generator | None,
-    scheduler=None,
-) -> Path:
+def save(directory: Path, position: Position, identity: Identity, resumable: Resumable) -> Path:
     """Every rank calls this. Returns the checkpoint's folder (replacing one of that name).
 
     A failure on any rank (the file system, torch's serialization) raises the same
@@ -152,9 +155,7 @@ def save(
     tmp = directory / (position.name + ".tmp")
     _, error = _together(_make_empty, directory, tmp, alone=True)
     if not error:
-        _, error = _together(
-            _write, tmp, position, identity, model, optimizer, generator, scheduler
-        )
+        _, error = _together(_write, tmp, position, identity, resumable)
     if not error:
         _, error = _together(_move_into_place, tmp, final, alone=True)
     if error:
@@ -188,20 +189,13 @@ def _discard(tmp: Path) -> None:
         shutil.rmtree(tmp)
 
 
-def _write(
-    tmp: Path,
-    position: Position,
-    identity: Identity,
-    model,
-    optimizer,
-    generator: torch.Generator | None,
-    scheduler,
-) -> None:
+def _write(tmp: Path, position: Position, identity: Identity, resumable: Resumable) -> None:
     """This rank's part of a checkpoint, into `tmp` (DCP's sharded save is collective, and
     raises on every rank if one fails)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    model, optimizer, generator, scheduler = resumable
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         model_state, optim_state = get_state_dict(
@@ -468,17 +462,11 @@ def _load_shards(path: Path, model, optimizer) -> dict:
     return state
 
 
-def load(
-    path: Path,
-    identity: Identity,
-    model,
-    optimizer,
-    generator: torch.Generator | None,
-    scheduler=None,
-) -> Position:
+def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
     """Every rank calls this. Restore model, optimizer, scheduler and (at the same world size)
     every rank's random streams. A file that any rank cannot read raises the same Unreadable
     on every rank."""
+    model, optimizer, generator, scheduler = resumable
     meta = _read(path, _load_torch, path / META_FILE)
     theirs = Identity(**meta["identity"])
     if (theirs.strategy, theirs.model, theirs.parameters) != (
@@ -535,18 +523,11 @@ def load(
     return position
 
 
-def load_chosen(
-    path: Path,
-    identity: Identity,
-    model,
-    optimizer,
-    generator: torch.Generator | None,
-    scheduler=None,
-) -> Position:
+def load_chosen(path: Path, identity: Identity, resumable: Resumable) -> Position:
     """`--resume PATH`: `load`. A checkpoint that cannot be read ends the run (the user chose
     it: no guessing at another), saying that nothing was touched and how to go on."""
     try:
-        return load(path, identity, model, optimizer, generator, scheduler)
+        return load(path, identity, resumable)
     except Unreadable as e:
         raise Unreadable(
             f"{e}; nothing was written and every checkpoint is as it was: repair it, or go on "
@@ -561,12 +542,7 @@ def candidates(directory: Path) -> list[Path]:
 
 
 def load_newest_readable(
-    directory: Path,
-    identity: Identity,
-    model,
-    optimizer,
-    generator: torch.Generator | None,
-    scheduler=None,
+    directory: Path, identity: Identity, resumable: Resumable
 ) -> tuple[Path | None, Position]:
     """`--resume auto`: the newest checkpoint that every rank can read. One that any rank
     cannot read (a disk fault) is passed over, saying so, for the next newest; the ranks
@@ -577,7 +553,7 @@ def load_newest_readable(
     found, damaged = candidates(directory), []
     for path in reversed(found):
         try:
-            position = load(path, identity, model, optimizer, generator, scheduler)
+            position = load(path, identity, resumable)
         except Unreadable as e:
             damaged.append((path, str(e)))
             if path != found[0]:

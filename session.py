@@ -216,13 +216,15 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         else None
     )
     fits = checkpoint.Identity(cfg.strategy, cfg.model, resolved["parameters"], cfg.batch_size)
-    resumable = (trainer.model, trainer.optimizer, trainer.loaders.generator, trainer.scheduler)
+    resumable = checkpoint.Resumable(
+        trainer.model, trainer.optimizer, trainer.loaders.generator, trainer.scheduler
+    )
     source, position = None, checkpoint.Position()
     if cfg.resume == "auto":
-        source, position = checkpoint.load_newest_readable(folder or Path("."), fits, *resumable)
+        source, position = checkpoint.load_newest_readable(folder or Path("."), fits, resumable)
     elif cfg.resume:
         source = checkpoint.resolve(cfg.resume, folder or Path("."))
-        position = checkpoint.load_chosen(source, fits, *resumable)
+        position = checkpoint.load_chosen(source, fits, resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
     if why_eager := cuda_graphs.decide(cfg, env.device)[1]:
         log0(f"[CONFIG] note: the step runs eager, not as one CUDA graph: {why_eager}")
@@ -239,7 +241,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         if not folder or (source and source.resolve() == (folder / at.name).resolve()):
             return  # nothing trained since resuming (a stop during start-up): saved already
         distributed_utils.say_where(f"saving checkpoint {at.name}")
-        log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, *resumable)}")
+        log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, resumable)}")
         if is_rank_zero():
             for old in checkpoint.prune(folder, cfg.keep_last, protect=source):
                 log0(f"[CHECKPOINT] deleted {old} (--keep-last {cfg.keep_last})")

@@ -290,7 +290,7 @@ def test_a_failed_save_whose_folder_cannot_be_removed_says_so(tmp_path, monkeypa
     monkeypatch.setattr(checkpoint.shutil, "rmtree", read_only)
     at, fits = checkpoint.Position(epoch=2), checkpoint.Identity("ddp", "cnn", 6, 16)
     with pytest.raises(checkpoint.CheckpointError) as raised:
-        checkpoint.save(tmp_path, at, fits, model, optimizer, None)
+        checkpoint.save(tmp_path, at, fits, checkpoint.Resumable(model, optimizer))
     line = str(raised.value)
     assert line.startswith(f"cannot save checkpoint {tmp_path / at.name}: OSError: [Errno 28]")
     assert f"{at.name}.tmp could not be removed (OSError: [Errno 30] Read-only" in line
