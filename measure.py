@@ -257,7 +257,9 @@ def traced_busy_seconds(work: Callable[[], None], device: torch.device) -> float
     host lengthens no kernel (it may widen the gaps between them, which are not counted)."""
     # kineto's own lines (its markers at start and stop) would otherwise reach every run's stderr.
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+    # acc_events: torch 2.10 warns on stderr at every trace that does not keep its events.
+    cuda = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=cuda, acc_events=True) as trace:
         work()
         synchronize_device(device)  # every kernel done before the trace stops
     return busy_seconds(trace.events())
