@@ -78,6 +78,19 @@ def run_log(folder: Path, name: str, epochs: int = 3, **changes) -> Path:
     return write_log(folder / name, [metric_fields(e, **changes) for e in range(1, epochs + 1)])
 
 
+# nvidia-smi's CSV as run.sh's GPU sampler writes it (samples.py reads it): two GPUs, sampled
+# twice 5.5 s apart.
+GPU_CSV_HEADER = (
+    "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], power.draw [W]"
+)
+GPU_CSV = f"""{GPU_CSV_HEADER}
+2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0
+2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0
+2026/11/22 10:00:05.500, 0, 70, 1500, 81559, 310.0
+2026/11/22 10:00:05.500, 1, 60, 1600, 81559, 280.0
+"""
+
+
 def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame:
     rows = [
         {

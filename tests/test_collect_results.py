@@ -11,7 +11,7 @@ import collect_results
 import results_summary
 import utils
 from conftest import call_main
-from helpers import COURSE_LOGS, log_text, metric_fields, run_log, runs_frame, write_log
+from helpers import COURSE_LOGS, GPU_CSV, log_text, metric_fields, run_log, runs_frame, write_log
 from utils import format_comm, format_metric
 
 pytestmark = pytest.mark.fast  # make test-fast
@@ -351,14 +351,7 @@ def test_gpu_samples_stand_next_to_their_runs(tmp_path, capsys):
     and in-process peak_mem, in gpu_samples.csv and a table after the summary."""
     run_log(tmp_path, "ddp_2gpu_4242.log", world_size=2, job_id="4242", peak_mem=84)
     run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
-    (tmp_path / "gpu_4242_nid001.csv").write_text(
-        "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
-        "power.draw [W]\n"
-        "2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
-        "2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0\n"
-        "2026/11/22 10:00:05.000, 0, 70, 1500, 81559, 310.0\n"
-        "2026/11/22 10:00:05.000, 1, 60, 1600, 81559, 280.0\n"
-    )
+    (tmp_path / "gpu_4242_nid001.csv").write_text(GPU_CSV)
     (tmp_path / "cpu_4242_nid001.csv").write_text(
         "time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n5.0,11,6.0,600.0\n"
     )
@@ -381,10 +374,7 @@ def test_sampler_csvs_are_not_logs(tmp_path):
     """run.sh's gpu_*.csv and cpu_*.csv beside the logs are samples.py's to read: they are
     neither read for metrics nor reported as skipped files."""
     run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
-    (tmp_path / "gpu_4241_nid001.csv").write_text(
-        "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
-        "power.draw [W]\n2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
-    )
+    (tmp_path / "gpu_4241_nid001.csv").write_text(GPU_CSV)
     (tmp_path / "cpu_4241_nid001.csv").write_text("time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n")
     results, reports = collect(tmp_path)
     assert reports == []

@@ -11,9 +11,9 @@ from torch.utils.data import DistributedSampler
 import data
 import dataset_files
 from config import Config
-from dist_harness import full_state, spawn, spawn_outcomes
+from dist_harness import spawn, spawn_outcomes, train_and_gather
 from helpers import write_cifar_dir
-from session import build_trainer, run
+from session import build_trainer
 from utils import UsageError
 
 SPEC = data.DATASETS["synthetic"]
@@ -159,12 +159,6 @@ VAL_CFG = dict(
 )
 
 
-def trained_weights(env, cfg):
-    """Weights worth validating: after training, accuracy and correct counts are far from
-    chance, so an image counted twice or missed changes them."""
-    return full_state(env, run(cfg, env).trainer.model)
-
-
 def validate_weights(env, cfg, weights):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -175,7 +169,9 @@ def validate_weights(env, cfg, weights):
 
 @pytest.fixture(scope="module")
 def weights():
-    return spawn(trained_weights, 1, Config(**VAL_CFG))[0]
+    """Weights worth validating: after training, accuracy and correct counts are far from
+    chance, so an image counted twice or missed changes them."""
+    return spawn(train_and_gather, 1, Config(**VAL_CFG))[0][0]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -19,8 +19,8 @@ from conftest import TINY, TINY_CFG, config_in, main_on_ranks, metrics_in, run_m
 from dist_harness import spawn
 from session import build_trainer
 
-# Two epochs of 8 steps on TINY's 256 images: a few seconds per run.
-ARGS = [*TINY, "--batch-size", "32", "--epochs", "2"]
+# Two epochs of 8 steps on TINY's 256 images, no checkpoint: a few seconds per run.
+ARGS = [*TINY, "--batch-size", "32", "--epochs", "2", "--no-checkpoint"]
 CFG = dict(TINY_CFG, batch_size=32, epochs=1, checkpoint=False)
 
 
@@ -46,7 +46,7 @@ def losses(lines: list[dict]) -> list[float]:
 def reference():
     """One process, DDP, eager, fp32, tensor loader, the course CNN: what the features are
     compared with."""
-    lines, config = trained([*ARGS, "--no-checkpoint"])
+    lines, config = trained(ARGS)
     return lines, config
 
 
@@ -59,9 +59,7 @@ def test_hybrid_sharding_trains_sharded_within_the_node(reference, strategy):
     fsdp_utils.effective_sharding, says `hybrid`; it falls back to `no_shard` only at world size
     1), shards inside the node (each rank holds half of DDP's state bytes, as `full` does), and
     trains as one process does on the same global batches (the same losses, to rounding)."""
-    lines, config = trained(
-        [*ARGS, "--no-checkpoint", "--strategy", strategy, "--sharding", "hybrid"], nproc=2
-    )
+    lines, config = trained([*ARGS, "--strategy", strategy, "--sharding", "hybrid"], nproc=2)
     ref_lines, _ = reference
     for m, ref in zip(lines, ref_lines):
         assert (m["sharding"], m["strategy"], m["world_size"], m["nodes"]) == (
@@ -83,7 +81,7 @@ def test_low_precision_trains_end_to_end(reference, precision):
     """`--precision bf16|fp16` runs to the end on the CPU (fp16 with its gradient scaler), says
     so in the `precision` field, and computes in the low precision: finite losses close to
     fp32's yet not fp32's to the printed digits (an ignored option would repeat them exactly)."""
-    lines, _ = trained([*ARGS, "--no-checkpoint", "--precision", precision])
+    lines, _ = trained([*ARGS, "--precision", precision])
     ref_lines, _ = reference
     assert all(m["precision"] == precision for m in lines), lines
     assert losses(lines) == pytest.approx(losses(ref_lines), abs=0.02)
@@ -142,7 +140,7 @@ def test_channels_last_trains_with_nhwc_weights_and_batches(reference):
     """`--channels-last` trains (exit 0, the losses of the default layout to rounding: the same
     math), and really uses NHWC: in the trainer main.py builds, every conv weight, its gradient
     after a step, and the batches are channels_last (without the option, none is)."""
-    lines, _ = trained([*ARGS, "--no-checkpoint", "--channels-last"])
+    lines, _ = trained([*ARGS, "--channels-last"])
     assert losses(lines) == pytest.approx(losses(reference[0]), abs=2e-4)
     nhwc = spawn(memory_formats, 1, Config(**CFG, channels_last=True))[0]
     assert nhwc == {"convs": 3, "weights": [True] * 3, "grads": [True] * 3, "batch": True}
@@ -158,7 +156,7 @@ def test_classic_loader_trains_like_the_tensor_loader(reference):
     allowed) trains: the same epoch lines, and, without augmentation, the same batches as the
     tensor path, hence its losses to rounding; it keeps no data set on the device
     (data_mem=0)."""
-    lines, config = trained([*ARGS, "--no-checkpoint", "--loader", "classic"])
+    lines, config = trained([*ARGS, "--loader", "classic"])
     ref_lines, ref_config = reference
     assert len(lines) == len(ref_lines)
     assert config["steps_per_epoch"] == ref_config["steps_per_epoch"] == 256 // 32
@@ -173,7 +171,7 @@ def test_cnn_wide_trains_with_far_more_state(reference):
     """`--model cnn-wide` (4x the channels) trains, and its state_mem (parameters, gradients and
     Adam's two moments: 16 bytes a parameter, plus Adam's step counters) is that of its own
     parameter count, more than 4x the course CNN's in the same settings."""
-    lines, config = trained([*ARGS, "--no-checkpoint", "--model", "cnn-wide"])
+    lines, config = trained([*ARGS, "--model", "cnn-wide"])
     ref_lines, ref_config = reference
     assert config["parameters"] > 4 * ref_config["parameters"]
     for m, ref in zip(lines, ref_lines):
@@ -190,18 +188,7 @@ def test_time_excludes_validation():
     timed window, `time` would be at least `val_time`); a factor 2, since a loaded machine
     (make test's two workers) slows the first step most."""
     lines, _ = trained(
-        [
-            *TINY,
-            "--train-samples",
-            "64",
-            "--val-samples",
-            "4096",
-            "--batch-size",
-            "64",
-            "--epochs",
-            "2",
-            "--no-checkpoint",
-        ]
+        [*ARGS, "--train-samples", "64", "--val-samples", "4096", "--batch-size", "64"]
     )
     for m in lines:
         assert m["val_time"] > 0.1, m
@@ -213,19 +200,7 @@ def test_throughput_counts_the_images_of_all_ranks():
     global batch of 256 train 11 full global batches (the last 184 images are dropped), so
     throughput x time is 2,816, within 1% plus the rounding of the printed time; not one
     rank's 1,408, nor the 3,000 of the data set."""
-    lines, config = trained(
-        [
-            *TINY,
-            "--train-samples",
-            "3000",
-            "--batch-size",
-            "256",
-            "--epochs",
-            "2",
-            "--no-checkpoint",
-        ],
-        nproc=2,
-    )
+    lines, config = trained([*ARGS, "--train-samples", "3000", "--batch-size", "256"], nproc=2)
     assert config["steps_per_epoch"] == 3000 // 256 == 11 and config["world_size"] == 2
     images = config["steps_per_epoch"] * config["global_batch"]
     for m in lines:
@@ -272,7 +247,7 @@ def test_profile_traces_the_scheduled_steps_of_every_rank(repo_copy):
 
     from profiling import PROFILE_SCHEDULE
 
-    args = [*ARGS, "--epochs", "1", "--no-checkpoint"]
+    args = [*ARGS, "--epochs", "1"]
     done = run_main([*args, "--profile"], nproc=2, cwd=repo_copy)
     assert done.returncode == 0, done.stderr[-3000:]
     traces = sorted((repo_copy / "logs" / "profiles").glob("local-*_rank*.json"))

@@ -16,7 +16,7 @@ import collect_results
 import plot_results
 import results_summary
 from conftest import REPO, call_main, clean_environment
-from helpers import COURSE_LOGS, run_log, runs_frame
+from helpers import COURSE_LOGS, GPU_CSV, run_log, runs_frame
 from utils import format_comm
 
 pytestmark = pytest.mark.fast  # make test-fast
@@ -79,6 +79,13 @@ def with_bubble(results: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+def append_comm_lines(log: Path) -> None:
+    """The [COMM] lines --comm-benchmark adds to a 2-rank run's log: comm_frame's, as logged."""
+    rows = comm_frame([2]).drop(columns=["sweep", "log", "strategy", "gpus"]).to_dict("records")
+    with open(log, "a") as f:
+        f.writelines(format_comm(row) + "\n" for row in rows)
+
+
 def test_every_png_from_a_small_csv(tmp_path, capsys):
     csv = tmp_path / "results.csv"
     with_bubble(
@@ -113,16 +120,6 @@ def test_every_png_from_a_small_csv(tmp_path, capsys):
     assert out.split() == [str(tmp_path / "plots" / name) for name in plot_results.FIGURES]
 
 
-GPU_SAMPLES = (
-    "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
-    "power.draw [W]\n"
-    "2026/11/22 10:00:00.000, 0, 90, 1500, 81559, 300.0\n"
-    "2026/11/22 10:00:00.000, 1, 80, 1400, 81559, 290.0\n"
-    "2026/11/22 10:00:05.500, 0, 70, 1500, 81559, 310.0\n"
-    "2026/11/22 10:00:05.500, 1, 60, 1600, 81559, 280.0\n"
-)
-
-
 def test_a_figure_not_drawn_leaves_no_older_one_behind(tmp_path, capsys):
     """A figure of FIGURES that this CSV cannot support is removed from --out-dir: an earlier
     sweep's PNG of that name would pass for this one's. Other files there stay."""
@@ -150,14 +147,8 @@ def test_side_files_belong_to_their_results_file(tmp_path, capsys):
     old.mkdir()
     run_log(new, "ddp_2gpu_2.log", world_size=2, job_id="2")  # no [COMM] lines, no samples
     run_log(old, "ddp_2gpu_1.log", world_size=2, job_id="1")
-    with open(old / "ddp_2gpu_1.log", "a") as log:
-        log.writelines(
-            format_comm(row) + "\n"
-            for row in comm_frame([2])
-            .drop(columns=["sweep", "log", "strategy", "gpus"])
-            .to_dict("records")
-        )
-    (old / "gpu_1_node1.csv").write_text(GPU_SAMPLES)
+    append_comm_lines(old / "ddp_2gpu_1.log")
+    (old / "gpu_1_node1.csv").write_text(GPU_CSV)
     assert collect_results.main(["--logs", str(old), "--out", str(tmp_path / "old.csv")]) == 0
     assert collect_results.main(["--logs", str(new), "--out", str(tmp_path / "results.csv")]) == 0
     assert collect_results.main(["--logs", str(old), "--out", str(tmp_path / "old.csv")]) == 0
@@ -277,14 +268,8 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     run_log(logs, "ddp_2gpu_2.log", world_size=2, job_id="2", **breakdown)
     pipeline = dict(strategy="pipeline", bubble=0.375, bubble_ideal=0.2, microbatches=4)
     run_log(logs, "pipeline_2gpu_3.log", world_size=2, job_id="3", **pipeline, **breakdown)
-    with open(logs / "ddp_2gpu_2.log", "a") as log:  # --comm-benchmark's lines
-        log.writelines(
-            format_comm(row) + "\n"
-            for row in comm_frame([2])
-            .drop(columns=["sweep", "log", "strategy", "gpus"])
-            .to_dict("records")
-        )
-    (logs / "gpu_2_node1.csv").write_text(GPU_SAMPLES)  # run.sh's GPU sampler, job 2
+    append_comm_lines(logs / "ddp_2gpu_2.log")
+    (logs / "gpu_2_node1.csv").write_text(GPU_CSV)  # run.sh's GPU sampler, job 2
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     # Relative paths are the caller's: ../logs from elsewhere/.

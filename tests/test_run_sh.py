@@ -18,6 +18,7 @@ import tomllib
 import samples
 from config import option_flag
 from conftest import (
+    LONG_RUN,
     REPO,
     TINY,
     assert_one_line_error,
@@ -114,15 +115,9 @@ def local_launch(tmp_path_factory) -> SimpleNamespace:
         [
             "bash",
             "run.sh",
-            *TINY[:2],
+            *LONG_RUN,
             "--train-samples",
             "2048",
-            "--val-samples",
-            "64",
-            "--batch-size",
-            "32",
-            "--epochs",
-            "2",
             "--loader",
             "classic",
             "--num-workers",
@@ -360,30 +355,13 @@ def test_dry_run_prints_one_script_per_configuration_and_writes_nothing(repo_cop
 
 
 def test_dry_run_passes_slurm_options_and_the_container(repo_copy):
-    done = benchmarks(
-        "--dry-run",
-        "--gpus",
-        "2",
-        "--strategies",
-        "ddp",
-        "--account",
-        "acct",
-        "--partition",
-        "normal",
-        "--time",
-        "00:10:00",
-        "--environment",
-        "edf.toml",
-        cwd=repo_copy,
-    )
+    slurm = {"--account": "acct", "--partition": "normal", "--time": "00:10:00"}
+    sweep = ["--gpus", "2", "--strategies", "ddp", *(w for pair in slurm.items() for w in pair)]
+    done = benchmarks("--dry-run", *sweep, "--environment", "edf.toml", cwd=repo_copy)
     assert done.returncode == 0, done.stderr
-    for option in (
-        "--account=acct",
-        "--partition=normal",
-        "--time=00:10:00",
-        f"export EDF={repo_copy / 'edf.toml'}",
-    ):
-        assert option in done.stdout
+    for option, value in slurm.items():
+        assert f"{option}={value}" in done.stdout
+    assert f"export EDF={repo_copy / 'edf.toml'}" in done.stdout
 
 
 def collect_job(repo_copy: Path, *options: str) -> tuple[str, Path]:
@@ -556,14 +534,16 @@ def test_the_sweep_takes_every_strategy(gpus, strategies, repo_copy):
     ]
 
 
+# A sweep that main.py's check refuses: each rank's 128 images a step do not split into 3.
+REFUSED_BY_THE_CHECK = ["--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3"]
+
+
 def test_missing_sbatch_is_a_clear_error(tmp_path):
     """Bad input, status 2, said at once: before main.py --check runs (seconds in vain). The
     second sweep would fail that check; it is sbatch that is named."""
     done = benchmarks("--gpus", "1", PATH=str(tmp_path))  # a PATH without sbatch
     assert_one_line_error(done, "sbatch not found", status=2)
-    done = benchmarks(
-        "--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3", PATH=str(tmp_path)
-    )
+    done = benchmarks(*REFUSED_BY_THE_CHECK, PATH=str(tmp_path))
     assert_one_line_error(done, "sbatch not found", status=2)
     assert "main.py" not in done.stdout + done.stderr  # the check's error, had it run
 
@@ -624,7 +604,7 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
             "--gpus-per-node",
         ),
         (
-            ["--gpus", "2", "--", "--dataset", "synthetic", "--grad-accum", "3"],
+            REFUSED_BY_THE_CHECK,
             "main.py --strategy ddp: each rank's 128 images per step do not split into "
             "--grad-accum 3",
         ),
@@ -668,23 +648,8 @@ def test_every_main_py_option_the_sweep_sets_is_refused_after_the_double_dash(re
 def test_a_sweep_started_by_a_python_without_torch_checks_with_the_jobs_python(repo_copy):
     """`python run_benchmarks.py` from a shell whose python has no torch: the configurations
     are still checked, with the Python run.sh will give the jobs (pick_python.sh's choice)."""
-    done = run(
-        [
-            sys.executable,
-            "-S",
-            repo_copy / "run_benchmarks.py",
-            "--dry-run",
-            "--gpus",
-            "2",
-            "--",
-            "--dataset",
-            "synthetic",
-            "--grad-accum",
-            "3",
-        ],
-        cwd=repo_copy,
-        PYTHON=sys.executable,
-    )
+    sweep = [repo_copy / "run_benchmarks.py", "--dry-run", *REFUSED_BY_THE_CHECK]
+    done = run([sys.executable, "-S", *sweep], cwd=repo_copy, PYTHON=sys.executable)
     assert_one_line_error(done, "each rank's 128 images per step do not split into --grad-accum 3")
 
 

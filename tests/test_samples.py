@@ -3,22 +3,19 @@
 import pytest
 
 import samples
+from helpers import GPU_CSV_HEADER
 
 pytestmark = pytest.mark.fast  # make test-fast
 
 
 def test_gpu_summary_is_exact(tmp_path):
-    header = (
-        "timestamp, index, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
-        "power.draw [W]"
-    )
     rows = [(0, 40, 500), (1, 90, 700), (0, 60, 800), (1, 70, 700), (0, 80, 800)]
-    lines = [header] + [
+    lines = [GPU_CSV_HEADER] + [
         f"2026/11/22 10:00:0{i}.000, {gpu}, {util}, {mem}, 81559, 100.0"
         for i, (gpu, util, mem) in enumerate(rows)
     ]
     # A requeued job appends: nvidia-smi's header again, and a GPU without a power reading.
-    lines += [header, "2026/11/22 10:01:00.000, 1, 20, 100, 81559, [N/A]"]
+    lines += [GPU_CSV_HEADER, "2026/11/22 10:01:00.000, 1, 20, 100, 81559, [N/A]"]
     (tmp_path / "gpu_4242_nid001.csv").write_text("\n".join(lines) + "\n")
     gpus, _ = samples.summarize([tmp_path])
     gpu0, gpu1 = gpus.to_dict("records")

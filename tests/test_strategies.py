@@ -31,9 +31,7 @@ def test_one_process_baselines_train_like_ddp_on_one_rank(one_process, strategy)
 @pytest.mark.parametrize("strategy", ["single", "dp", "model"])
 def test_one_process_baselines_refuse_several_processes(strategy):
     done = main_on_ranks([*TINY, "--batch-size", "64", "--strategy", strategy], 2)[0]
-    assert done.returncode != 0
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "start one process" in errors[0], done.stderr[-2000:]
+    assert_one_line_error(done, "start one process")
     check = run_main(["--check", "1", "2", *TINY, "--batch-size", "64", "--strategy", strategy])
     assert_one_line_error(check, f"--strategy {strategy} drives every device from one process")
 
