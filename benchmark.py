@@ -50,7 +50,7 @@ from measure import synchronize
 from model import build_model
 from optim import make_optimizer
 from session import build_trainer
-from utils import parse_metric
+from utils import last_line, parse_metric
 
 ROOT = Path(__file__).resolve().parent
 SPEC = data.DATASETS["cifar10"]  # CIFAR-10's statistics and its default augmentation
@@ -320,7 +320,7 @@ def graphed_step(cfg: Config, env, device: torch.device) -> str:
     try:
         seconds, _ = seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)
     except RuntimeError as e:  # a first capture (FSDP2's) that torch rejects: the cell says so
-        return f"capture failed: {str(e).strip().splitlines()[-1][:80]}"
+        return f"capture failed: {last_line(str(e))[:80]}"
     return f"{1000 * seconds:.2f}"
 
 

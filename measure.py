@@ -9,7 +9,6 @@ docs/metrics.md says what each field means.
 import contextlib
 import ctypes
 import math
-import os
 import re
 import resource
 import time
@@ -25,7 +24,7 @@ from checkpoint import Position
 from cuda_graphs import GraphedStep
 from distributed_utils import barrier
 from mfu import UNKNOWN
-from profiling import KINETO_QUIET
+from profiling import quiet_kineto
 
 
 def synchronize_device(device: torch.device) -> None:
@@ -255,8 +254,7 @@ def traced_busy_seconds(work: Callable[[], None], device: torch.device) -> float
     """busy_seconds of what work() runs on the GPU, from a trace of the device's activity only:
     CUPTI records each kernel's start and end on the device, so whatever the trace costs the
     host lengthens no kernel (it may widen the gaps between them, which are not counted)."""
-    # kineto's own lines (its markers at start and stop) would otherwise reach every run's stderr.
-    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+    quiet_kineto()  # its markers at start and stop would otherwise reach every run's stderr
     # acc_events: torch 2.10 warns on stderr at every trace that does not keep its events.
     cuda = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=cuda, acc_events=True) as trace:

@@ -19,6 +19,12 @@ PROFILE_SCHEDULE = {"wait": 1, "warmup": 2, "active": 3}
 KINETO_QUIET = "6"
 
 
+def quiet_kineto() -> None:
+    """Keep kineto's own lines (no GPU found, its markers at start and stop) off the run's
+    stderr, unless the user set its level."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+
+
 class StepProfiler:
     """--profile: torch.profiler over a few training steps of this rank, saved as a Chrome
     trace (open it in https://ui.perfetto.dev): operator by operator and, on a GPU, kernel by
@@ -31,7 +37,7 @@ class StepProfiler:
         else:
             # Without a GPU kineto reports at every trace that it found none ("ERROR: ...
             # gpuGetDeviceCount failed"), and its start and stop: noise, not the user's error.
-            os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+            quiet_kineto()
         self.path, self.saved, self.graphed = path, False, graphed
         self.schedule = {
             **PROFILE_SCHEDULE,
