@@ -53,6 +53,9 @@ QUOTED_RANGE = re.compile(r"\b\d{1,3}(?:,\d{3})+-\d{1,3}(?:,\d{3})+\b")
 RECORDS = [REPO / "docs" / "performance.md", REPO / "docs" / "development.md"]
 # tests/README.md's table of the tests of each module: | `data.py` | `test_data.py`, ... |
 MODULE_ROW = re.compile(r"^\| `([\w.]+\.(?:py|sh))` \| (.+) \|$", re.M)
+# What a file reaches: a module it imports (anywhere in it), a file it names (`run.sh`).
+IMPORTED = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.M)
+NAMED_FILE = re.compile(r"(?<![\w.])(\w+\.(?:py|sh))(?!\w)")
 # `train.py:531`, "line 531", "lines 40-60", a GitHub `#L531` anchor.
 LINE_REFERENCE = re.compile(r"\b[\w./-]+\.(?:py|sh):\d+\b|\blines?\s+\d+|#L\d+\b", re.I)
 
@@ -303,13 +306,8 @@ def module_table(root: Path = REPO) -> dict[str, list[str]]:
 def names_in(path: Path, files: set[str]) -> set[str]:
     """The project's files that one file imports (anywhere in it) or names (`data.py`)."""
     text = path.read_text()
-    return {
-        f
-        for f in files
-        if re.search(
-            rf"^\s*(?:import|from) {Path(f).stem}\b|(?<![\w.]){re.escape(f)}(?!\w)", text, re.M
-        )
-    }
+    imported = {f"{module}.py" for module in IMPORTED.findall(text)}
+    return (imported | set(NAMED_FILE.findall(text))) & files
 
 
 def reached(path: Path, graph: dict[str, set[str]]) -> set[str]:
