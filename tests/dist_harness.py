@@ -9,6 +9,7 @@ MASTER_ADDR/MASTER_PORT in the environment, read by distributed_utils.setup().
 import io
 import multiprocessing as mp
 import os
+import random
 import runpy
 import signal
 import socket
@@ -30,11 +31,24 @@ import distributed_utils
 import stopping
 from session import run
 
+# Where the tests' ranks meet: below the loopback cluster's job ports, and so below the range
+# from which the kernel hands out the local ports of outgoing connections (gloo opens many). A
+# port the kernel picked from that range, released, could be handed to a connection before
+# rank 0 listens on it (EADDRINUSE: seen in a full run).
+TEST_PORTS = range(10000, distributed_utils.JOB_PORTS.start)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of TEST_PORTS that nothing listens on now, drawn from the system's randomness (a
+    test seeding `random` must not make the two workers draw the same)."""
+    for port in random.SystemRandom().sample(TEST_PORTS, 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
 def launcher_variables(rank: int, world_size: int, port: int) -> dict:

@@ -11,7 +11,7 @@ import distributed_utils as du
 import layout
 import utils
 from conftest import LONG_RUN, REPO, TINY, assert_one_line_error, clean_environment, run
-from dist_harness import ForkedMain
+from dist_harness import TEST_PORTS, ForkedMain, free_port
 from model import MODELS, build_model, count_parameters
 from utils import UsageError
 
@@ -95,6 +95,15 @@ def test_rendezvous_prefers_environment_then_slurm_job():
     assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "11999"}) == ("h", 31999)
     assert du.rendezvous({"MASTER_ADDR": "h", "SLURM_JOB_ID": "12000"}) == ("h", 20000)
     assert du.rendezvous({}) == ("127.0.0.1", 29500)
+
+
+def test_the_tests_ranks_meet_below_the_ports_the_kernel_hands_out():
+    """dist_harness.free_port draws below this machine's range for outgoing connections, apart
+    from the job ports: no connection can take the port before the test's rank 0 listens."""
+    outgoing = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(p in TEST_PORTS and p not in du.JOB_PORTS and p < outgoing for p in ports), ports
+    assert len(ports) > 1, "one fixed port: two workers would meet at it"
 
 
 def test_rendezvous_inside_srun_is_the_steps_first_node():
