@@ -8,7 +8,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
-SHELL_SCRIPTS := $(wildcard *.sh) .ci/run $(wildcard .ci/*.sh .ci/slurm/*.sh tests/fake-bin/*)
+SHELL_SCRIPTS := $(wildcard *.sh) .ci/run $(wildcard .ci/*.sh .ci/slurm/*.sh tests/fake-bin/*) \
+	docs/gpu-runs/next_run.sh
 
 .PHONY: install run test test-fast test-oldest test-gpu lint format clean exercise check
 
