@@ -15,9 +15,14 @@ SHELL_SCRIPTS := $(wildcard *.sh) .ci/run $(wildcard .ci/*.sh .ci/slurm/*.sh tes
 
 install: $(STAMP)
 
+# A torchvision built for another torch (from another package index) installs without a word
+# and fails at import: the install ends by checking that a ResNet (torchvision's) builds.
+INSTALL_CHECK := main.py --check --dataset synthetic --model resnet18 >/dev/null
+
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -r requirements.txt
+	$(PY) $(INSTALL_CHECK)
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -44,6 +49,7 @@ OLDEST_TORCH := $(shell sed -n 's/^torch>=\([0-9.]*\),.*/\1/p' requirements.txt)
 $(OLDEST_VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install --no-cache-dir -r requirements.txt "torch==$(OLDEST_TORCH).*"
+	$(OLDEST_VENV)/bin/python $(INSTALL_CHECK)
 	touch $@
 
 test-oldest: $(OLDEST_VENV)/.installed

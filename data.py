@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from dataset_files import FILE_SETS, TINY_CLASSES, TINY_SHAPE, not_found, prepare, read_cache
 from distributed_utils import on_rank0
 from model import IMAGE_SHAPE, NUM_CLASSES
-from utils import UsageError, fail
+from utils import UsageError, fail, require_torchvision
 
 CROP_PADDING = 4
 # Pixel amplitudes of the synthetic set's class pattern and noise: weak enough that the CNN
@@ -173,6 +173,7 @@ def find_data(
     if not files.present(folder):
         if not download or files.download is None:
             raise UsageError(not_found(dataset, data_dir))
+        require_torchvision(f"downloading {files.title}")  # every download is torchvision's
         return (
             min(train_samples or spec.train_size, spec.train_size),
             f"{files.title} not in {data_dir}: rank 0 will download it ({files.size})",
@@ -371,6 +372,7 @@ class ImageDataset(Dataset):
 
 
 def classic_transform(spec: DatasetSpec, augment: bool):
+    require_torchvision("--loader classic")
     from torchvision import transforms as T
 
     crop = T.RandomCrop(spec.image_shape[1:], padding=CROP_PADDING)

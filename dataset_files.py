@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from utils import UsageError
+from utils import UsageError, require_torchvision
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
@@ -70,6 +70,7 @@ class FileSet:
 
 def download_cifar10(data_dir: Path) -> None:
     """Fetch and unpack the official archive; torchvision verifies its md5 after download."""
+    require_torchvision("downloading CIFAR-10")
     from torchvision.datasets.utils import download_and_extract_archive
 
     download_and_extract_archive(
@@ -123,6 +124,7 @@ def decode_cifar10(folder: Path) -> dict[str, torch.Tensor]:
 
 def download_fashionmnist(data_dir: Path) -> None:
     """Fetch the missing IDX files as torchvision's FashionMNIST does (same URLs and md5s)."""
+    require_torchvision("downloading Fashion-MNIST")
     from torchvision.datasets.utils import download_and_extract_archive
 
     folder = data_dir / FASHION_FOLDER
@@ -443,6 +445,8 @@ def prepare(dataset: str, data_dir: Path, download: bool, fetch_hint: bool = Tru
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
             files.download(data_dir)
+        except UsageError:  # not the network's fault: said as it is
+            raise
         except Exception as e:
             raise UsageError(_download_failed(dataset, data_dir, e, fetch_hint)) from None
         if not files.present(folder):

@@ -112,13 +112,19 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     world_sizes = world_sizes or [read_ranks()[2]]
     if min(world_sizes) < 1:
         raise UsageError(f"--check: world sizes must be at least 1, got {min(world_sizes)}")
-    import checkpoint  # torch loads here, once the options are known to be readable
+    import torch  # loads here, once the options are known to be readable
+
+    import checkpoint
     import cuda_graphs
     import data
     import distributed_utils
+    from model import build_model
 
     distributed_utils.check_torch()
     train_size, source = data.find_data(cfg.dataset, cfg.data_dir, cfg.train_samples, cfg.download)
+    spec = data.DATASETS[cfg.dataset]
+    with torch.device("meta"):  # the model's code runs (a ResNet loads torchvision); no memory
+        build_model(cfg.model, spec.num_classes, spec.image_shape)
     for world_size in world_sizes:
         check_world(cfg, world_size, train_size)
     device, where = distributed_utils.check_device(cfg)

@@ -13,6 +13,8 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
+from utils import require_torchvision
+
 IMAGE_SHAPE = (3, 32, 32)  # CIFAR-10's, the course CNN's default
 NUM_CLASSES = 10
 
@@ -91,6 +93,7 @@ def small_image_resnet(depth: int, num_classes: int) -> nn.Module:
     max-pool (the ImageNet stem, 7x7 stride 2 and a pool, would shrink a 32x32 image to 8x8
     before the first residual stage), as is usual for CIFAR. torchvision is imported here, not
     above: it takes about a second, which every rank of every other model would pay."""
+    require_torchvision(f"--model resnet{depth}")
     from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
     class SmallImageResNet(ResNet):

@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import NoReturn
 
@@ -217,6 +218,23 @@ def release(version: str) -> tuple[int, int]:
     """A torch version's release, (major, minor): "2.10.0a0+b4e4ee81d3" is (2, 10)."""
     major, minor = (int(part) for part in version.split(".")[:2])
     return major, minor
+
+
+def require_torchvision(needed_for: str) -> None:
+    """Load torchvision, or end with one line saying why it cannot. Only some runs need it (a
+    ResNet, the classic loader, a download), so it is imported there, not by every run. A
+    torchvision built for another torch (installed from another package index than torch's)
+    fails at import, e.g. "operator torchvision::nms does not exist"."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:
+        if isinstance(e, ModuleNotFoundError) and e.name == "torchvision":
+            raise UsageError(f"{needed_for} needs torchvision: run 'make install'") from None
+        installed = ", ".join(f"{name} {version(name)}" for name in ("torch", "torchvision"))
+        raise UsageError(
+            f"{needed_for} needs torchvision, which fails to load ({e}; {installed}): install "
+            "torch and torchvision from the same package index, e.g. 'make install' in a new .venv"
+        ) from None
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -37,6 +37,7 @@ from utils import (
 
 BATCH_64 = [*TINY, "--batch-size", "64"]
 QUICK = [*BATCH_64, "--no-checkpoint"]
+MAKEFILE = (REPO / "Makefile").read_text()
 ONE_EPOCH = [*BATCH_64, "--epochs", "1"]
 
 
@@ -323,6 +324,33 @@ def test_offline_first_run_says_how_to_run_without_the_download(tmp_path):
     )
     line = assert_one_line_error(fetch, "downloading CIFAR-10", "--dataset synthetic")
     assert "python data.py --download" not in line  # it would tell you to run itself
+
+
+MISMATCHED_TORCHVISION = str(REPO / "tests" / "mismatched-torchvision")
+
+
+def install_check() -> list[str]:
+    """The Makefile's last step of an install: main.py's arguments."""
+    (command,) = re.findall(r"^INSTALL_CHECK := main\.py (.*?) >/dev/null$", MAKEFILE, re.M)
+    return command.split()
+
+
+def test_a_torchvision_built_for_another_torch_is_named_not_the_network(tmp_path):
+    """A torchvision from another package index than torch's installs without a word and fails
+    at import. make install's check, a ResNet, the classic loader and a download (checked and
+    run) each end with one line that names it, not the network."""
+    for args in (
+        install_check(),
+        [*QUICK, "--model", "resnet18"],
+        [*QUICK, "--loader", "classic"],
+        ["--data-dir", str(tmp_path), "--check"],
+        ["--data-dir", str(tmp_path), "--epochs", "1"],
+    ):
+        done = run_main(args, PYTHONPATH=MISMATCHED_TORCHVISION)
+        line = assert_one_line_error(
+            done, "needs torchvision, which fails to load", "nms does not exist", "package index"
+        )
+        assert "internet" not in line, args
 
 
 # ----------------------------------------------------------------------------- --check

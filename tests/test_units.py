@@ -224,6 +224,13 @@ def test_main_refuses_an_old_torch_in_one_line():
         assert_one_line_error(done, "torch 2.9.1 is older than 2.10", "make install")
 
 
+def test_a_missing_torchvision_is_named_with_the_way_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision: not found
+    missing = r"^--model resnet18 needs torchvision: run 'make install'$"
+    with pytest.raises(UsageError, match=missing):
+        build_model("resnet18")
+
+
 def test_the_oldest_torch_is_requirements_floor():
     """requirements.txt lets pip install no torch that main.py refuses, nor refuses one it runs."""
     floor = re.search(r"^torch>=(\d+)\.(\d+),", (REPO / "requirements.txt").read_text(), re.M)
