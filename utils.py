@@ -1,5 +1,6 @@
 """Logging on rank 0 and the one `[METRIC]` line format, written and parsed here only; main.py's
-exit statuses; a command-line tool's one-line error, notes and atomic writes.
+exit statuses; a command-line tool's one-line error, notes and atomic writes; torchvision,
+loaded where a run needs it, or a one-line error where it cannot load.
 
 Every other file that prints a metric or reads a log goes through `format_metric` and
 `parse_metric`, so the training program, the collector and the tests cannot drift apart.
