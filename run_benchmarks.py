@@ -428,6 +428,9 @@ def report(jobs: list[slurm_jobs.Job]) -> int:
             file=sys.stderr,
         )
     print(f"sweep done: {len(jobs) - len(failed)} of {len(jobs)} jobs completed")
+    outcome = jobs[0].log.parent / layout.SWEEP_OUTCOME  # the collect job's: where results went
+    if outcome.exists():
+        print(outcome.read_text().rstrip())
     return 1 if failed else 0
 
 

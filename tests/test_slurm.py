@@ -232,6 +232,8 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
         name: int(name.split("_")[1].removesuffix("gpu")) for name in job_ids
     }
     assert "collect: job" in sweep.stdout and "sweep done: 7 of 7 jobs completed" in sweep.stdout
+    # --wait ends with the collect job's outcome: whether, and where, results were written.
+    assert re.search(r"^collect job \d+: exit status 0 \(", sweep.stdout, re.M), sweep.stdout
     # One at a time: each training job started after the one before it had ended.
     spans = sorted(job_span(job_id) for job_id in job_ids.values())
     assert all(start >= end for (_, end), (start, _) in zip(spans, spans[1:])), spans
