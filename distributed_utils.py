@@ -338,10 +338,12 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
         # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that FSDP's --cpu-offload
         # leaves to collectives (gradient norms, fp16's inf checks): NCCL alone refuses them.
         groups_backend = GPU_GROUP_BACKEND if device.type == "cuda" else backend
+    # The store serves the GPU check, the pulse and the check-in too, each under its own prefix.
+    group_store = dist.PrefixStore("default_pg", _store)
     # exercise 2.1 begin
     dist.init_process_group(
         groups_backend,
-        store=dist.PrefixStore("default_pg", _store),
+        store=group_store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,

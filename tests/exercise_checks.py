@@ -91,6 +91,31 @@ def test_ex2_1_alone_a_world_of_one():
     )
 
 
+def setup_asked_for_the_cpu() -> str:
+    """setup(device="cpu") where torch sees a GPU (a stand-in: none is here): the device it chose,
+    or what failed."""
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    try:
+        env = distributed_utils.setup(timeout_s=30, device="cpu")
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    try:
+        return str(env.device)
+    finally:
+        distributed_utils.cleanup()
+
+
+def test_ex2_1_the_device_asked_for():
+    device = in_fresh_process(setup_asked_for_the_cpu, timeout=60)
+    assert device == "cpu", (
+        f"--device cpu on a machine with a GPU: {device}: is pick_device given the device asked "
+        "for (wanted=device)?"
+    )
+
+
 # ----------------------------------------------------------------------------- 3.1 the data
 
 
@@ -220,20 +245,31 @@ def test_ex4_1_ddp_replicates_and_averages_gradients():
 # ----------------------------------------------------------------------------- 4.2 FSDP
 
 
-def fsdp_made(env, sharding: str, precision: str) -> dict:
+def fsdp_made(env, sharding: str, precision: str, cpu_offload: bool = False) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     model = build_model("cnn")
     units = len(own_units(model))
-    wrapped = get_fsdp_model(model, env.device, sharding=sharding, precision=precision)
+    try:
+        wrapped = get_fsdp_model(
+            model, env.device, sharding, precision, cpu_offload, ranks_per_node=2
+        )
+    except RuntimeError as e:
+        if "accelerator" not in str(e):
+            raise
+        raise AssertionError(f"{e}: is FSDP given device_id=device (on a CPU too)?") from None
+    fsdp = isinstance(wrapped, FSDP)
     mixed = getattr(wrapped, "mixed_precision", None)
     return {
         "type": type(wrapped).__name__,
-        "units": len(FSDP.fsdp_modules(wrapped)) - 1 if isinstance(wrapped, FSDP) else None,
+        "units": len(FSDP.fsdp_modules(wrapped)) - 1 if fsdp else None,
         "expected_units": units,
-        "strategy": wrapped.sharding_strategy.name if isinstance(wrapped, FSDP) else None,
+        "strategy": wrapped.sharding_strategy.name if fsdp else None,
         "param_dtype": str(mixed.param_dtype) if mixed and mixed.param_dtype else None,
         "reduce_dtype": str(mixed.reduce_dtype) if mixed and mixed.reduce_dtype else None,
+        "offload": fsdp and wrapped.cpu_offload.offload_params,
+        "own_parameters": fsdp and wrapped._use_orig_params,
+        "mesh": fsdp and wrapped._device_mesh is not None,
     }
 
 
@@ -251,12 +287,22 @@ def test_ex4_2_fsdp_units_sharding_and_precision():
         f"bf16 computes in {full['param_dtype']} and reduces in {full['reduce_dtype']}: "
         "MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)"
     )
-    grad_op = spawn(fsdp_made, 2, "grad_op", "fp32", plain=True, timeout=120)[0]
+    assert full["own_parameters"], (
+        "the optimizer and torch.compile see FSDP's flat parameters, not the model's own: "
+        "use_orig_params=True"
+    )
+    grad_op = spawn(fsdp_made, 2, "grad_op", "fp32", True, plain=True, timeout=120)[0]
     assert grad_op["strategy"] == "SHARD_GRAD_OP", (
         f"--sharding grad_op runs {grad_op['strategy']}: use SHARDING[sharding]"
     )
     assert grad_op["param_dtype"] is None, (
         f"fp32 computes in {grad_op['param_dtype']}: no MixedPrecision without a low dtype"
+    )
+    assert grad_op["offload"], "--cpu-offload keeps the parameters on the GPU: CPUOffload(...)"
+    hybrid = spawn(fsdp_made, 2, "hybrid", "fp32", plain=True, timeout=120)[0]
+    assert hybrid["strategy"] == "HYBRID_SHARD" and hybrid["mesh"], (
+        f"--sharding hybrid runs {hybrid['strategy']}, mesh given: {hybrid['mesh']}: "
+        "device_mesh=hybrid_mesh(device, ranks_per_node)"
     )
 
 
