@@ -37,7 +37,7 @@ from pathlib import Path
 from layout import LOGS_DIR, VERIFY_PREFIX, VERIFY_REPORT, relative, time_stamped, verify_folder
 from slurm_jobs import main_value, split_argv
 from utils import EXIT_STATUS, fail, last_line, parse_comm
-from verify_job import DEFAULTS, WARNING, Row, refuse_verify_options, report_text
+from verify_job import DEFAULTS, WARNING, Row, refuse_verify_options, report_text, summary
 from verify_runs import (
     Context,
     alone,
@@ -465,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     report = out / VERIFY_REPORT
     report.write_text(report_text(rows, where(ctx), ctx.warnings))
+    print(summary(rows), flush=True)
     print(f"report: {relative(report)}", flush=True)
     for line in ctx.warnings + [r.error_line() for r in rows if not r.passed]:
         print(line, file=sys.stderr, flush=True)

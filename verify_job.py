@@ -57,6 +57,14 @@ class Row:
         return f"error: verify: {self.check} failed: {self.figure}; see {self.log}"
 
 
+def summary(rows: list[Row]) -> str:
+    """The line that ends a verify, here and after --wait: how many checks passed, which failed."""
+    failed = [row.check for row in rows if not row.passed]
+    return f"verify: {len(rows) - len(failed)} of {count(len(rows), 'check')} passed" + (
+        f"; failed: {', '.join(failed)}" if failed else ""
+    )
+
+
 WARNING = "warning: verify: "
 
 ROW_RE = re.compile(r"^\| (\S+) \| (PASS|FAIL) \| (.*) \| `([^`]*)` \|$", re.MULTILINE)
@@ -128,6 +136,7 @@ def verify_report(job: slurm_jobs.Job) -> int:
         )
         return 1
     rows = read_rows(report.read_text())
+    print(summary(rows))
     print(f"report: {layout.relative(report)}")
     for line in warning_lines(report.read_text()):
         print(line, file=sys.stderr)

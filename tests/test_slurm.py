@@ -429,6 +429,8 @@ def test_verify_on_the_loopback_cluster_passes_on_two_nodes(slurm_env, repo_copy
     report = repo_copy / re.search(r"^report: (\S+)", done.stdout, re.M).group(1)
     rows = {row.check: row for row in verify_job.read_rows(report.read_text())}
     assert list(rows) == list(verify.CHECKS) and all(r.passed for r in rows.values())
+    checks = len(verify.CHECKS)
+    assert f"\nverify: {checks} of {checks} checks passed\nreport: " in done.stdout, done.stdout
     assert "- nodes: node1 node2" in report.read_text()
     assert f"- world size: {2 * ranks_per_node}" in report.read_text()
     # The stop went to the ranks' step, never to a run.sh batch shell: no run requeued the job.

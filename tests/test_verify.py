@@ -131,6 +131,10 @@ def test_local_verify_fails_a_planted_bug_and_passes_the_rest(repo_copy):
     done = benchmarks("--verify", "--local", "--gpus", "2", "--", *CPU, cwd=repo_copy, timeout=580)
     line = assert_one_line_error(done, "over tolerance", status=1)
     assert line.startswith("error: verify: equivalence failed: max abs param diff"), line
+    checks = len(verify.CHECKS)
+    assert f"\nverify: {checks - 1} of {checks} checks passed; failed: equivalence\nreport: " in (
+        done.stdout
+    )
     report = repo_copy / re.search(r"^report: (\S+)", done.stdout, re.M).group(1)
     rows = rows_of(report)
     assert list(rows) == list(verify.CHECKS)
