@@ -17,7 +17,7 @@ install: $(STAMP)
 
 # A torchvision built for another torch (from another package index) installs without a word
 # and fails at import: the install ends by checking that a ResNet (torchvision's) builds.
-INSTALL_CHECK := main.py --check --dataset synthetic --model resnet18 >/dev/null
+INSTALL_CHECK := main.py --check --device cpu --dataset synthetic --model resnet18 >/dev/null
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
