@@ -242,12 +242,14 @@ class Trainer(Learner):
         if not complete:
             return reached, None
         # Read before the calibration and validation run: their memory is not training's (the
-        # calibration's unsharded model would otherwise hide FSDP's saving).
+        # calibration's unsharded model would otherwise hide FSDP's saving), and validation's
+        # forward leaves FSDP2's root unsharded (reshard_after_forward=False): its parameters
+        # whole, without their gradients' shards.
         own_peak, own_reserved = self.memory.training_peak(replay_peak), reserved_peak_bytes(device)
+        memory = [own_peak, state_bytes(self.model, self.optimizer), own_reserved]
         breakdown = time_breakdown(segment, self.compute_seconds_per_step(segment.elapsed), device)
         busy = gpu_busy(segment, self.kernel_seconds_per_step(), device)  # after the timing
         val = self.evaluate()
-        memory = [own_peak, state_bytes(self.model, self.optimizer), own_reserved]
         epoch = epoch_fields(reached, val, memory, self.loaders.device_bytes(), device)
         return reached, {
             **epoch,
