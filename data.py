@@ -138,6 +138,12 @@ def make_synthetic(n_train: int, n_val: int, seed: int) -> tuple[Split, Split]:
     return split(n_train), split(n_val)
 
 
+def at_most(samples: int | None, size: int) -> int:
+    """How many of a set's `size` images `--train-samples`/`--val-samples` take: the first N, as
+    many as there are (a synthetic set is as large as the set it stands in for)."""
+    return min(samples or size, size)
+
+
 def load_splits(
     dataset: str,
     data_dir: Path,
@@ -151,7 +157,7 @@ def load_splits(
     else:
         spec = DATASETS[dataset]
         train, val = make_synthetic(
-            train_samples or spec.train_size, val_samples or spec.val_size, seed
+            at_most(train_samples, spec.train_size), at_most(val_samples, spec.val_size), seed
         )
     train, val = train.head(train_samples), val.head(val_samples)
     if len(train) == 0 or len(val) == 0:
@@ -167,7 +173,7 @@ def find_data(
     run's own error when it would fail for want of data."""
     spec, data_dir = DATASETS[dataset], Path(data_dir)
     if dataset == "synthetic":
-        return train_samples or spec.train_size, "synthetic data, generated from the seed"
+        return at_most(train_samples, spec.train_size), "synthetic data, generated from the seed"
     files = FILE_SETS[dataset]
     folder = data_dir / files.folder
     if not files.present(folder):
@@ -175,14 +181,14 @@ def find_data(
             raise UsageError(not_found(dataset, data_dir))
         require_torchvision(f"downloading {files.title}")  # every download is torchvision's
         return (
-            min(train_samples or spec.train_size, spec.train_size),
+            at_most(train_samples, spec.train_size),
             f"{files.title} not in {data_dir}: rank 0 will download it ({files.size})",
         )
     # Without a cache yet, the files are decoded here as the run would (Tiny ImageNet: its
     # 110,000 JPEGs, some 15 s), so that a damaged file fails the check.
     cached = read_cache(dataset, data_dir)
     labels = (cached or files.decode(folder))["train_labels"]
-    size = len(labels) if train_samples is None else min(train_samples, len(labels))
+    size = at_most(train_samples, len(labels))
     return size, f"{files.title} in {data_dir}"
 
 

@@ -2,6 +2,7 @@
 
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,6 +232,14 @@ def test_corrupt_cifar_file_is_a_clear_error(tmp_path, damage):
     path.write_bytes(blob[: len(blob) // 2] if damage == "truncate" else b"not a pickle")
     with pytest.raises(UsageError, match="data_batch_3"):
         data.load_files("cifar10", tmp_path, download=False)
+
+
+def test_samples_take_at_most_the_whole_set_synthetic_too():
+    """--train-samples beyond a set's size takes the whole set; a synthetic set is as large as
+    CIFAR-10 (10^8 images once meant a 307 GB allocation, and a traceback)."""
+    train, val = data.load_splits("synthetic", Path("."), 0, 10**8, 10**8)
+    assert (len(train), len(val)) == (50_000, 10_000)
+    assert data.find_data("synthetic", Path("."), 10**8)[0] == 50_000
 
 
 def test_missing_data_without_download_says_how_to_fetch(tmp_path):
