@@ -337,6 +337,13 @@ def _intact(directory: Path) -> str:
     return f"the newest checkpoint, {newest}, is intact (--resume auto continues from it)"
 
 
+def named_by(resume: str) -> Path:
+    """The path `--resume PATH` names: a checkpoint, a folder of them, or one of a checkpoint's
+    files (its meta.pt, ...), which names that checkpoint."""
+    path = Path(resume)
+    return path.parent if path.is_file() and (path.parent / META_FILE).is_file() else path
+
+
 def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
     """Where a run's checkpoints go: the folder asked for; else beside the checkpoint resumed
     from; else one per SLURM job (a requeued job keeps its id, so it finds its own); else a new
@@ -344,7 +351,7 @@ def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
     if checkpoint_dir:
         return Path(checkpoint_dir)
     if resume not in (None, "auto"):
-        resumed = Path(resume)
+        resumed = named_by(resume)
         return resumed.parent if (resumed / META_FILE).is_file() else resumed
     return Path("checkpoints") / run_name()
 
@@ -420,7 +427,7 @@ def resolve(resume: str, directory: Path) -> Path | None:
     """`--resume auto` (the latest in the checkpoint folder, if any) or a path."""
     if resume == "auto":
         return latest(directory)
-    path = Path(resume)
+    path = named_by(resume)
     if not (path / META_FILE).is_file():
         path = latest(path)  # a folder of checkpoints
         if path is None:

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import distributed_utils as du
 import layout
 import utils
@@ -229,6 +230,17 @@ def test_a_missing_torchvision_is_named_with_the_way_to_install_it(monkeypatch):
     missing = r"^--model resnet18 needs torchvision: run 'make install'$"
     with pytest.raises(UsageError, match=missing):
         build_model("resnet18")
+
+
+def test_resume_names_a_checkpoint_by_its_folder_or_any_of_its_files(tmp_path):
+    """`--resume .../meta.pt` once read as a folder to write checkpoints into ("not writable")."""
+    ckpt = tmp_path / "run" / "ckpt_e0002_s000000"
+    ckpt.mkdir(parents=True)
+    for name in (checkpoint.META_FILE, "state.pt"):
+        (ckpt / name).touch()
+    for named in (ckpt, ckpt / checkpoint.META_FILE, ckpt / "state.pt"):
+        assert checkpoint.resolve(str(named), tmp_path) == ckpt, named
+        assert checkpoint.folder_for(None, str(named)) == ckpt.parent, named
 
 
 def test_the_oldest_torch_is_requirements_floor():
