@@ -89,7 +89,9 @@ def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
             "--nproc_per_node=N, NPROC=N bash run.sh, or srun/sbatch --ntasks=N --gpus=N); "
             "for a sweep over GPU counts: python run_benchmarks.py --gpus 1 2 4"
         )
-    close = difflib.get_close_matches(name, parser._option_string_actions, n=1)
+    # A typo is close (--stratgy: 0.95); at difflib's default 0.6 any word finds a "match"
+    # (--frobnicate: --microbatches, 0.62).
+    close = difflib.get_close_matches(name, parser._option_string_actions, n=1, cutoff=0.75)
     return f"unrecognized option {name}" + (f"; did you mean {close[0]}?" if close else "")
 
 

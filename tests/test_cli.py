@@ -267,6 +267,8 @@ def test_a_mistyped_option_is_answered_before_torch_loads_with_what_was_meant():
     assert lines[-1] == "error: unrecognized option --stratgy; did you mean --strategy?", lines
     assert len(lines) <= 2 and all(line.startswith("usage:") for line in lines[:-1]), lines
     assert "torch loaded: False" in done.stdout
+    unlike = run([sys.executable, "main.py", "--frobnicate"]).stderr.splitlines()[-1]
+    assert unlike == "error: unrecognized option --frobnicate", unlike  # nothing is close
 
 
 @pytest.mark.parametrize("option", ["--gpus", "--nproc_per_node", "--nodes", "--ntasks-per-node"])
