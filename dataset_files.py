@@ -70,7 +70,6 @@ class FileSet:
 
 def download_cifar10(data_dir: Path) -> None:
     """Fetch and unpack the official archive; torchvision verifies its md5 after download."""
-    require_torchvision("downloading CIFAR-10")
     from torchvision.datasets.utils import download_and_extract_archive
 
     download_and_extract_archive(
@@ -124,7 +123,6 @@ def decode_cifar10(folder: Path) -> dict[str, torch.Tensor]:
 
 def download_fashionmnist(data_dir: Path) -> None:
     """Fetch the missing IDX files as torchvision's FashionMNIST does (same URLs and md5s)."""
-    require_torchvision("downloading Fashion-MNIST")
     from torchvision.datasets.utils import download_and_extract_archive
 
     folder = data_dir / FASHION_FOLDER
@@ -442,11 +440,10 @@ def prepare(dataset: str, data_dir: Path, download: bool, fetch_hint: bool = Tru
         if not download or files.download is None:
             raise UsageError(not_found(dataset, data_dir))
         print(f"[rank 0] {files.title} not found in {data_dir}, downloading ...", flush=True)
+        require_torchvision(f"downloading {files.title}")  # before the network can be blamed
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
             files.download(data_dir)
-        except UsageError:  # not the network's fault: said as it is
-            raise
         except Exception as e:
             raise UsageError(_download_failed(dataset, data_dir, e, fetch_hint)) from None
         if not files.present(folder):

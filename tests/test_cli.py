@@ -37,7 +37,6 @@ from utils import (
 
 BATCH_64 = [*TINY, "--batch-size", "64"]
 QUICK = [*BATCH_64, "--no-checkpoint"]
-MAKEFILE = (REPO / "Makefile").read_text()
 ONE_EPOCH = [*BATCH_64, "--epochs", "1"]
 
 
@@ -343,7 +342,8 @@ MISMATCHED_TORCHVISION = str(REPO / "tests" / "mismatched-torchvision")
 
 def install_check() -> list[str]:
     """The Makefile's last step of an install: main.py's arguments."""
-    (command,) = re.findall(r"^INSTALL_CHECK := main\.py (.*?) >/dev/null$", MAKEFILE, re.M)
+    makefile = (REPO / "Makefile").read_text()
+    (command,) = re.findall(r"^INSTALL_CHECK := main\.py (.*?) >/dev/null$", makefile, re.M)
     return command.split()
 
 
