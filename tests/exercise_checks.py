@@ -72,9 +72,14 @@ def test_ex2_1_each_rank_joins_as_the_launcher_says():
         assert made["sum"] == 3.0, f"an all-reduce of 1 and 2 over the group gives {made['sum']}"
 
 
-def setup_alone() -> tuple:
+def without_launcher() -> None:
+    """This process as one started by hand: no launcher's rank variables."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)
+
+
+def setup_alone() -> tuple:
+    without_launcher()
     env = distributed_utils.setup(timeout_s=30)
     try:
         return env.rank, env.world_size, dist.is_initialized() and dist.get_world_size()
@@ -96,8 +101,7 @@ def setup_asked_for_the_cpu() -> str:
     or what failed."""
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        os.environ.pop(name, None)
+    without_launcher()
     try:
         env = distributed_utils.setup(timeout_s=30, device="cpu")
     except Exception as e:
