@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+import safe_load
 from config import SHARDED, STAGED
 from distributed_utils import is_peer_failure, run_name
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
@@ -449,24 +450,66 @@ def _read(path: Path, fn, *args):
     return value
 
 
-def _load_torch(path: Path):
-    return torch.load(path, map_location="cpu", weights_only=False)
+class _Meta(NamedTuple):
+    identity: Identity
+    position: Position
+    world_size: int
+    scheduler: dict | None
+
+
+def _load_meta(path: Path) -> _Meta:
+    """meta.pt, read weights-only and held to the fields save() writes: a file of another
+    shape is unreadable (raised inside _read), not a traceback further on."""
+    meta = safe_load.torch_file(path)
+    return _Meta(
+        Identity(**meta["identity"]),
+        Position(**meta["position"]),
+        int(meta["world_size"]),
+        meta.get("scheduler"),
+    )
+
+
+def _load_state(path: Path) -> dict:
+    """A whole-model file (state.pt, a stage's file): the model's and the optimizer's state."""
+    state = safe_load.torch_file(path)
+    if not (isinstance(state.get("model"), dict) and isinstance(state.get("optim"), dict)):
+        raise ValueError(f"{path.name} holds no model and optimizer state")
+    return state
 
 
 def _load_streams(path: Path) -> dict | None:
     """This rank's random streams, if saved (at the same world size, every rank's are)."""
-    return _load_torch(path) if path.is_file() else None
+    return safe_load.torch_file(path) if path.is_file() else None
 
 
 def _load_shards(path: Path, model, optimizer) -> dict:
     """FSDP's sharded state, read through DCP into this rank's shapes (collective)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)  # shapes to fill
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    safe_load.dcp_load(state, path)
     return state
+
+
+def read_model(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from checkpoint `path`, in one process (verify.py): from
+    state.pt, or gathered from FSDP's shards (only the model's tensors are read)."""
+    whole = path / DDP_FILE
+    if whole.is_file():
+        return _load_state(whole)["model"]
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    items = safe_load.dcp_metadata(path).state_dict_metadata.items()
+    model = {
+        key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in items
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # that one process reads it is the point, not a slip
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        safe_load.dcp_load({"model": model}, path, no_dist=True)
+    return model
 
 
 def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
@@ -474,8 +517,8 @@ def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
     every rank's random streams. A file that any rank cannot read raises the same Unreadable
     on every rank."""
     model, optimizer, generator, scheduler = resumable
-    meta = _read(path, _load_torch, path / META_FILE)
-    theirs = Identity(**meta["identity"])
+    meta = _read(path, _load_meta, path / META_FILE)
+    theirs = meta.identity
     if (theirs.strategy, theirs.model, theirs.parameters) != (
         identity.strategy,
         identity.model,
@@ -487,26 +530,26 @@ def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
             f"strategy={identity.strategy} model={identity.model} "
             f"({identity.parameters} parameters)"
         )
-    position = Position(**meta["position"])
+    position = meta.position
     if position.step and theirs.global_batch != identity.global_batch:
         raise UsageError(
             f"checkpoint {path} stopped mid-epoch at global batch "
             f"{theirs.global_batch}; resume it with --batch-size "
             f"{theirs.global_batch}, or from an end-of-epoch checkpoint"
         )
-    if identity.strategy in STAGED and meta["world_size"] != _world():
+    if identity.strategy in STAGED and meta.world_size != _world():
         raise UsageError(
-            f"checkpoint {path} holds {meta['world_size']} pipeline stages: resume it on "
-            f"{meta['world_size']} ranks, not {_world()}"
+            f"checkpoint {path} holds {meta.world_size} pipeline stages: resume it on "
+            f"{meta.world_size} ranks, not {_world()}"
         )
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         if full:
-            state = _read(path, _load_torch, path / DDP_FILE)
+            state = _read(path, _load_state, path / DDP_FILE)
         elif identity.strategy in STAGED:
-            state = _read(path, _load_torch, _stage_file(path))
+            state = _read(path, _load_state, _stage_file(path))
         else:
             state = _read(path, _load_shards, path, model, optimizer)
         set_state_dict(
@@ -516,12 +559,12 @@ def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
             optim_state_dict=state["optim"],
             options=StateDictOptions(full_state_dict=full),
         )
-    if scheduler is not None and meta.get("scheduler"):
-        scheduler.load_state_dict(meta["scheduler"])
+    if scheduler is not None and meta.scheduler:
+        scheduler.load_state_dict(meta.scheduler)
     # At another world size the ranks' streams do not map onto the new ranks: keep fresh ones.
-    if meta["world_size"] != _world():
+    if meta.world_size != _world():
         log0(
-            f"[CHECKPOINT] written at world size {meta['world_size']}, resumed at {_world()}: "
+            f"[CHECKPOINT] written at world size {meta.world_size}, resumed at {_world()}: "
             "the random streams start afresh"
         )
     elif streams := _read(path, _load_streams, path / f"rng_rank{_rank()}.pt"):

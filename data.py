@@ -105,7 +105,7 @@ def load_files(
     cache = on_rank0(prepare, dataset, data_dir, download, fetch_hint)
     # exercise 3.1 end
     t = (
-        torch.load(cache, mmap=True)
+        torch.load(cache, mmap=True, weights_only=True)
         if cache
         else FILE_SETS[dataset].decode(data_dir / FILE_SETS[dataset].folder)
     )

@@ -11,7 +11,6 @@ A damaged or foreign file is a one-line UsageError that says what to do.
 import gzip
 import math
 import os
-import pickle
 import struct
 import tempfile
 import zlib
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import safe_load
 from utils import UsageError, require_torchvision
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -81,19 +81,42 @@ def cifar10_sources(folder: Path) -> list[Path]:
     return [folder / f for f in (*CIFAR10_TRAIN_FILES, CIFAR10_TEST_FILE)]
 
 
+# What a CIFAR-10 python batch may name: a dict of bytes keys, lists, and numpy arrays, pickled
+# by numpy 1 (numpy.core; the real files, python 2 pickles) or 2 (numpy._core: protocol 5 keeps
+# the buffer apart, _frombuffer), with python 3's bytes at protocol 2 (_codecs.encode).
+CIFAR10_PICKLE_GLOBALS = frozenset(
+    {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),
+    }
+)
+
+
 def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """One file of CIFAR-10's python format: images (n, 3, 32, 32) uint8 and labels (n,).
 
     Unlike torchvision's CIFAR10, no md5 of the files is required, so directories of any size
-    in the same format load too. The format is a pickle: load only files you trust.
+    in the same format load too. The format is a pickle, so it is read by an unpickler that
+    admits only what the format holds (safe_load): a crafted file is refused, its code not
+    run.
     """
     try:
         with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
+            batch = safe_load.pickle(f, CIFAR10_PICKLE_GLOBALS, encoding="bytes")
         data = np.asarray(batch[b"data"], dtype=np.uint8)
         labels = np.asarray(batch[b"labels"], dtype=np.int64)
     except FileNotFoundError:
         raise UsageError(f"{path} is missing") from None
+    except safe_load.Refused as e:
+        raise UsageError(
+            f"{path} is not a CIFAR-10 python batch and was not loaded: {e} (a pickle can run "
+            "code; this one was stopped before it could). Delete it and download again"
+        ) from None
     except Exception as e:  # truncated or foreign files fail in many ways inside pickle
         raise UsageError(
             f"{path} is not a CIFAR-10 python batch ({type(e).__name__}: {e}); "
@@ -373,7 +396,7 @@ def read_cache(dataset: str, data_dir: Path) -> dict | None:
     """The cached tensors (memory-mapped), if the cache matches the source files."""
     files = FILE_SETS[dataset]
     try:
-        cached = torch.load(cache_path(dataset, data_dir), mmap=True)
+        cached = torch.load(cache_path(dataset, data_dir), mmap=True, weights_only=True)
         if cached["signature"] == _source_signature(files, data_dir / files.folder):
             return cached
     except Exception:

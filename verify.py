@@ -379,23 +379,13 @@ def learn_versions(ctx: Context) -> None:
 def max_param_diffs(reference: Path, *others: Path):
     """--max-diff: the largest |difference| between the final parameters of a checkpoint folder
     and each of others (DDP's full state, or FSDP's DCP shards read whole)."""
-    import tempfile
-
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     import checkpoint
 
     def final(folder: Path) -> dict:
         path = checkpoint.latest(folder)
         if path is None:
             fail(f"no checkpoint in {folder}")
-        whole = path / checkpoint.DDP_FILE
-        with tempfile.TemporaryDirectory() as tmp:
-            if not whole.is_file():  # FSDP's shards, one per rank: gathered into one file
-                whole = Path(tmp) / "whole.pt"
-                dcp_to_torch_save(path, whole)
-            return torch.load(whole, map_location="cpu", weights_only=False)["model"]
+        return checkpoint.read_model(path)
 
     mine = final(reference)
     for folder in others:

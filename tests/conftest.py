@@ -240,6 +240,7 @@ ONE_WORKER_FILES = {
     "test_run_sh.py",
     "test_slurm.py",
     "test_strategies.py",
+    "test_trust.py",
 }
 
 

@@ -6,6 +6,7 @@ another: what two of them need lives here."""
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -115,8 +116,48 @@ def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame
 # ----------------------------------------------------------------------------- data
 
 
+def python2_pickle(batch: dict) -> bytes:
+    """A CIFAR-10 batch pickled as the real files are: protocol 2 by python 2 and numpy 1, so
+    its strings are python 2's (SHORT_BINSTRING/BINSTRING) and its array names numpy.core.
+    Python 3 cannot write this: its bytes pickle as _codecs.encode calls."""
+
+    def string(b: bytes) -> bytes:
+        return (b"U" + bytes([len(b)]) if len(b) < 256 else b"T" + struct.pack("<I", len(b))) + b
+
+    def integer(i: int) -> bytes:
+        return b"K" + bytes([i]) if i < 256 else b"J" + struct.pack("<i", i)
+
+    def array(a: np.ndarray) -> bytes:  # numpy 1's ndarray.__reduce__, as python 2 wrote it
+        assert a.dtype == np.uint8 and a.ndim == 2
+        dtype = b"cnumpy\ndtype\n" + string(b"u1") + b"K\x00K\x01\x87R"
+        dtype += b"(K\x03" + string(b"|") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
+        shape = integer(a.shape[0]) + integer(a.shape[1]) + b"\x86"
+        return (
+            b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\n"
+            + b"K\x00\x85"
+            + string(b"b")
+            + b"\x87R(K\x01"
+            + shape
+            + dtype
+            + b"\x89"
+            + string(a.tobytes())
+            + b"tb"
+        )
+
+    def value(v) -> bytes:
+        if isinstance(v, bytes):
+            return string(v)
+        if isinstance(v, np.ndarray):
+            return array(v)
+        return b"](" + b"".join(integer(i) for i in v) + b"e"  # a list of labels
+
+    items = b"".join(string(k) + value(v) for k, v in batch.items())
+    return b"\x80\x02}(" + items + b"u."
+
+
 def write_cifar_dir(root, n_train_per_file=20, n_test=30, seed=0):
-    """A small data set in CIFAR-10's own python format."""
+    """A small data set in CIFAR-10's own python format: the first file pickled as the real
+    ones are (python 2), the others by this python (as a set converted by hand would be)."""
     import dataset_files  # loads torch: only the tests that write CIFAR-10 files pay for it
 
     rng = np.random.default_rng(seed)
@@ -130,8 +171,11 @@ def write_cifar_dir(root, n_train_per_file=20, n_test=30, seed=0):
             b"labels": rng.integers(0, 10, n).tolist(),
             b"batch_label": name.encode(),
         }
-        with open(folder / name, "wb") as f:
-            pickle.dump(batch, f)
+        if name == dataset_files.CIFAR10_TRAIN_FILES[0]:
+            (folder / name).write_bytes(python2_pickle(batch))
+        else:
+            with open(folder / name, "wb") as f:
+                pickle.dump(batch, f)
     return folder
 
 
