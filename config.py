@@ -337,6 +337,11 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def scheduled(cfg: Config) -> bool:
+    """Whether the learning rate changes during the run: a schedule, or a warm-up."""
+    return cfg.lr_schedule != "none" or bool(cfg.warmup_epochs)
+
+
 def data_world(strategy: str, world_size: int) -> int:
     """The ranks the data is sharded over: every stage of a pipeline takes the whole global
     batch (the first its images, the last its labels)."""

@@ -117,7 +117,6 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import torch  # loads here, once the options are known to be readable
 
     import checkpoint
-    import cuda_graphs
     import data
     import distributed_utils
     from model import build_model
@@ -131,8 +130,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         check_world(cfg, world_size, train_size)
     device, where = distributed_utils.check_device(cfg)
     distributed_utils.check_device_options(cfg, device)
-    graphed, why_eager = cuda_graphs.decide(cfg, device)
-    step = "one CUDA graph" if graphed else f"eager ({why_eager})" if why_eager else "eager"
+    step = describe_step(cfg, device, world_sizes)
     if cfg.resume not in (None, "auto"):
         checkpoint.resolve(cfg.resume, Path("."))
     elif cfg.checkpoint and cfg.checkpoint_dir:
@@ -143,6 +141,20 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         f"the step: {step}"
     )
     return EXIT_STATUS["finished"]
+
+
+def describe_step(cfg: Config, device, world_sizes: list[int]) -> str:
+    """`--check`'s word on the step at each world size (cuda_graphs.decide: the default may
+    differ between them), one phrase where they agree."""
+    import cuda_graphs
+
+    said = {}
+    for size in world_sizes:
+        graphed, why = cuda_graphs.decide(cfg, device, size)
+        said[size] = "one CUDA graph" if graphed else f"eager ({why})" if why else "eager"
+    if len(set(said.values())) == 1:
+        return said[world_sizes[0]]
+    return "; ".join(f"at world size {size}: {says}" for size, says in said.items())
 
 
 # ----------------------------------------------------------------------------- build, run

@@ -1,8 +1,9 @@
 """What an epoch measures, and how: memory (the training peak above a baseline, the state's
 exact bytes), the time of a stage of every step (StageTimer), where the epoch's time went
 (time_breakdown, with the compute calibration behind t_compute), the share of it the GPU ran
-kernels (gpu_busy, from a kernel trace of the calibration's step), and the `[METRIC]` fields
-they make, each reduced over the ranks (all_reduce: every number reported is a global one).
+kernels (gpu_busy, from a kernel trace of the calibration's step, at one rank only), and the
+`[METRIC]` fields they make, each reduced over the ranks (all_reduce: every number reported is
+a global one).
 docs/metrics.md says what each field means.
 """
 
@@ -263,14 +264,14 @@ def traced_busy_seconds(work: Callable[[], None], device: torch.device) -> float
     return busy_seconds(trace.events())
 
 
-def gpu_busy(segment: Segment, kernel_seconds: float | None, device: torch.device) -> dict:
+def gpu_busy(segment: Segment, kernel_seconds: float | None) -> dict:
     """gpu_busy: the share of the segment's training time the GPU spent running the steps'
-    kernels, kernel_seconds a step (ComputeCalibration.kernel_seconds_per_step) x the steps /
-    the segment's time, the mean over ranks; UNKNOWN where a rank knows no kernel time (a CPU,
-    or a trace that saw no kernel). Not clamped: above 1 the trace and the clock disagree."""
-    share = kernel_seconds * segment.steps / segment.elapsed if kernel_seconds else math.nan
-    (total,) = all_reduce([share], device)  # one rank's nan makes the sum nan
-    return {"gpu_busy": UNKNOWN if math.isnan(total) else total / world_size()}
+    kernels, kernel_seconds a step (train.Trainer.kernel_seconds_per_step) x the steps / the
+    segment's time; UNKNOWN where no kernel time is known (a CPU, more than one rank, a trace
+    that saw no kernel). Not clamped: above 1 the trace and the clock disagree."""
+    if not kernel_seconds:
+        return {"gpu_busy": UNKNOWN}
+    return {"gpu_busy": kernel_seconds * segment.steps / segment.elapsed}
 
 
 def epoch_fields(

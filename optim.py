@@ -9,14 +9,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from config import Config
+from config import Config, scheduled
 
 
 def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     """--optimizer: Adam, or SGD with momentum 0.9. Fused (one kernel for every parameter) where
     torch has it for the parameters, else foreach (one per operation over all of them): torch's
     default on a CPU is a loop of about ten operations per parameter and step. FSDP2's DTensor
-    parameters have sharding rules for fused Adam (since torch 2.4), not for fused SGD."""
+    parameters have sharding rules for fused Adam (since torch 2.4), not for fused SGD (whose
+    foreach kernels read a tensor rate on the host: cuda_graphs.refusal)."""
     optimizer, options = (
         (torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else (torch.optim.Adam, {})
     )
@@ -25,7 +26,7 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.cuda_graphs:
         if optimizer is torch.optim.Adam:
             options["capturable"] = True  # its step count on the device, advanced by the graph
-        if cfg.lr_schedule != "none" or cfg.warmup_epochs:
+        if scheduled(cfg):
             # A tensor the graph reads, which the scheduler fills between replays (a float
             # would be baked into the graph at its capture).
             lr = torch.tensor(cfg.lr, device=params[0].device)
@@ -41,7 +42,7 @@ def make_scheduler(
     cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int
 ) -> torch.optim.lr_scheduler.LambdaLR | None:
     """The learning rate per optimizer step: linear warm-up, then constant, step or cosine."""
-    if cfg.lr_schedule == "none" and not cfg.warmup_epochs:
+    if not scheduled(cfg):
         return None
     warmup, total = cfg.warmup_epochs * steps_per_epoch, cfg.epochs * steps_per_epoch
     milestones = [int(total * 0.5), int(total * 0.75)]

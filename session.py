@@ -54,7 +54,8 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     )
     check_world(cfg, env.world_size, len(train_set))
     distributed_utils.check_device_options(cfg, env.device)
-    cfg = replace(cfg, cuda_graphs=cuda_graphs.decide(cfg, env.device)[0])  # the default, resolved
+    graphed, _ = cuda_graphs.decide(cfg, env.device, env.world_size)
+    cfg = replace(cfg, cuda_graphs=graphed)  # the default, resolved
     precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)
     fp32_math = set_fp32_math(cfg.precision)
     # Every tensor made without a dtype from here on: the models, the batches, the sums.
@@ -226,7 +227,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         source = checkpoint.resolve(cfg.resume, folder or Path("."))
         position = checkpoint.load_chosen(source, fits, resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
-    if why_eager := cuda_graphs.decide(cfg, env.device)[1]:
+    if why_eager := cuda_graphs.decide(cfg, env.device, env.world_size)[1]:
         log0(f"[CONFIG] note: the step runs eager, not as one CUDA graph: {why_eager}")
     if warning := distributed_utils.network_warning(resolved["nodes"], env.backend):
         log0(warning)

@@ -248,7 +248,7 @@ class Trainer(Learner):
         own_peak, own_reserved = self.memory.training_peak(replay_peak), reserved_peak_bytes(device)
         memory = [own_peak, state_bytes(self.model, self.optimizer), own_reserved]
         breakdown = time_breakdown(segment, self.compute_seconds_per_step(segment.elapsed), device)
-        busy = gpu_busy(segment, self.kernel_seconds_per_step(), device)  # after the timing
+        busy = gpu_busy(segment, self.kernel_seconds_per_step())  # after the timing
         val = self.evaluate()
         epoch = epoch_fields(reached, val, memory, self.loaders.device_bytes(), device)
         return reached, {
@@ -271,10 +271,13 @@ class Trainer(Learner):
         return self.calibration.seconds_per_step(epoch_seconds) if self.calibration else 0.0
 
     def kernel_seconds_per_step(self) -> float | None:
-        """One step's GPU kernel time on this rank, for gpu_busy; None where unknown (no
-        calibration: a pipeline). Not while --profile's own trace is still to come: the profiler
-        runs one trace at a time (the next epoch's calibration traces instead)."""
-        if self.calibration is None or (self.profiler and not self.profiler.saved):
+        """One step's GPU kernel time, for gpu_busy; None where unknown: no calibration (a
+        pipeline), or more than one rank, where the calibration's unwrapped step runs none of
+        the wrapper's collectives and copies that the run's step does (its share would not be
+        the run's). Not while --profile's own trace is still to come: the profiler runs one
+        trace at a time (the next epoch's calibration traces instead)."""
+        unknown = self.calibration is None or self.env.world_size > 1
+        if unknown or (self.profiler and not self.profiler.saved):
             return None
         return self.calibration.kernel_seconds_per_step()
 

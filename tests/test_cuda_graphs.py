@@ -13,6 +13,8 @@ from config import Config
 from conftest import TINY, assert_one_line_error, run_main
 from cuda_graphs import GraphedStep, decide, refusal
 from dist_harness import EQUAL_CFG, spawn
+from fsdp_utils import get_fsdp2_model
+from model import build_model
 from optim import make_optimizer, make_scheduler
 from session import build_trainer
 from utils import release
@@ -33,6 +35,8 @@ CHECK = [*TINY, "--cuda-graphs", "--device", "cuda", "--check", "1"]
         ({}, None),
         ({"lr_schedule": "cosine", "warmup_epochs": 1}, None),
         ({"strategy": "single", "precision": "bf16", "clip_grad": 1.0, "grad_accum": 2}, None),
+        ({"loader": "classic"}, "--loader classic pins batches in a thread of its own"),
+        ({"loader": "classic", "num_workers": 0}, None),  # pinned by the loop, between steps
     ],
 )
 def test_what_cannot_be_one_graph_is_refused_with_the_reason(options, reason):
@@ -50,6 +54,39 @@ def test_fsdp2_is_refused_before_torch_2_11_only():
 
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+# FSDP2 with SGD as --cuda-graphs would build it: its rate scheduled, or constant; and Adam.
+FSDP2_SGD = {
+    "sgd, cosine": ({"optimizer": "sgd", "lr_schedule": "cosine"}, True),
+    "sgd, warm-up": ({"optimizer": "sgd", "warmup_epochs": 1}, True),
+    "sgd, constant": ({"optimizer": "sgd"}, False),  # a float rate, baked into the graph
+    "adam, cosine": ({"optimizer": "adam", "lr_schedule": "cosine"}, False),  # fused Adam
+}
+
+
+def fsdp2_optimizers(env) -> dict:
+    """Per FSDP2_SGD case, the optimizer a graphed run builds on FSDP2's sharded parameters:
+    whether it is foreach, and whether its rate is a tensor."""
+    built = {}
+    for name, (options, _) in FSDP2_SGD.items():
+        model = get_fsdp2_model(build_model("cnn", 10, (3, 32, 32)), env.device)
+        optimizer = make_optimizer(Config(cuda_graphs=True, strategy="fsdp2", **options), model)
+        foreach = bool(optimizer.defaults["foreach"]) and not optimizer.defaults["fused"]
+        built[name] = foreach, torch.is_tensor(optimizer.param_groups[0]["lr"])
+    return built
+
+
+@pytest.mark.skipif(release(torch.__version__) < (2, 11), reason="FSDP2 refused whole before")
+def test_fsdp2_with_sgd_and_a_schedule_is_refused_where_its_step_reads_the_rate_on_the_host():
+    """FSDP2's SGD is foreach (this torch has no sharding rule for fused SGD on DTensors), and
+    foreach SGD passes a tensor rate as `alpha=-lr`, a read on the host (torch/optim/sgd.py)
+    that a capture forbids. Refused where make_optimizer builds exactly that, only there."""
+    built = spawn(fsdp2_optimizers, 1)[0]
+    for name, (options, refused) in FSDP2_SGD.items():
+        why = refusal(Config(cuda_graphs=True, strategy="fsdp2", **options), CUDA)
+        assert all(built[name]) == refused, (name, built[name])  # foreach, and a tensor rate
+        assert (why is not None) == refused, (name, why)
+        assert not refused or why.startswith("FSDP2's SGD") and "--optimizer adam" in why, why
 
 
 # FSDP2 runs eager by default: captured by torch 2.11 and newer, but not yet on a GPU here.
@@ -75,32 +112,61 @@ FSDP2_EAGER = (
         ({"grad_accum": 2}, CUDA, False, "--grad-accum has not yet run captured"),
         ({"model": "resnet50"}, CUDA, False, "--model resnet50 has not yet run"),
         ({"cuda_graphs": True, "lr_schedule": "cosine"}, CUDA, True, None),  # asked for
+        ({"loader": "classic"}, CUDA, False, "--loader classic pins batches"),  # not refused
+        ({"loader": "classic", "num_workers": 0}, CUDA, False, "--loader classic has not yet"),
     ],
 )
 def test_graphs_are_the_default_on_a_gpu_where_shown_and_eager_says_why(
     options, device, graphed, why
 ):
-    decided, note = decide(Config(**options), device)
+    decided, note = decide(Config(**options), device, 1)
     assert decided == graphed
     assert note == why or why in note, note
 
 
+def test_two_ranks_run_eager_by_default_until_a_gpu_run_shows_them_captured():
+    """A machine where torch sees a GPU (its device passed in: nothing here touches CUDA), no
+    process group (as main.py --check decides): one rank is graphed by default, two are eager
+    and say why, and an explicit --cuda-graphs at two ranks is still accepted (NCCL's
+    collectives can be captured)."""
+    assert decide(Config(), CUDA, 1) == (True, None)
+    assert decide(Config(), CUDA, 2) == (
+        False,
+        "DDP's communication across 2 GPUs has not yet run captured on a GPU "
+        "(--cuda-graphs asks for it)",
+    )
+    asked = Config(cuda_graphs=True)
+    assert refusal(asked, CUDA) is None and decide(asked, CUDA, 2) == (True, None)
+
+
 @pytest.mark.parametrize(
-    "options, says",
+    "options, sizes, says",
     [
-        ([], "the step: one CUDA graph"),
-        (["--no-cuda-graphs"], "the step: eager"),
-        (["--strategy", "fsdp"], "the step: eager (--strategy fsdp cannot be captured"),
+        ([], ["1"], "the step: one CUDA graph"),
+        (["--no-cuda-graphs"], ["1"], "the step: eager"),
+        (["--strategy", "fsdp"], ["1"], "the step: eager (--strategy fsdp cannot be captured"),
+        (["--loader", "classic"], ["1"], "the step: eager (--loader classic pins batches"),
+        (
+            [],
+            ["1", "2"],
+            "the step: at world size 1: one CUDA graph; at world size 2: eager (DDP's "
+            "communication across 2 GPUs has not yet run captured",
+        ),
+        (["--cuda-graphs"], ["2"], "the step: one CUDA graph"),
     ],
 )
-def test_check_says_whether_the_step_is_graphed(options, says):
-    done = run_main([*TINY, "--device", "cuda", "--check", "1", *options], timeout=120)
+def test_check_says_whether_the_step_is_graphed(options, sizes, says):
+    """--check as on a login node planning GPU runs (--device cuda, no GPU here): the step at
+    each world size, where they differ."""
+    done = run_main([*TINY, "--device", "cuda", *options, "--check", *sizes], timeout=120)
     assert done.returncode == 0 and says in done.stdout, (done.stdout, done.stderr)
 
 
 def test_refusals_are_one_line_also_from_check_and_on_a_cpu():
     done = run_main([*CHECK, "--strategy", "fsdp"], timeout=120)
     assert_one_line_error(done, "--cuda-graphs: --strategy fsdp cannot be captured")
+    done = run_main([*CHECK, "--loader", "classic"], timeout=120)
+    assert_one_line_error(done, "--cuda-graphs: --loader classic pins batches")
     done = run_main([*TINY, "--cuda-graphs", "--epochs", "1"], timeout=120)
     assert_one_line_error(done, "--cuda-graphs: ", "it needs a GPU")
     done = run_main(CHECK, timeout=120)

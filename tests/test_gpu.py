@@ -406,6 +406,10 @@ def test_graphs_are_the_default_on_a_gpu_and_an_eager_run_says_why():
     done = run_main([*QUICK, "--epochs", "1", "--strategy", "fsdp2"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "graph: --strategy fsdp2 has not yet run captured" in done.stdout
+    # Its pin-memory thread would call CUDA during a capture: eager by default, not refused.
+    done = run_main([*QUICK, "--epochs", "1", "--loader", "classic"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "graph: --loader classic pins batches" in done.stdout
 
 
 def test_a_graphed_run_resumes_exactly(tmp_path):

@@ -423,9 +423,8 @@ def test_gpu_busy_of_the_h200s_eager_and_graphed_ddp_epochs():
     host-bound, the graphed one is not."""
     per_step = measure.busy_seconds(trace_events(H200_TRACE)) / 3
     assert per_step == pytest.approx(0.7714e-3, abs=1e-6)
-    cpu = torch.device("cpu")
-    eager = measure.gpu_busy(measure.Segment(0.53, 0.06, 195), per_step, cpu)["gpu_busy"]
-    graphed = measure.gpu_busy(measure.Segment(0.17, 0.03, 195), per_step, cpu)["gpu_busy"]
+    eager = measure.gpu_busy(measure.Segment(0.53, 0.06, 195), per_step)["gpu_busy"]
+    graphed = measure.gpu_busy(measure.Segment(0.17, 0.03, 195), per_step)["gpu_busy"]
     print(
         f"H200 ddp b256: {per_step * 1e3:.3f} ms of kernels a step, eager {eager:.3f}, "
         f"graphed {graphed:.3f}"
@@ -466,7 +465,7 @@ def test_the_kernel_trace_is_one_more_round_traced_once_and_never_on_a_cpu(monke
     calibration = measure.ComputeCalibration(bare.train_step, batch, bare.loss_sum)
     assert calibration.kernel_seconds_per_step() is None
     segment = measure.Segment(1.0, 0.0, 10)
-    assert measure.gpu_busy(segment, None, torch.device("cpu")) == {"gpu_busy": "na"}
+    assert measure.gpu_busy(segment, None) == {"gpu_busy": "na"}
 
     traced = []
 
@@ -486,22 +485,32 @@ def test_the_kernel_trace_waits_for_profiles_own_trace():
     """--profile's trace and the kernel trace cannot overlap: none while the first is still to
     be saved (that epoch's gpu_busy is na), the next epoch's calibration traces instead."""
     calibration = SimpleNamespace(kernel_seconds_per_step=lambda: 5e-4)
-    profiling = SimpleNamespace(calibration=calibration, profiler=SimpleNamespace(saved=False))
+    one_rank = SimpleNamespace(world_size=1)
+    profiling = SimpleNamespace(
+        calibration=calibration, profiler=SimpleNamespace(saved=False), env=one_rank
+    )
     assert train.Trainer.kernel_seconds_per_step(profiling) is None
     profiling.profiler.saved = True
     assert train.Trainer.kernel_seconds_per_step(profiling) == 5e-4
-    plain = SimpleNamespace(calibration=calibration, profiler=None)
+    plain = SimpleNamespace(calibration=calibration, profiler=None, env=one_rank)
     assert train.Trainer.kernel_seconds_per_step(plain) == 5e-4
 
 
-def busy_on_each_rank(env, kernel_seconds):
-    segment = measure.Segment(1.0, 0.0, 10)
-    return measure.gpu_busy(segment, kernel_seconds[env.rank], env.device)["gpu_busy"]
-
-
-def test_gpu_busy_is_the_mean_over_ranks_and_na_where_a_rank_knows_none():
-    assert spawn(busy_on_each_rank, 2, [0.01, 0.02]) == pytest.approx([0.15, 0.15])
-    assert spawn(busy_on_each_rank, 2, [0.01, None]) == ["na", "na"]
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_gpu_busy_is_na_above_one_rank_and_its_trace_never_runs_there(world_size):
+    """The calibration traces an unwrapped model's step: above one rank the run's step also
+    runs the wrapper's collectives and copies, which that trace never sees, so its share would
+    not be the run's. There gpu_busy is na, and the kernel trace never starts."""
+    traces = []
+    calibration = SimpleNamespace(kernel_seconds_per_step=lambda: traces.append(1) or 5e-4)
+    ranks = SimpleNamespace(world_size=world_size)
+    trainer = SimpleNamespace(calibration=calibration, profiler=None, env=ranks)
+    kernel_seconds = train.Trainer.kernel_seconds_per_step(trainer)
+    busy = measure.gpu_busy(measure.Segment(1.0, 0.0, 10), kernel_seconds)["gpu_busy"]
+    if world_size == 1:
+        assert busy == pytest.approx(5e-3) and traces == [1]
+    else:
+        assert busy == "na" and traces == [], (busy, traces)
 
 
 @pytest.mark.parametrize(
