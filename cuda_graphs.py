@@ -16,7 +16,9 @@ one.
 
 FSDP2 is built on that side stream too, and its step captured the same way (torch 2.11 or
 newer): its hooks queue each unit's all-gather and reduce-scatter on streams of its own, which
-the capture records with the compute. No GPU has run that yet: it waits behind an explicit
+the capture records with the compute. A replay runs none of those hooks, so whatever runs the
+model eagerly between replays must leave every unit sharded, as the capture found it
+(validation does: train.Trainer.evaluate). No GPU has run that yet: it waits behind an explicit
 --cuda-graphs (tests/test_gpu.py holds the proof to run).
 
 Run on one H200 (docs/gpu-runs/2026-11-26-h200): graphed DDP runs at one rank train as eager

@@ -98,6 +98,15 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the parameters every FSDP2 unit holds gathered, putting its shards back in the
+    module (FSDPModule.reshard, which is not recursive). Other wrappers hold nothing between
+    steps: nothing to do."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class Diverged(Exception):
     """The training loss became NaN or infinite: every further step is wasted."""
 
@@ -243,8 +252,8 @@ class Trainer(Learner):
             return reached, None
         # Read before the calibration and validation run: their memory is not training's (the
         # calibration's unsharded model would otherwise hide FSDP's saving), and validation's
-        # forward leaves FSDP2's root unsharded (reshard_after_forward=False): its parameters
-        # whole, without their gradients' shards.
+        # forward holds FSDP2's root gathered (reshard_after_forward=False) until it ends: its
+        # parameters whole, without their gradients' shards.
         own_peak, own_reserved = self.memory.training_peak(replay_peak), reserved_peak_bytes(device)
         memory = [own_peak, state_bytes(self.model, self.optimizer), own_reserved]
         breakdown = time_breakdown(segment, self.compute_seconds_per_step(segment.elapsed), device)
@@ -378,6 +387,14 @@ class Trainer(Learner):
             loss_sum += (losses * weights).sum()
             correct += ((logits.argmax(dim=1) == labels).float() * weights).sum()
             count += weights.sum()
+        # A forward alone leaves gathered the units kept from forward to backward (FSDP2's root;
+        # every unit under grad_op): no backward frees them. An eager step would only skip their
+        # next gather, but a CUDA graph's replay runs no FSDP2 hook: it gathers into buffers of
+        # its own, and the next validation, finding the units gathered, would read this one's
+        # copy, weights an epoch old. So they go back to their shards here, the one place the
+        # run leaves a unit gathered between steps: the state a capture begins in (an eager
+        # step, a checkpoint's save and load reshard too) and that every replay expects.
+        reshard(self.model)
         synchronize(device)
         elapsed = time.perf_counter() - start
         # exercise 6.1 begin

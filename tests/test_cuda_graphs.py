@@ -1,18 +1,21 @@
 """--cuda-graphs (cuda_graphs.py) where no GPU is: every run it cannot apply to is refused in one
 line, also by --check; and the step it captures, fed from static buffers into the run's one
-loss accumulator, trains exactly as the plain step (eager, on 2 gloo ranks with DDP). That a
-captured graph trains the same is shown only on a GPU (tests/test_gpu.py)."""
+loss accumulator, trains exactly as the plain step (eager, on 2 gloo ranks with DDP); and
+FSDP2's units are sharded wherever a capture or a replay would begin, so that a validation
+between replays reads the weights they trained. That a captured graph trains and validates the
+same is shown only on a GPU (tests/test_gpu.py)."""
 
 from dataclasses import replace
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from checkpoint import Position
 from config import Config
 from conftest import TINY, assert_one_line_error, run_main
 from cuda_graphs import GraphedStep, decide, refusal
-from dist_harness import EQUAL_CFG, spawn
+from dist_harness import EQUAL_CFG, full_state, spawn
 from fsdp_utils import get_fsdp2_model
 from model import build_model
 from optim import make_optimizer, make_scheduler
@@ -237,3 +240,78 @@ def test_the_accumulator_must_be_the_runs_one_tensor():
     assert calls[0] is calls[1] and torch.equal(calls[1], images + 1)  # one buffer, refilled
     with pytest.raises(AssertionError, match="one tensor"):
         step(images, labels, torch.zeros(()))
+
+
+# ----------------------------------------------------------------------------- FSDP2's units
+# A replay runs no Python hook: no unit is gathered or freed by FSDP2's state, only by the
+# kernels the capture recorded. So every unit must be in the state the capture began in,
+# sharded, whenever a replay (or the capture) begins: a unit left gathered would have its next
+# forward skip the gather and read the copy it holds.
+
+
+def gathered_parameters(model, optimizer) -> list[str]:
+    """The parameters the model holds that are not the optimizer's sharded DTensors: those of
+    FSDP2 units left gathered (FSDPModule.reshard "registers the sharded parameters to the
+    module"; a gathered unit holds plain tensors instead)."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [
+        name
+        for name, p in model.named_parameters()
+        if id(p) not in stepped or not isinstance(p, DTensor)
+    ]
+
+
+def units_gathered_around_validation(env, sharding: str) -> dict:
+    """Two epochs of FSDP2 on this rank: the parameters left gathered at each step's start
+    (where a capture or a replay would begin) and at each validation's end."""
+    trainer, _ = build_trainer(
+        Config(**{**EQUAL_CFG, "strategy": "fsdp2", "sharding": sharding}), env
+    )
+    model, optimizer, step = trainer.model, trainer.optimizer, trainer.step
+    found = {"at a step's start": [], "after validation": []}
+
+    def watched_step(images, labels, loss_sum):
+        found["at a step's start"] += gathered_parameters(model, optimizer)
+        step(images, labels, loss_sum)
+
+    trainer.train_step = watched_step
+    for epoch in (1, 2):
+        trainer.run_epoch(Position(epoch))
+        found["after validation"] += gathered_parameters(model, optimizer)
+    return found
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sharding", ["full", "grad_op"])
+def test_fsdp2_validation_leaves_every_unit_sharded_as_a_replay_expects(sharding):
+    """The root is kept gathered after forward (reshard_after_forward=False), and under grad_op
+    every unit: validation, a forward with no backward to free them, must free them itself."""
+    for found in spawn(units_gathered_around_validation, 2, sharding):
+        assert found == {"at a step's start": [], "after validation": []}, found
+
+
+def validation_after_a_hookless_step(env) -> tuple[float, float]:
+    """FSDP2 on this rank: an epoch, then the weights moved as a replay moves them (the
+    optimizer's step on the shards, no forward, so no FSDP2 hook), then validation: its val_loss,
+    and that of a validation of the same weights after a state dict was taken (whose hook
+    reshards every unit, as a checkpoint's does)."""
+    trainer, _ = build_trainer(Config(**{**EQUAL_CFG, "strategy": "fsdp2"}), env)
+    trainer.run_epoch(Position(1))
+    # A gradient of each shard's own value: a small step that moves every layer's output (a
+    # gradient of ones would shift the classifier's hidden layer below ReLU's zero, hiding the
+    # convolutions). The optimizer's shards: a gathered unit holds other tensors.
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = p.detach().clone()
+    trainer.optimizer.step()
+    after_step = trainer.evaluate()["val_loss"]
+    full_state(env, trainer.model)
+    return after_step, trainer.evaluate()["val_loss"]
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_validation_after_a_hookless_step_reads_the_current_weights():
+    """What a graphed run's second validation met (issue 45): the root's layers evaluated with
+    the weights of the previous validation, as if the epoch between had not trained them."""
+    for after_step, current in spawn(validation_after_a_hookless_step, 2):
+        assert after_step == current, (after_step, current)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, config_in, metrics_in, run, run_main
+from conftest import REPO, TINY, TINY_CFG, config_in, metrics_in, run, run_main
 from utils import parse_comm
 from verify import max_param_diffs
 
@@ -395,6 +395,42 @@ def test_a_graphed_run_trains_as_the_eager_one(tmp_path, strategy):
     (difference,) = max_param_diffs(tmp_path / "eager", tmp_path / "g")
     print(f"{strategy}: largest parameter difference, graphed vs eager: {difference:.3g}")
     assert difference <= 1e-6
+
+
+def validations(env, cfg) -> tuple[list[tuple[float, float]], bool]:
+    """(val_loss, acc) of each epoch of a run of cfg, to the last bit, and whether its step was
+    captured."""
+    from cuda_graphs import GraphedStep
+    from precision import set_deterministic
+    from session import run as run_session
+
+    set_deterministic(cfg.deterministic)  # as main.py does: session.run does not
+    outcome = run_session(cfg, env)
+    step = outcome.trainer.train_step
+    captured = isinstance(step, GraphedStep) and step.graph is not None
+    return [(m["val_loss"], m["acc"]) for m in outcome.history], captured
+
+
+def test_a_graphed_fsdp2_run_validates_as_the_eager_one():
+    """FSDP2 at world size 1, 3 epochs without checkpoints (a checkpoint's state dict would
+    reshard every unit, hiding what this proves): each validation of the graphed run reads the
+    weights its replays trained, as the eager run's does (1e-6, as the parameters above).
+    Validation left the root gathered, and replays run no FSDP2 hook, so from epoch 2 on the
+    graphed run evaluated the root's convolutions with the previous validation's weights, until
+    train.Trainer.evaluate resharded every unit."""
+    from config import Config
+    from dist_harness import spawn
+
+    fields = dict(TINY_CFG, train_samples=2048, batch_size=64, deterministic=True, epochs=3)
+    fields.update(strategy="fsdp2", checkpoint=False)  # as --no-checkpoint
+    ((eager, eager_captured),) = spawn(validations, 1, Config(**fields, cuda_graphs=False))
+    ((graphed, captured),) = spawn(validations, 1, Config(**fields, cuda_graphs=True))
+    print("fsdp2 (val_loss, acc) eager", eager, "graphed", graphed)
+    assert captured and not eager_captured
+    assert len({loss for loss, _ in eager}) == 3, "the weights must move between validations"
+    for (loss, acc), (graphed_loss, graphed_acc) in zip(eager, graphed, strict=True):
+        assert graphed_loss == pytest.approx(loss, abs=1e-6)
+        assert graphed_acc == pytest.approx(acc, abs=1e-6)
 
 
 def test_graphs_are_the_default_on_a_gpu_and_an_eager_run_says_why():
