@@ -35,8 +35,9 @@
 # (--open-mode=append). Sites and tools differ on the warning signal: SIGUSR2 does the same
 # (sbatch --signal=B:USR2@120). SIGTERM (scancel, the time limit) reaches the tasks as a
 # SIGTERM, never through srun (which would SIGKILL them): they save a checkpoint and exit, and
-# the job ends, not requeued. Without SLURM, SIGUSR1, SIGUSR2 and SIGTERM to this script reach
-# every rank: each stops with a checkpoint (exit status 3). See docs/checkpoints.md.
+# the job ends, not requeued. Without SLURM, SIGUSR1, SIGUSR2, SIGTERM and SIGINT (Ctrl-C) to
+# this script reach every rank: each stops with a checkpoint (exit status 3). A second Ctrl-C,
+# a second or more after the first, ends every rank at once. See docs/checkpoints.md.
 #
 # Variables (sbatch passes the submitting shell's environment on to the job):
 #   EDF       run every task in this container, with CSCS's Container Engine
@@ -303,16 +304,22 @@ run_local() {
     sample_node "$SAMPLES_DIR" "$SAMPLE_TAG" "$SAMPLE_EVERY" &
     local sampler_pid=$! torchrun_pid=""
     # A stop signal to this script goes to every rank, as srun passes one on to its tasks: not
-    # to torchrun, which SIGUSR1 and SIGUSR2 would end, leaving the ranks without it.
+    # to torchrun, which SIGUSR1 and SIGUSR2 would end, leaving the ranks without it. Ctrl-C
+    # (SIGINT) too: the ranks take a SIGINT that comes within a second of theirs from the
+    # terminal for the same Ctrl-C (stopping.py). torchrun is told to leave SIGINT alone: it
+    # would end with a traceback and pass it on (PET_SIGNALS_TO_HANDLE is torchrun's
+    # --signals-to-handle: its default less SIGINT).
     trap 'signal_ranks USR1 "$torchrun_pid"' USR1
     trap 'signal_ranks USR2 "$torchrun_pid"' USR2
     trap 'signal_ranks TERM "$torchrun_pid"' TERM
+    trap 'signal_ranks INT "$torchrun_pid"' INT
     # In the background, so that this shell can take a signal while the ranks train.
-    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" \
+    PET_SIGNALS_TO_HANDLE=SIGTERM,SIGHUP,SIGQUIT \
+        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$procs" \
         --log-dir "$folder" --redirects 2 main.py "$@" 2>"$folder/torchrun.log" &
     torchrun_pid=$!
     wait_through_signals "$torchrun_pid" || status=$?
-    trap - USR1 USR2 TERM
+    trap - USR1 USR2 TERM INT
     stop_sampler "$sampler_pid"
     [ "$status" -eq 0 ] || report_failure "$folder" "$status"
 }

@@ -1,9 +1,9 @@
 """Stopping on a signal: SIGUSR1 or SIGUSR2 (SLURM's warning before the time limit; run.sh asks
 for USR1 with `--signal=B:USR1@T`, other sites and tools use USR2, and srun forwards it to every
-task) and SIGTERM (preemption, `scancel`) no longer end the process once `catch_stop_signals`
-is entered: they become a stop that every rank takes at the same step boundary, within a few
-steps (`StopRequest`), after which the run saves a checkpoint (checkpoint.py) and exits with
-status 3.
+task), SIGTERM (preemption, `scancel`) and SIGINT (Ctrl-C) no longer end the process once
+`catch_stop_signals` is entered: they become a stop that every rank takes at the same step
+boundary, within a few steps (`StopRequest`), after which the run saves a checkpoint
+(checkpoint.py) and exits with status 3. A second Ctrl-C ends the process at once.
 
 Catching the signals needs no torch: main.py catches them before torch loads, so that a warning
 during that import (seconds) does not kill the process either. Only `StopRequest`, which agrees
@@ -12,24 +12,60 @@ on the stop over the ranks, imports torch.distributed, when it is made.
 
 import contextlib
 import datetime
+import os
 import signal
+import sys
 import time
 
 from utils import read_ranks
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 _stop_signal: str | None = None  # set by the handler: the name of the signal received
+
+# A terminal's Ctrl-C reaches every process of the foreground group: the ranks, and a launcher
+# that may pass its own on to them (torchrun does, within milliseconds). A SIGINT that comes this
+# long after the first is the user's second Ctrl-C; one sooner is the same Ctrl-C again.
+INTERRUPT_AGAIN_S = 1.0
+_first_interrupt: float | None = None  # when the first SIGINT came (time.monotonic)
 
 
 def _on_stop_signal(signum, frame) -> None:
-    global _stop_signal
+    global _stop_signal, _first_interrupt
+    if signum == signal.SIGINT:
+        now = time.monotonic()
+        if _first_interrupt is None:
+            _first_interrupt = now
+            _say(
+                b"[STOP] Ctrl-C: every rank stops within a few steps and saves a checkpoint; "
+                b"Ctrl-C again ends at once, without one\n"
+            )
+        elif now - _first_interrupt >= INTERRUPT_AGAIN_S:
+            _end_at_once()
     _stop_signal = signal.Signals(signum).name
+
+
+def _say(line: bytes) -> None:
+    """Rank 0 writes line straight to its stdout: a handler that printed through sys.stdout
+    could land inside a print of the code it interrupted (a reentrant write raises)."""
+    if read_ranks()[0] == 0:
+        with contextlib.suppress(OSError):
+            os.write(sys.stdout.fileno(), line)
+
+
+def _end_at_once() -> None:
+    """The second Ctrl-C: end as Ctrl-C ends a program, by SIGINT's own default action (a
+    calling shell or make then stops too). The checkpoints already saved stay as they are."""
+    _say(b"[STOP] Ctrl-C again: ending now, without a checkpoint of this step\n")
+    with contextlib.suppress(Exception):  # what is buffered, where that is safe now
+        sys.stdout.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def take_stop_signals() -> None:
     """From here on SIGUSR1 or SIGUSR2 (SLURM's time-limit warning: sites and tools differ on
-    which) and SIGTERM (preemption, scancel) no longer end the process: they only ask for a
-    checkpoint and a stop."""
+    which), SIGTERM (preemption, scancel) and SIGINT (Ctrl-C) no longer end the process: they
+    only ask for a checkpoint and a stop."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop_signal)
 

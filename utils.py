@@ -26,7 +26,7 @@ EXIT_MEANING = {
     "finished": "finished",
     "peer_failed": "another rank died or hung",  # its own log says why
     "usage": "bad input",  # one `error:` line
-    "stopped": "stopped by SIGUSR1/SIGUSR2/SIGTERM after saving a checkpoint (resume to finish)",
+    "stopped": "stopped by a signal (USR1, USR2, TERM, INT) after saving a checkpoint (resume it)",
     "diverged": "diverged (the training loss became NaN or infinite)",  # last good one stays
     # One `error:` line says which, why, and what is intact (docs/reliability.md).
     "checkpoint": "a checkpoint could not be saved or read",

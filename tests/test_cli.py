@@ -1,8 +1,11 @@
 """The command line as users run it: torchrun, the [METRIC] format, --check, --help, the exit
 statuses, and bad input."""
 
+import contextlib
+import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -16,7 +19,9 @@ from conftest import (
     LONG_RUN,
     REPO,
     TINY,
+    TORCHRUN,
     assert_one_line_error,
+    clean_environment,
     config_in,
     main_on_ranks,
     metrics_in,
@@ -529,6 +534,89 @@ def test_resume_auto_says_when_it_found_nothing(tmp_path):
     done = run_main([*ONE_EPOCH, "--resume", "auto", "--checkpoint-dir", tmp_path / "empty"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"--resume auto: no checkpoint in {tmp_path / 'empty'}; starting fresh" in done.stdout
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def interrupted_at_first_progress(command: list, cwd: Path) -> subprocess.CompletedProcess:
+    """command started as a terminal starts it (a process group of its own) and sent SIGINT as
+    Ctrl-C sends it, to the whole group, once training is under way; it runs to its end."""
+    proc = subprocess.Popen(
+        [str(c) for c in command],
+        cwd=cwd,
+        env=clean_environment(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("epoch 1 step"):
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(seen) + out)
+
+
+CTRL_C_LAUNCHERS = {
+    "python": [sys.executable, "main.py"],
+    "torchrun": [*TORCHRUN, "--nproc_per_node=2", "main.py"],
+    "run.sh": ["bash", "run.sh"],  # torchrun's 2 ranks, as make run starts them
+}
+
+
+@pytest.mark.parametrize("launcher", CTRL_C_LAUNCHERS)
+def test_ctrl_c_stops_every_rank_with_a_checkpoint_as_sigterm_does(repo_copy, launcher):
+    """SIGINT to the terminal's whole process group: the ranks stop together with a checkpoint,
+    say so once, and exit 3, no KeyboardInterrupt. Under torchrun a rank may get a second
+    SIGINT within milliseconds, torchrun's own passed on (where Python has not yet run the
+    handler, the two are one): the same Ctrl-C, not the one that ends at once (the rule itself:
+    the test below). torchrun then ends with its own report (exit 1); run.sh keeps it out."""
+    folder = repo_copy / "ckpt"
+    done = interrupted_at_first_progress(
+        [*CTRL_C_LAUNCHERS[launcher], *LONG_RUN, "--checkpoint-dir", folder], repo_copy
+    )
+    out = done.stdout
+    assert out.count("[STOP] Ctrl-C: every rank stops") == 1, out[-3000:]
+    assert "stopped on SIGINT at epoch 1 step" in out, out[-3000:]
+    assert "[STOP] Ctrl-C again: ending now" not in out, out[-3000:]
+    assert "KeyboardInterrupt" not in out, out[-3000:]
+    assert_stopped_mid_epoch_1(folder)
+    if launcher != "torchrun":
+        assert done.returncode == EXIT_STATUS["stopped"], out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.fast
+def test_a_second_ctrl_c_ends_at_once_but_the_same_one_passed_on_does_not():
+    """Two SIGINTs within stopping.INTERRUPT_AGAIN_S are one Ctrl-C (a launcher passing the
+    terminal's on); one after it ends the process by SIGINT, saying so, without waiting."""
+    code = """
+import os, signal, time
+import stopping
+stopping.take_stop_signals()
+os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.1)
+print("after the same Ctrl-C twice:", stopping.stop_signal(), flush=True)
+time.sleep(stopping.INTERRUPT_AGAIN_S)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(30)
+print("still running")
+"""
+    done = run([sys.executable, "-c", code], timeout=20)
+    assert "after the same Ctrl-C twice: SIGINT" in done.stdout, done.stderr[-2000:]
+    assert done.stdout.count("[STOP] Ctrl-C: every rank stops") == 1
+    assert "[STOP] Ctrl-C again: ending now, without a checkpoint" in done.stdout
+    assert "still running" not in done.stdout and done.returncode == -signal.SIGINT
+    assert "Traceback" not in done.stderr
 
 
 # ----------------------------------------------------------------------------- the user's view
