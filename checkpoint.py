@@ -486,7 +486,17 @@ def _load_shards(path: Path, model, optimizer) -> dict:
     """FSDP's sharded state, read through DCP into this rank's shapes (collective)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from optim import KEPT_ON_RESUME
+
     model_state, optim_state = get_state_dict(model, optimizer)  # shapes to fill
+    for group in optim_state["param_groups"]:
+        # Not the checkpoint's to set (optim.keep_as_built); a checkpoint written without a
+        # schedule holds no initial_lr.
+        for key in KEPT_ON_RESUME:
+            group.pop(key, None)
+        # A graphed run with a schedule saves its rate as a tensor, any other run as a number:
+        # DCP reads a number into a tensor's place, not a tensor into a number's.
+        group["lr"] = torch.tensor(float(group["lr"]))
     state = {"model": model_state, "optim": optim_state}
     safe_load.dcp_load(state, path)
     return state

@@ -1,6 +1,12 @@
 """The optimizer and the learning-rate schedule a run trains with (--optimizer, --lr,
 --lr-schedule, --warmup-epochs), built as the step needs them: fused or foreach kernels, and
 a learning rate a CUDA graph can read (--cuda-graphs).
+
+Both keep the form this run built them in when a checkpoint is loaded into them, whatever kind
+of run wrote it (a CPU's, an eager one's, a graphed one's): torch's load_state_dict would take
+the writer's settings along with its state, and a graphed run resumed from an eager checkpoint
+would then fail at its capture (`capturable` False), or read a rate that its schedule no
+longer writes.
 """
 
 import math
@@ -10,6 +16,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from config import Config, scheduled
+
+# What a parameter group keeps of its own when a checkpoint is loaded into it, whichever run
+# wrote it: how the optimizer steps, decided for this run's device and graph (make_optimizer),
+# and the rate its schedule started from (the scheduler's, saved with the scheduler's state).
+KEPT_ON_RESUME = ("capturable", "differentiable", "foreach", "fused", "initial_lr")
 
 
 def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
@@ -32,15 +43,59 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
             lr = torch.tensor(cfg.lr, device=params[0].device)
     if optimizer is torch.optim.Adam or not any(isinstance(p, DTensor) for p in params):
         try:
-            return optimizer(params, lr=lr, fused=True, **options)
+            return keep_as_built(optimizer(params, lr=lr, fused=True, **options))
         except RuntimeError:  # parameters on a device without fused kernels
             pass
-    return optimizer(params, lr=lr, foreach=True, **options)
+    return keep_as_built(optimizer(params, lr=lr, foreach=True, **options))
+
+
+def keep_as_built(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer, made to keep its own ways through every load_state_dict (a checkpoint's:
+    torch.distributed.checkpoint's set_state_dict ends in it for every wrapper), which copies
+    the saved parameter groups over its own: KEPT_ON_RESUME stay as built, and the rate is the
+    checkpoint's, written into this run's own object (the tensor a CUDA graph reads at its
+    address and the scheduler fills in place, or a number). Torch's load then also puts the
+    step counts where this run's settings put them: for a capturable or fused optimizer, on the
+    parameter's device."""
+    own: list[dict] = []  # the groups as they stood before the load
+
+    def settings_as_built(optimizer, state_dict: dict) -> dict:
+        own[:] = [dict(group) for group in optimizer.param_groups]
+        state_dict["param_groups"] = [
+            {**saved, **{key: mine[key] for key in KEPT_ON_RESUME if key in mine}}
+            for saved, mine in zip(state_dict["param_groups"], own, strict=True)
+        ]
+        return state_dict
+
+    def rate_as_built(optimizer) -> None:
+        for group, mine in zip(optimizer.param_groups, own, strict=True):
+            group["lr"] = in_form_of(mine["lr"], group["lr"])
+
+    optimizer.register_load_state_dict_pre_hook(settings_as_built)
+    optimizer.register_load_state_dict_post_hook(rate_as_built)
+    return optimizer
+
+
+def in_form_of(mine: float | torch.Tensor, value: float | torch.Tensor) -> float | torch.Tensor:
+    """A rate restored (a number, or a tensor as a checkpoint loads it) in this run's form:
+    written into this run's own tensor, else a number."""
+    return mine.fill_(value) if torch.is_tensor(mine) else float(value)
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose rates, loaded from a checkpoint, keep this run's form: a graphed run's
+    writer saves them as tensors, which would turn an eager run's rate into one."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        own = {key: getattr(self, key) for key in ("base_lrs", "_last_lr")}
+        super().load_state_dict(state_dict)
+        for key, mine in own.items():
+            setattr(self, key, list(map(in_form_of, mine, getattr(self, key))))
 
 
 def make_scheduler(
     cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int
-) -> torch.optim.lr_scheduler.LambdaLR | None:
+) -> Schedule | None:
     """The learning rate per optimizer step: linear warm-up, then constant, step or cosine."""
     if not scheduled(cfg):
         return None
@@ -56,4 +111,4 @@ def make_scheduler(
             return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
         return 1.0
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return Schedule(optimizer, factor)

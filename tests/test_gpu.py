@@ -460,6 +460,31 @@ def test_a_graphed_run_resumes_exactly(tmp_path):
     assert list(max_param_diffs(tmp_path / "straight", tmp_path / "split")) == [0]
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_an_eager_cpu_checkpoint_resumes_graphed_on_its_schedule(tmp_path, optimizer):
+    """Written eager on the CPU (no GPU visible) in a schedule's warm-up epoch, resumed graphed
+    on the GPU (captured 11 steps into epoch 2, then replayed) for the schedule's cosine: it
+    captures, though the checkpoint's Adam was not capturable, and (SGD) ends with the weights
+    of the same checkpoint resumed eager, which a rate frozen at the capture would not give.
+    Adam turns last-bit differences into steps of up to lr (test_cuda_graphs' schedule test):
+    its weights are not compared."""
+    args = [*GRAPHED, "--optimizer", optimizer, "--lr-schedule", "cosine", "--warmup-epochs", "1"]
+    written = tmp_path / "cpu"
+    done = run_main(
+        [*args, "--epochs", "1", "--checkpoint-dir", str(written)], CUDA_VISIBLE_DEVICES=""
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = [*args, "--epochs", "3", "--resume", str(written)]
+    for mode in ("cuda-graphs", "no-cuda-graphs") if optimizer == "sgd" else ("cuda-graphs",):
+        config, metrics = run_gpu([*resumed, f"--{mode}", "--checkpoint-dir", str(tmp_path / mode)])
+        assert config["cuda_graphs"] == str(mode == "cuda-graphs")
+        assert [m["epoch"] for m in metrics] == [2, 3] and metrics[-1]["device"] == "cuda"
+    if optimizer == "sgd":
+        (difference,) = max_param_diffs(tmp_path / "no-cuda-graphs", tmp_path / "cuda-graphs")
+        print(f"resumed graphed vs eager on the schedule: largest difference {difference:.3g}")
+        assert difference <= 1e-6
+
+
 def test_a_graphed_run_stops_at_a_step_on_sigusr1_and_finishes_after_resume(repo_copy):
     from conftest import LONG_RUN, stop_at_first_progress
 

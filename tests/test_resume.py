@@ -1,5 +1,7 @@
 """Checkpoint and resume: an interrupted run ends exactly where an uninterrupted one ends."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -195,3 +197,110 @@ def test_resume_from_a_path_goes_on_writing_beside_it(tmp_path):
         train_and_gather, 1, Config(**common, epochs=2, resume=str(tmp_path / "ckpt_e0002_s000000"))
     )
     assert checkpoint.latest(tmp_path).name == "ckpt_e0003_s000000"
+
+
+# ----------------------------------------------------------------------------- across modes
+# The optimizer and schedule each kind of run builds (optim.py): an eager run's, or the one a
+# graphed CUDA run builds (capturable, its rate a tensor that the scheduler fills), which a CPU
+# builds as well; or an eager run's without a schedule.
+MODES = {
+    "eager": {"cuda_graphs": False},
+    "graphed": {"cuda_graphs": True},
+    "constant": {"cuda_graphs": False, "lr_schedule": "none"},
+}
+# How an optimizer steps: the run's own, whoever wrote the checkpoint.
+HOW_IT_STEPS = ("capturable", "differentiable", "foreach", "fused")
+
+
+def resume_across_modes(env, strategy: str, folder: str, written_by: str, read_by: str) -> dict:
+    """One rank: a model trained 3 steps by a `written_by` run's optimizer and schedule and
+    saved, then resumed through checkpoint.load by a `read_by` run's, and both stepped once more
+    on the same batch. Returns what the resumed optimizer holds beside a fresh one of its
+    configuration, and the writer's and the resumed run's rates and weights after that step."""
+    import torch.nn.functional as F
+
+    from model import build_model
+    from optim import make_optimizer, make_scheduler
+    from strategies import wrap_model
+
+    cfg = Config(strategy=strategy, lr_schedule="cosine", epochs=2)
+    images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+    def built(mode: str, model=None):
+        """A run's model (or `model`), its optimizer and schedule."""
+        if model is None:
+            model = wrap_model(cfg, build_model("cnn"), env.device, env.rank, env.world_size, 1)
+        run_cfg = replace(cfg, **MODES[mode])
+        optimizer = make_optimizer(run_cfg, model)
+        return model, optimizer, make_scheduler(run_cfg, optimizer, steps_per_epoch=10)
+
+    def step(model, optimizer, scheduler):
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler:
+            scheduler.step()
+
+    def forms(group) -> dict:
+        """Each rate's type, dtype and device."""
+        return {
+            key: (type(rate).__name__, getattr(rate, "dtype", None), getattr(rate, "device", None))
+            for key, rate in group.items()
+            if key in ("lr", "initial_lr")
+        }
+
+    writer = built(written_by)
+    for _ in range(3):
+        step(*writer)
+    identity = checkpoint.Identity(strategy, "cnn", 0, len(images))
+    written = checkpoint.Resumable(*writer[:2], None, writer[2])
+    saved = checkpoint.save(folder, checkpoint.Position(1, 3), identity, written)
+    model, optimizer, scheduler = built(read_by)
+    own_rate = optimizer.param_groups[0]["lr"]
+    fresh = built(read_by, model)[1].param_groups[0]
+    checkpoint.load(saved, identity, checkpoint.Resumable(model, optimizer, None, scheduler))
+    group = optimizer.param_groups[0]
+    found = {
+        "how": {key: group[key] for key in HOW_IT_STEPS if key in fresh},
+        "fresh_how": {key: fresh[key] for key in HOW_IT_STEPS if key in fresh},
+        "forms": forms(group),
+        "fresh_forms": forms(fresh),
+        "own_rate_kept": group["lr"] is own_rate,
+        "rate": float(group["lr"]),
+        "written_rate": float(writer[1].param_groups[0]["lr"]),
+    }
+    step(*writer)
+    step(model, optimizer, scheduler)
+    group = optimizer.param_groups[0]
+    found["next"] = float(group["lr"]), float(writer[1].param_groups[0]["lr"])
+    found["forms_after_step"] = forms(group)
+    found["own_rate_kept_after_step"] = group["lr"] is own_rate
+    found["weights"] = full_state(env, model), full_state(env, writer[0])
+    return found
+
+
+@pytest.mark.parametrize(
+    "written_by, read_by",
+    [("eager", "graphed"), ("graphed", "eager"), ("graphed", "graphed"), ("constant", "graphed")],
+)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_checkpoint_resumes_with_the_optimizer_this_run_builds(
+    tmp_path, strategy, written_by, read_by
+):
+    """DDP's one file and FSDP2's shards, written by an eager run and resumed by a graphed one,
+    the other way, graphed both, or written without a schedule: the resumed optimizer steps as
+    this run's own (capturable, fused/foreach), its rates are of the forms a fresh one's are (a
+    graphed run's rate the very tensor its graph reads), the schedule goes on writing into it,
+    and the next step trains as the writer's would."""
+    (found,) = spawn(resume_across_modes, 1, strategy, str(tmp_path), written_by, read_by)
+    assert found["how"] == found["fresh_how"]
+    assert found["forms"] == found["fresh_forms"]
+    assert found["own_rate_kept"] == (read_by == "graphed")
+    assert found["rate"] == pytest.approx(found["written_rate"], rel=1e-6)
+    assert max_diff(*found["weights"]) <= 1e-6
+    resumed_next, written_next = found["next"]
+    assert resumed_next != found["rate"], "the schedule no longer moves the rate"
+    if written_by != "constant":  # else the schedule starts afresh
+        assert resumed_next == pytest.approx(written_next, rel=1e-6)
+    assert found["forms_after_step"] == found["fresh_forms"]
+    assert found["own_rate_kept_after_step"] == (read_by == "graphed")
