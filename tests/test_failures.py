@@ -10,6 +10,7 @@ import time
 import pytest
 
 import distributed_utils
+import peer_failures
 from helpers import ARGS, DEAD_S, HUNG_S, end_rank1_during_training, kill_during_training
 
 
@@ -56,7 +57,7 @@ def describe_after_rank_0_has_left(env) -> tuple[str, str] | None:
         os.dup2(native.fileno(), 2)
         try:
             time.sleep(3)  # rank 0's process ends (its pulse and this rank's stop on the way)
-            line = distributed_utils.describe_peer_failure(RuntimeError("gloo: connection closed"))
+            line = peer_failures.describe_peer_failure(RuntimeError("gloo: connection closed"))
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -98,7 +99,7 @@ def errors_of_two_collectives_a_late_peer_misses(env) -> list[tuple[str, bool]]:
         try:
             work.wait()
         except RuntimeError as e:
-            seen.append((str(e).splitlines()[0], distributed_utils.is_peer_failure(e)))
+            seen.append((str(e).splitlines()[0], peer_failures.is_peer_failure(e)))
     return seen
 
 
@@ -111,7 +112,7 @@ def test_every_error_of_a_timed_out_gloo_context_is_a_peer_failure():
     seen, _ = spawn(
         errors_of_two_collectives_a_late_peer_misses, 2, pg_timeout_s=SHORT_TIMEOUT_S, timeout=100
     )
-    assert seen[1][0] == distributed_utils.GLOO_PAIRS_CLOSED, seen
+    assert seen[1][0] == peer_failures.GLOO_PAIRS_CLOSED, seen
     assert "gloo" in seen[0][0] and "Timed out" in seen[0][0], seen
     assert all(peer_failure for _, peer_failure in seen), seen
 
