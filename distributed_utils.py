@@ -346,6 +346,9 @@ def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
         _handshake_group = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=HANDSHAKE_TIMEOUT_S)
         )
+        # Every rank has met, its pulse answering: from here a peer that dies ends this rank
+        # within --pg-timeout, even a main thread that no collective's timeout would wake.
+        peer_failures.watch(timeout_s)
     return DistEnv(rank, local_rank, world_size, device, backend)
 
 
@@ -366,9 +369,11 @@ def cleanup(failed: bool = False) -> None:
     dies with the last Python reference. A reference cycle (modules, hooks) can postpone that to
     the interpreter's teardown, where gloo's threads are torn down unjoined: "terminate called
     without an active exception", SIGABRT, after all the work was done. Collect the cycles first.
+    The pulse and its watchdog stop before: unless this rank failed, it tells the others' pulses
+    that it leaves, so that a rank still at work does not take it for dead.
     """
     global _handshake_group
-    peer_failures.stop_pulse()
+    peer_failures.leave(cleanly=not failed)
     if dist.is_initialized():
         gc.collect()
         if failed:
