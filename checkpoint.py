@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 import safe_load
 from config import SHARDED, STAGED
-from distributed_utils import is_peer_failure, run_name
+from distributed_utils import run_name
+from peer_failures import is_peer_failure
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
 
 # torch.distributed.checkpoint (DCP) is imported inside the functions that write or read a

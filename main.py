@@ -164,6 +164,7 @@ def train(cfg: Config, argv: list[str]) -> int:
     """Join the other ranks, build and run this rank's trainer (session.run), report, leave; a
     dead or hung peer ends this rank with one line."""
     import distributed_utils  # torch loads here, once the options are known to be readable
+    import peer_failures
     import session
     from precision import set_deterministic
 
@@ -181,10 +182,10 @@ def train(cfg: Config, argv: list[str]) -> int:
         distributed_utils.barrier()
         failed = False
     except Exception as e:
-        if not distributed_utils.is_peer_failure(e):
+        if not peer_failures.is_peer_failure(e):
             raise
         # Its own log holds the cause: say which rank, rather than wait for the time limit.
-        print(f"error: {distributed_utils.describe_peer_failure(e)}", file=sys.stderr, flush=True)
+        print(f"error: {peer_failures.describe_peer_failure(e)}", file=sys.stderr, flush=True)
         return EXIT_STATUS["peer_failed"]
     finally:
         # exercise 5.1 begin

@@ -17,6 +17,7 @@ import cuda_graphs
 import data
 import distributed_utils
 import mfu
+import peer_failures
 import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world, microbatches
@@ -241,7 +242,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     def save(at: checkpoint.Position) -> None:
         if not folder or (source and source.resolve() == (folder / at.name).resolve()):
             return  # nothing trained since resuming (a stop during start-up): saved already
-        distributed_utils.say_where(f"saving checkpoint {at.name}")
+        peer_failures.say_where(f"saving checkpoint {at.name}")
         log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, resumable)}")
         if is_rank_zero():
             for old in checkpoint.prune(folder, cfg.keep_last, protect=source):

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from checkpoint import Position
 from cuda_graphs import GraphedStep
 from data import Loaders, validation_weights
-from distributed_utils import DistEnv, say_where
+from distributed_utils import DistEnv
 from measure import (
     ComputeCalibration,
     MemoryMeter,
@@ -42,6 +42,7 @@ from measure import (
     time_breakdown,
 )
 from mfu import UNKNOWN, ModelFlops, implausible
+from peer_failures import say_where
 from precision import Precision, loss_input
 from profiling import StepProfiler
 from stopping import STOP_POLL_EVERY, StopRequest

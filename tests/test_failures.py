@@ -3,13 +3,16 @@
 The two ranks are started directly, as srun starts its tasks: under torchrun its agent would
 kill rank 0 itself on seeing rank 1 die, and rank 0's own reaction would never be seen."""
 
+import os
 import re
 import signal
+import threading
 import time
 
 import pytest
 
 import distributed_utils
+import peer_failures
 from helpers import ARGS, DEAD_S, HUNG_S, end_rank1_during_training, kill_during_training
 
 
@@ -56,7 +59,7 @@ def describe_after_rank_0_has_left(env) -> tuple[str, str] | None:
         os.dup2(native.fileno(), 2)
         try:
             time.sleep(3)  # rank 0's process ends (its pulse and this rank's stop on the way)
-            line = distributed_utils.describe_peer_failure(RuntimeError("gloo: connection closed"))
+            line = peer_failures.describe_peer_failure(RuntimeError("gloo: connection closed"))
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -98,7 +101,7 @@ def errors_of_two_collectives_a_late_peer_misses(env) -> list[tuple[str, bool]]:
         try:
             work.wait()
         except RuntimeError as e:
-            seen.append((str(e).splitlines()[0], distributed_utils.is_peer_failure(e)))
+            seen.append((str(e).splitlines()[0], peer_failures.is_peer_failure(e)))
     return seen
 
 
@@ -111,7 +114,7 @@ def test_every_error_of_a_timed_out_gloo_context_is_a_peer_failure():
     seen, _ = spawn(
         errors_of_two_collectives_a_late_peer_misses, 2, pg_timeout_s=SHORT_TIMEOUT_S, timeout=100
     )
-    assert seen[1][0] == distributed_utils.GLOO_PAIRS_CLOSED, seen
+    assert seen[1][0] == peer_failures.GLOO_PAIRS_CLOSED, seen
     assert "gloo" in seen[0][0] and "Timed out" in seen[0][0], seen
     assert all(peer_failure for _, peer_failure in seen), seen
 
@@ -160,3 +163,64 @@ def test_hybrid_mesh_groups_time_out_after_the_pg_timeout():
     )
     assert error, "rank 0's collective should have timed out"
     assert SHORT_TIMEOUT_S - 0.5 < waited < 3 * SHORT_TIMEOUT_S, (waited, error)
+
+
+# The run's --pg-timeout in the watchdog's test: the bound within which a dead peer ends a rank
+# that nothing else would wake.
+WATCHED_TIMEOUT_S = 8
+
+
+def wait_for_ever_beside_a_dying_peer(env, folder) -> None:
+    """Rank 1 dies (SIGKILL), writing the time first to folder/killed; rank 0 waits where no
+    timeout reaches it, standing in for a replayed CUDA graph's collective (NCCL's watchdog
+    never sees those), its stderr in folder/rank0.err."""
+    peer_failures.say_where(f"at rank {env.rank}'s stand-in for a replay")
+    if env.rank == 1:
+        (folder / "killed").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.dup2(os.open(folder / "rank0.err", os.O_WRONLY | os.O_CREAT), 2)
+    threading.Event().wait()
+
+
+@pytest.mark.timeout(150)
+def test_a_dead_peer_ends_a_rank_that_no_timeout_would_wake(tmp_path):
+    """The watchdog asks the peers' pulses every few seconds: rank 0 prints the line an eager
+    run's failed collective gets and exits with its status, within --pg-timeout of the death."""
+    from dist_harness import spawn_outcomes
+    from utils import EXIT_STATUS
+
+    outcomes = spawn_outcomes(
+        wait_for_ever_beside_a_dying_peer,
+        2,
+        tmp_path,
+        pg_timeout_s=WATCHED_TIMEOUT_S,
+        timeout=4 * WATCHED_TIMEOUT_S,
+    )
+    error = tmp_path / "rank0.err"
+    waited = error.stat().st_mtime - float((tmp_path / "killed").read_text())
+    print(f"rank 0 named its dead peer {waited:.1f} s after it died: {error.read_text()}")
+    assert outcomes == [("died", EXIT_STATUS["peer_failed"]), ("died", -signal.SIGKILL)]
+    where = "at rank {}'s stand-in for a replay"
+    assert re.fullmatch(
+        rf"error: rank 0: rank\(s\) 1 died or hung; last seen: rank 0 {where.format(0)}; "
+        rf"rank 1 {where.format(1)}; stopping \(.+\)\n",
+        error.read_text(),
+    ), error.read_text()
+    assert waited < WATCHED_TIMEOUT_S, waited
+
+
+def leave_at_different_times(env, late_s: float) -> str:
+    if env.rank == 1:  # rank 0, which hosts the rendezvous store, leaves first
+        time.sleep(late_s)
+    return "finished"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_finished_first_is_not_taken_for_dead():
+    """Rank 0 finishes and leaves; rank 1 goes on for twice --pg-timeout (its watchdog would
+    name a silent peer after half of it), then finishes too: both finished, none was named."""
+    from dist_harness import spawn
+
+    assert spawn(
+        leave_at_different_times, 2, 2 * SHORT_TIMEOUT_S, pg_timeout_s=SHORT_TIMEOUT_S
+    ) == ["finished", "finished"]

@@ -539,7 +539,7 @@ def test_a_signal_to_one_rank_on_the_gpu_stops_both_and_the_resume_continues(tmp
 
 def kill_rank1_mid_training(env, cfg) -> str | None:
     """Rank 1 dies at its 5th step; rank 0 returns the line it would end with."""
-    import distributed_utils
+    import peer_failures
     import stopping
     from session import run as run_session
 
@@ -556,8 +556,8 @@ def kill_rank1_mid_training(env, cfg) -> str | None:
     try:
         run_session(cfg, env)
     except Exception as e:
-        if distributed_utils.is_peer_failure(e):
-            return distributed_utils.describe_peer_failure(e)
+        if peer_failures.is_peer_failure(e):
+            return peer_failures.describe_peer_failure(e)
         raise
     return None
 
