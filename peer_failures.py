@@ -71,7 +71,8 @@ class Pulse:
                 host = probe.getsockname()[0]
         except OSError:  # no route known to it: the node's name is the best guess left
             host = socket.gethostname()
-        self.server = socket.create_server(("", 0), family=family)
+        # Only there: its peers need no other address, and nobody else needs one at all.
+        self.server = socket.create_server((host, 0), family=family)
         self.server.settimeout(1.0)  # where shutdown() does not wake accept() (not Linux)
         store.set(f"pulse/{rank}", f"{host} {self.server.getsockname()[1]}")
         self.left: set[int] = set()  # the peers that said they leave cleanly

@@ -481,3 +481,20 @@ def test_a_rank_loads_torch_without_collecting_and_freezes_it():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "frozen at exit: 0", done.stdout[-2000:]
     assert done.stderr == "", done.stderr[-2000:]
+
+
+def test_a_pulse_listens_only_on_the_address_its_peers_reach_it_at():
+    """Not on every interface: bound to the one address it leaves at the store for its peers."""
+    import peer_failures
+
+    class Store(dict):
+        set = dict.__setitem__
+
+    store = Store()
+    pulse = peer_failures.Pulse(store, 0, "127.0.0.1")
+    try:
+        host, port = store["pulse/0"].split()
+        assert pulse.server.getsockname()[:2] == (host, int(port)) == ("127.0.0.1", int(port))
+        assert peer_failures.answers((host, int(port)))
+    finally:
+        pulse.stop()
