@@ -11,7 +11,7 @@ import comm_bench
 from conftest import REPO, TINY, TORCHRUN, metrics_in, run_main
 from dist_harness import spawn
 from model import build_model, count_parameters
-from precision import storage_dtype, wire_dtypes
+from precision import loss_input, make_precision, storage_dtype, wire_dtypes
 from utils import COMM_FIELDS, format_comm, parse_comm
 
 
@@ -58,18 +58,21 @@ def test_message_sizes_of_the_course_cnn():
 
 def _ddp_logged_buckets(env, names: list[str], precision: str) -> dict:
     """DDP's own record of its buckets (bytes, in the order it reduces them), for each model
-    built as a run of this --precision builds it (session.build_trainer: in its storage dtype)
-    and wrapped as ddp_utils wraps it: at construction, and as rebuilt after the first
-    iteration."""
+    built and stepped as a run of this --precision builds and steps it (session.build_trainer:
+    in its storage dtype; under autocast in bf16 and fp16) and wrapped as ddp_utils wraps it:
+    at construction, and as rebuilt after the first iteration."""
     from ddp_utils import get_ddp_model
 
     torch.set_default_dtype(storage_dtype(precision))
+    steps = make_precision(precision, "ddp", env.device)
     found = {}
     for name in names:
         model = get_ddp_model(build_model(name), env.device)
         for _ in range(3):  # rebuilt in the second forward, logged by the third's
             images, labels = torch.randn(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)
-            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            with steps.autocast(env.device):
+                logits = model(images)
+            torch.nn.functional.cross_entropy(loss_input(logits), labels).backward()
         logged = model._get_ddp_logging_data()
         found[name] = [
             [int(size) for size in logged[key].split(",")]
@@ -95,6 +98,21 @@ def test_the_timed_buckets_are_those_ddp_logs(precision, models):
         timed = [size for op, _, size in messages if op == "all_reduce"]  # grad, bucket0, ...
         assert [timed[:1], timed[1:]] == logged[name], name
         assert sum(timed[1:]) == count_parameters(model) * reduced.itemsize
+
+
+@pytest.mark.timeout(120)
+def test_under_autocast_ddp_buckets_one_bias_later_than_timed():
+    """Under bf16 autocast the gradients stay fp32 (4 bytes a parameter, as timed), but the
+    classifier's first bias (512 gradients, 2,048 bytes) reaches DDP after the first bucket's
+    1 MiB cap is reached: DDP's rebuilt buckets are 2,117,672 and 96,384 bytes (torch 2.14,
+    docs/metrics.md), where --comm-benchmark times 2,119,720 and 94,336, the parameters'
+    reverse order."""
+    (logged,) = spawn(_ddp_logged_buckets, 1, ["cnn"], "bf16", timeout=100)
+    messages = comm_bench.messages(build_model("cnn"), "bf16", "ddp", [])
+    grad, first, second = [size for op, _, size in messages if op == "all_reduce"]
+    bias = build_model("cnn").classifier[1].bias.numel() * 4
+    assert logged["cnn"] == [[grad], [first - bias, second + bias]]
+    assert logged["cnn"][1] == [2_117_672, 96_384]
 
 
 def test_comm_line_round_trip():
