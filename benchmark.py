@@ -383,7 +383,7 @@ def comm_only() -> None:
     try:
         with torch.device("meta"):  # sizes only: no weights, no random numbers drawn
             model = build_model(Config.model, SPEC.num_classes, SPEC.image_shape)
-        run_comm_benchmark(model, env.device)
+        run_comm_benchmark(model, env.device, Config.precision, Config.strategy)
     finally:
         distributed_utils.cleanup()
 

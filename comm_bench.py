@@ -3,11 +3,13 @@
 In an initialized process group, times `all_reduce` at the sizes DDP sends (each gradient
 bucket, and the whole gradient, its first iteration's one bucket), `all_gather_into_tensor` and
 `reduce_scatter_tensor` at the sizes FSDP sends for each unit (the flat parameter one wrapped
-block gathers, in the compute dtype; its gradients, reduce-scattered in fp32), and each of the
-three over a sweep of message sizes. One `[COMM]` line per measurement (utils.format_comm),
-printed by rank 0: the time of one collective (on a GPU, rounds of several back to back, as
-nccl-tests times them; the median round, the slowest rank's), and nccl-tests' algorithm and bus
-bandwidths (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+block gathers, in the compute dtype; its gradients, reduce-scattered in the reduce dtype), and
+each of the three over a sweep of message sizes. The bytes per parameter are those the run's
+--precision sends (precision.wire_dtypes: gradients in fp32, or in fp64 at --precision fp64).
+One `[COMM]` line per measurement (utils.format_comm), printed by rank 0: the time of one
+collective (on a GPU, rounds of several back to back, as nccl-tests times them; the median
+round, the slowest rank's), and nccl-tests' algorithm and bus bandwidths
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
 
     torchrun --nproc_per_node=2 benchmark.py --comm     # alone
     main.py --comm-benchmark ...                        # once at the start of a training job
@@ -21,6 +23,7 @@ import torch.nn as nn
 
 from distributed_utils import BACKENDS
 from measure import StageTimer, all_reduce, synchronize_device
+from precision import wire_dtypes
 from utils import FSDP_ROOT_UNIT, format_comm, log0
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -28,7 +31,6 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # call in recent torch); the old ones where torch is older.
 ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-GRADIENT_BYTES = 4  # both strategies reduce gradients in fp32 (docs/strategies.md, Precision)
 # DDP's bucket caps (torch.nn.parallel.DistributedDataParallel's defaults, which ddp_utils keeps):
 # once its buckets are rebuilt, the first is capped at 1 MiB so that communication starts early
 # in backward, the others at bucket_cap_mb=25.
@@ -76,16 +78,17 @@ def fill_buckets(sizes: list[int], caps: list[int]) -> list[int]:
     return buckets + ([current] if current else [])
 
 
-def ddp_buckets(model: nn.Module, rebuilt: bool = True) -> list[int]:
-    """The bytes of each gradient bucket DDP all-reduces, in the order it reduces them. The first
-    iteration (rebuilt=False) reduces the whole gradient as one bucket: without
+def ddp_buckets(model: nn.Module, gradient_bytes: int, rebuilt: bool = True) -> list[int]:
+    """The bytes of each gradient bucket DDP all-reduces, in the order it reduces them, for
+    gradients of gradient_bytes an element (the caps are bytes: in fp64 the split moves). The
+    first iteration (rebuilt=False) reduces the whole gradient as one bucket: without
     find_unused_parameters DDP does not know the order gradients arrive in, so it does not split
     them (nn/parallel/distributed.py). Then it rebuilds the buckets in the order the gradients
     did arrive, capped at DDP_FIRST_BUCKET, then DDP_BUCKET. That order is modelled as the
     parameters' reverse order, backward's for layers that run one after the other; where a
     gradient arrives later than that (under autocast, the CNN's first linear bias: 2,048 bytes)
     the bucket it would close can differ by that tensor (tests/test_collectives.py)."""
-    sizes = [p.numel() * GRADIENT_BYTES for p in model.parameters() if p.requires_grad]
+    sizes = [p.numel() * gradient_bytes for p in model.parameters() if p.requires_grad]
     if not rebuilt:
         return [sum(sizes)]
     return fill_buckets(sizes[::-1], [DDP_FIRST_BUCKET, DDP_BUCKET])
@@ -118,17 +121,21 @@ def sweep_sizes(device: torch.device, largest: int | None = None) -> list[int]:
     return sizes
 
 
-def messages(model: nn.Module, element_bytes: int, sizes: list[int]) -> list[tuple[str, str, int]]:
-    """(op, label, bytes) of every measurement: the model's own messages first, then the sweep."""
-    (grad,) = ddp_buckets(model, rebuilt=False)  # the whole gradient
+def messages(
+    model: nn.Module, precision: str, strategy: str, sizes: list[int]
+) -> list[tuple[str, str, int]]:
+    """(op, label, bytes) of every measurement: the model's own messages first, then the sweep.
+    FSDP's gathers in what this strategy would gather at this precision, every gradient in
+    what it is reduced in (precision.wire_dtypes)."""
+    gathered, reduced = (dtype.itemsize for dtype in wire_dtypes(precision, strategy))
+    (grad,) = ddp_buckets(model, reduced, rebuilt=False)  # the whole gradient
     found = [("all_reduce", "grad", grad)]
-    found += [("all_reduce", f"bucket{i}", b) for i, b in enumerate(ddp_buckets(model))]
-    # FSDP gathers parameters in their compute dtype and reduce-scatters gradients in fp32.
-    reduced = fsdp_units(model, GRADIENT_BYTES)
-    for name, nbytes in fsdp_units(model, element_bytes).items():
+    found += [("all_reduce", f"bucket{i}", b) for i, b in enumerate(ddp_buckets(model, reduced))]
+    scattered = fsdp_units(model, reduced)
+    for name, nbytes in fsdp_units(model, gathered).items():
         found += [
             ("all_gather", f"unit_{name}", nbytes),
-            ("reduce_scatter", f"unit_{name}", reduced[name]),
+            ("reduce_scatter", f"unit_{name}", scattered[name]),
         ]
     found += [(op, "sweep", size) for size in sizes for op in OPS]
     return found
@@ -178,18 +185,19 @@ def measure(op: str, nbytes: int, device: torch.device, repeats: tuple[int, int,
 def run_comm_benchmark(
     model: nn.Module,
     device: torch.device,
-    element_bytes: int = 4,
+    precision: str,
+    strategy: str,
     largest: int | None = None,
     repeats: tuple[int, int] | None = None,
     extra: dict | None = None,
 ) -> list[dict]:
     """Every measurement's [COMM] fields (rank 0 also prints them). Call it on every rank of an
-    initialized process group. model: unwrapped (meta tensors do), for its message sizes;
-    element_bytes: of the parameters FSDP gathers (2 in bf16/fp16, else 4)."""
+    initialized process group. model: unwrapped (meta tensors do), for its message sizes, at the
+    bytes per parameter the run's --precision and --strategy send."""
     world_size = dist.get_world_size()
     repeats = repeats or REPEATS[device.type]
     rows = []
-    for op, label, nbytes in messages(model, element_bytes, sweep_sizes(device, largest)):
+    for op, label, nbytes in messages(model, precision, strategy, sweep_sizes(device, largest)):
         moved, seconds = measure(op, nbytes, device, repeats)
         algbw, busbw = bandwidths(op, moved, world_size, seconds)
         row = {

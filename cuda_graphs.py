@@ -76,10 +76,13 @@ def refusal(cfg: Config, device: torch.device) -> str | None:
             "FSDP2's SGD (foreach: torch has no fused SGD for sharded parameters) reads a "
             "scheduled rate on the host at every step: use --optimizer adam, or a constant rate"
         )
-    if cfg.precision == "fp16":
+    if cfg.precision == "fp16" and cfg.strategy == "fsdp2" and cfg.optimizer == "sgd":
+        # GradScaler hands a fused optimizer its inf check as a device tensor; it steps any
+        # other only after reading the check on the host (torch/amp/grad_scaler.py,
+        # _maybe_opt_step), and FSDP2's SGD is foreach (optim.make_optimizer).
         return (
-            "fp16's gradient scaler decides on the host whether to skip each step: use "
-            "--precision bf16 (no scaler)"
+            "fp16's gradient scaler reads FSDP2's SGD's inf check on the host (foreach: torch "
+            "has no fused SGD for sharded parameters): use --optimizer adam, or --precision bf16"
         )
     if cfg.compile:
         return "torch.compile makes CUDA graphs of its own (mode='reduce-overhead'): use one"
@@ -116,6 +119,8 @@ def not_yet_shown(cfg: Config, world_size: int) -> str | None:
         return f"{cfg.strategy.upper()}'s communication across {world_size} GPUs"
     if cfg.model not in SHOWN_MODELS:
         return f"--model {cfg.model}"
+    if cfg.precision == "fp16":
+        return "fp16's gradient scaler"
     if scheduled(cfg):
         return "a learning-rate schedule"
     if cfg.loader == "classic":

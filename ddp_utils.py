@@ -18,8 +18,9 @@ def get_ddp_model(model: nn.Module, device: torch.device) -> DDP:
     model = model.to(device)
     # On a GPU, name it: DDP then places inputs and its buckets there. On CPU, device_ids=None.
     device_ids = [device.index] if device.type == "cuda" else None
-    # Gradients as views into DDP's all-reduce buckets: no copying between gradients and
-    # buckets at every step, and one gradient-sized buffer less.
+    # Gradients as views into DDP's all-reduce buckets: one gradient-sized buffer less, and no
+    # copy back from the buckets. The copy into them stays: zero_grad(set_to_none=True) makes
+    # backward produce fresh gradients each step (docs/performance.md, On one H100).
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
     # exercise 4.1 end
 

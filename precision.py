@@ -45,6 +45,17 @@ def storage_dtype(precision: str) -> torch.dtype:
     return max(DTYPES[precision], torch.float32, key=lambda dtype: dtype.itemsize)
 
 
+def wire_dtypes(precision: str, strategy: str) -> tuple[torch.dtype, torch.dtype]:
+    """What this strategy's collectives carry at this --precision: (the parameters FSDP
+    gathers, the gradients every strategy reduces). FSDP gathers in its compute dtype where it
+    has one (fsdp_utils: param_dtype). Gradients are reduced in the storage dtype: DDP's buckets
+    hold the parameters' own gradients (under autocast too), FSDP's reduce_dtype is fp32 under
+    bf16 and fp16 and the parameters' dtype otherwise; so 8 bytes a parameter in fp64."""
+    stored = storage_dtype(precision)
+    low = low_precision(precision) if strategy in SHARDED else None
+    return low or stored, stored
+
+
 def loss_input(logits: torch.Tensor) -> torch.Tensor:
     """Logits computed in bf16 or fp16, in fp32 for the loss; fp32's and fp64's as they are."""
     return logits.float() if logits.dtype.itemsize < 4 else logits

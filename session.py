@@ -20,12 +20,12 @@ import mfu
 import peer_failures
 import stopping
 from comm_bench import run_comm_benchmark
-from config import LAYER_SPLIT, SHARDED, STAGED, Config, check_world, data_world, microbatches
+from config import LAYER_SPLIT, STAGED, Config, check_world, data_world, microbatches
 from fsdp_utils import effective_sharding
 from measure import ComputeCalibration, MemoryMeter
 from model import build_model, count_parameters
 from optim import make_optimizer, make_scheduler
-from precision import low_precision, make_precision, set_fp32_math, storage_dtype
+from precision import make_precision, set_fp32_math, storage_dtype
 from profiling import StepProfiler, profile_path, profile_report
 from strategies import STEP_COLLECTIVES, compiled, devices_per_rank, wrap_model
 from train import Diverged, Learner, Trainer
@@ -278,6 +278,10 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
     spec = data.DATASETS[cfg.dataset]
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(cfg.model, spec.num_classes, spec.image_shape)
-    low = low_precision(cfg.precision)  # what FSDP's all-gathers carry (fsdp_utils)
-    gathered = (low if cfg.strategy in SHARDED and low else storage_dtype(cfg.precision)).itemsize
-    run_comm_benchmark(model, env.device, gathered, extra={"job_id": distributed_utils.job_id()})
+    run_comm_benchmark(
+        model,
+        env.device,
+        cfg.precision,
+        cfg.strategy,
+        extra={"job_id": distributed_utils.job_id()},
+    )

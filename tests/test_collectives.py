@@ -18,6 +18,7 @@ from comm_bench import ddp_buckets, messages
 from dist_harness import spawn, steps_cfg
 from fsdp_utils import own_units
 from model import build_model
+from precision import wire_dtypes
 from session import build_trainer
 
 pytestmark = pytest.mark.fast  # make test-fast
@@ -80,9 +81,8 @@ def expected_messages(strategy: str, sharding: str, precision: str) -> collectio
     them: DDP each bucket once; FSDP each unit's gather once for forward and, fully sharded,
     again for backward, but the root's, kept from forward to backward; and each unit's
     reduce-scatter once."""
-    gathered = 2 if strategy != "ddp" and precision == "bf16" else 4
     expected = collections.Counter()
-    for op, label, size in messages(build_model("cnn"), gathered, []):
+    for op, label, size in messages(build_model("cnn"), precision, strategy, []):
         if strategy == "ddp" and label.startswith("bucket"):
             expected[op, size] += 1
         if strategy != "ddp" and label.startswith("unit_"):
@@ -100,7 +100,7 @@ def test_each_strategy_sends_the_collectives_its_design_says_at_the_sizes_timed(
     assert sent[0] == sent[1], "every rank takes part in every collective"
     model = build_model("cnn")
     # fsdp_utils.own_units: the classifier alone; the root holds the 3 conv blocks. 2 DDP buckets.
-    units, buckets = 1 + len(own_units(model)), len(ddp_buckets(model))
+    units, buckets = 1 + len(own_units(model)), len(ddp_buckets(model, 4))
     assert (units, buckets) == (2, 2)
     design = {
         "ddp": {"all_reduce": buckets},
@@ -123,6 +123,7 @@ def test_each_strategy_sends_the_collectives_its_design_says_at_the_sizes_timed(
             # 1 MiB cap is reached, not before (measured: 2,117,672 and 96,384 bytes): the
             # rebuilt buckets follow the order the gradients arrive in, which ddp_buckets
             # models as the parameters' reverse order. The bytes are fp32's all the same.
-            assert sum(size for _, size in found) == sum(ddp_buckets(model))
+            reduced = wire_dtypes(precision, strategy)[1].itemsize
+            assert sum(size for _, size in found) == sum(ddp_buckets(model, reduced))
             continue
         assert collections.Counter(found) == modelled, (strategy, sharding, precision)

@@ -1,18 +1,24 @@
 """The answers of docs/concepts.md, shown with the project's own code.
 
 Each test runs what one answer claims: in this process where one rank is enough, on 2 real
-gloo ranks (dist_harness.spawn) where the claim is about several. The last tests check the
-document itself: every question has its heading, every `file.py:name` names a function or
-class that exists, and every line the page quotes, `(code: ...)`, is still in the one named.
+gloo ranks (dist_harness.spawn) where the claim is about several; where an answer states how
+torch works (DDP's buffer broadcasts, its bucket copies, the sampler's padding, 16-bit
+arithmetic), the test counts it, so that it fails when the mechanism changes. The last tests
+check the document itself: every question of the course and of EXERCISES.md has its heading,
+every `file.py:name` names a function or class that exists, and every line the page quotes,
+`(code: ...)`, is still in the one named.
 """
 
 import ast
+import collections
+import contextlib
 import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from data import ShardSampler, make_synthetic, validation_weights
 from dist_harness import spawn
@@ -20,6 +26,7 @@ from model import build_model
 
 REPO = Path(__file__).resolve().parent.parent
 CONCEPTS = REPO / "docs" / "concepts.md"
+EXERCISES = REPO / "EXERCISES.md"
 SEED = 42
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 
@@ -27,6 +34,23 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 def batch(n: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the operations torch dispatches while it is active, by overload (aten.mul.out),
+    and c10d's broadcasts of floating-point tensors: DDP's of the buffers (its rebuild of the
+    buckets broadcasts integer indices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+        self.float_broadcasts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        if str(func.overloadpacket) == "c10d.broadcast_":
+            self.float_broadcasts += any(t.is_floating_point() for t in args[0])
+        return func(*args, **(kwargs or {}))
 
 
 # ----------------------------------------------------------------------------- sampler
@@ -49,6 +73,17 @@ def test_without_a_sampler_every_rank_sees_the_same_images_with_it_disjoint_shar
     assert len(shards[0]) == len(shards[1]) == size // world
     assert not set(shards[0]) & set(shards[1])
     assert sorted(shards[0] + shards[1]) == list(range(size))
+
+
+def test_where_the_world_size_does_not_divide_the_set_the_sampler_repeats_images():
+    """DistributedSampler (drop_last=False, as data.build_loaders makes it) pads the shared
+    permutation with its first indices up to a multiple of the world size: at 2 ranks, 1001
+    images give shards of 501, and one image is in both."""
+    size, world = 1001, 2
+    shards = [list(ShardSampler(size, world, rank, shuffle=True, seed=SEED)) for rank in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 501
+    assert set(shards[0]) | set(shards[1]) == set(range(size))
+    assert len(set(shards[0]) & set(shards[1])) == 1
 
 
 def test_without_set_epoch_every_epoch_repeats_the_first_shuffle():
@@ -124,34 +159,118 @@ def test_ddp_replicates_every_parameter_and_the_replicas_stay_equal():
     assert torch.equal(ranks[0]["flat"], ranks[1]["flat"])
 
 
-def _ddp_state_on_entering_each_forward(env) -> dict:
+def _ddp_initial_weights(env) -> torch.Tensor:
     from ddp_utils import get_ddp_model
 
     torch.manual_seed(SEED + env.rank)  # every rank initialises differently
+    model = get_ddp_model(torch.nn.Conv2d(3, 4, 3), env.device)
+    return model.module.weight.detach().clone()
+
+
+def test_ddp_starts_from_rank0s_parameters():
+    ranks = spawn(_ddp_initial_weights, 2, timeout=90)
+    torch.manual_seed(SEED)
+    rank0_init = torch.nn.Conv2d(3, 4, 3).weight.detach()
+    for weights in ranks:  # rank 0's initial weights on both: broadcast at construction
+        assert torch.equal(weights, rank0_init)
+
+
+# What each forward of _buffer_broadcasts runs: training (with backward) or evaluation (under
+# no_grad), and whether it syncs gradients (False: under no_sync, as --grad-accum's micro-batches
+# before the last, train.gradient_sync).
+FORWARDS = [
+    ("train", True),
+    ("train", True),
+    ("eval", True),
+    ("eval", True),
+    ("train", True),
+    ("train", False),
+    ("train", True),
+    ("train", True),
+]
+# Rank 0's buffers are broadcast before a forward only where the forward before it trained and
+# synced (torch's nn/parallel/distributed.py: _check_sync_bufs_pre_fwd reads
+# require_forward_param_sync, which the previous forward's _post_forward set); the first
+# forward, after the constructor's broadcast, too. Not "before every training forward": that
+# would be [1, 1, 0, 0, 1, 1, 1, 1].
+BROADCASTS_BEFORE = [1, 1, 1, 0, 0, 1, 0, 1]
+
+
+def _buffer_broadcasts(env) -> dict:
+    """Per forward of FORWARDS: the broadcasts DDP issued, and the running mean the module
+    held when its own forward started (after DDP's broadcast, if any)."""
+    from ddp_utils import get_ddp_model
+
+    torch.manual_seed(SEED)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
     model = get_ddp_model(model, env.device)
     bn = model.module[1]
-    entering = []  # what the module holds when its forward starts, after DDP's own work
+    entering = []
     model.module.register_forward_pre_hook(lambda *_: entering.append(bn.running_mean.clone()))
-    weights = model.module[0].weight.detach().clone()
-    x, _ = batch(seed=env.rank)  # every rank its own data
-    for _ in range(2):
-        model(x).sum().backward()
-    return {"weights": weights, "entering": entering, "after": bn.running_mean.clone()}
+    x, _ = batch(seed=env.rank)  # every rank its own data: its own batch statistics
+    broadcasts = []
+    for mode, sync in FORWARDS:
+        model.train(mode == "train")
+        accumulating = contextlib.nullcontext() if sync else model.no_sync()
+        with Dispatched() as dispatched, accumulating, torch.set_grad_enabled(mode == "train"):
+            out = model(x)
+            if mode == "train":
+                out.sum().backward()
+        broadcasts.append(dispatched.float_broadcasts)
+    return {"broadcasts": broadcasts, "entering": entering}
 
 
-def test_ddp_starts_from_rank0s_state_and_broadcasts_buffers_before_each_forward():
-    ranks = spawn(_ddp_state_on_entering_each_forward, 2, timeout=90)
-    torch.manual_seed(SEED)
-    rank0_init = torch.nn.Conv2d(3, 4, 3).weight.detach()
-    for r in ranks:  # rank 0's initial weights on both: broadcast at construction
-        assert torch.equal(r["weights"], rank0_init)
-    # A step on different data leaves different running statistics on the two ranks...
-    assert not torch.equal(ranks[0]["after"], ranks[1]["after"])
-    # ...yet each forward starts from rank 0's: broadcast before it.
-    for step in range(2):
-        assert torch.equal(ranks[0]["entering"][step], ranks[1]["entering"][step])
-    assert not torch.equal(ranks[1]["entering"][1], torch.zeros(4))  # rank 0's, updated
+def test_ddp_broadcasts_buffers_only_after_a_synced_training_forward():
+    ranks = spawn(_buffer_broadcasts, 2, timeout=90)
+    for r in ranks:
+        assert r["broadcasts"] == BROADCASTS_BEFORE
+    entering = [r["entering"] for r in ranks]
+    for i, count in enumerate(BROADCASTS_BEFORE):
+        if count:  # rank 0's statistics on both ranks
+            assert torch.equal(entering[0][i], entering[1][i]), i
+    # The forward after an accumulating one starts from each rank's own statistics.
+    after_no_sync = FORWARDS.index(("train", False)) + 1
+    assert not torch.equal(entering[0][after_no_sync], entering[1][after_no_sync])
+
+
+def _backward_copies(env) -> dict:
+    """Per (gradient_as_bucket_view, zero_grad's set_to_none): the operations of one backward
+    of the CNN under DDP that move gradients, after 3 steps (the buckets rebuilt, the
+    gradients views of them from then on)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    moves = ("aten.mul.out", "aten.copy_.default", "aten.add_.Tensor", "aten.div_.Scalar")
+    found = {}
+    for view in (True, False):
+        for set_to_none in (True, False):
+            torch.manual_seed(SEED)
+            model = DDP(build_model("cnn"), gradient_as_bucket_view=view)
+            optimizer = torch.optim.Adam(model.parameters())
+            x, y = batch()
+            for _ in range(3):
+                optimizer.zero_grad(set_to_none=set_to_none)
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+            loss = F.cross_entropy(model(x), y)
+            with Dispatched() as dispatched:
+                loss.backward()
+            found[view, set_to_none] = {op: dispatched.counts[op] for op in moves}
+    return found
+
+
+def test_bucket_views_save_the_copy_back_not_the_copy_in():
+    """With zero_grad(set_to_none=True), as train.py's step, each backward makes fresh
+    gradients that DDP copies into its buckets (mul.out: divided by the world size on the
+    way), with views or without; views save the copy back (copy_). Keeping the gradients
+    (set_to_none=False), autograd adds into the bucket and DDP divides it in place."""
+    (found,) = spawn(_backward_copies, 1, timeout=90)
+    n = len(list(build_model("cnn").parameters()))  # 10 tensors, each its own copy
+    copy_in, copy_back = "aten.mul.out", "aten.copy_.default"
+    add, divide = "aten.add_.Tensor", "aten.div_.Scalar"
+    assert found[True, True] == {copy_in: n, copy_back: 0, add: 0, divide: 0}
+    assert found[False, True] == {copy_in: n, copy_back: n, add: 0, divide: 0}
+    assert found[True, False] == {copy_in: 0, copy_back: 0, add: n, divide: n}
 
 
 def test_fsdp_full_shard_holds_about_half_the_parameters_per_rank_at_two_ranks():
@@ -161,6 +280,55 @@ def test_fsdp_full_shard_holds_about_half_the_parameters_per_rank_at_two_ranks()
         assert 0.45 < r["held"] / full < 0.55, (r["held"], full)
         assert 0.45 < r["bytes"] / (4 * full) < 0.55
     assert ranks[0]["held"] + ranks[1]["held"] == full  # the shards add up to the model
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+def test_fp16_loses_small_gradients_that_bf16_and_a_scaled_fp16_keep():
+    """One batch's gradient of the CNN cast to fp16 loses its smallest elements (below fp16's
+    smallest subnormal, 6e-8: zero), where bf16, with fp32's exponent range, keeps every one,
+    and so does fp16 after GradScaler's first scale, 2**16. Summed over 8 ranks' gradients (8
+    batches), each addition rounded to the format: bf16's 8 significant bits leave the sum off
+    by about 2**-8, fp32's 24 by about 2**-24. Prints what concepts.md quotes."""
+    torch.manual_seed(SEED)
+    model = build_model("cnn")
+    grads = []
+    for rank in range(8):
+        model.zero_grad()
+        images, labels = batch(32, seed=rank)
+        F.cross_entropy(model(images), labels).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    g = grads[0][grads[0] != 0]
+
+    def lost(dtype: torch.dtype, scale: float = 1.0) -> int:
+        return int(((g * scale).to(dtype) == 0).sum())
+
+    def subnormal(dtype: torch.dtype, scale: float = 1.0) -> int:
+        cast = (g * scale).to(dtype)
+        return int(((cast != 0) & (cast.abs() < torch.finfo(dtype).tiny)).sum())
+
+    exact = torch.stack(grads).double().sum(0)
+
+    def sum_error(dtype: torch.dtype) -> float:
+        total = grads[0].to(dtype)
+        for other in grads[1:]:
+            total = total + other.to(dtype)
+        return float((total.double() - exact).norm() / exact.norm())
+
+    scale = torch.amp.GradScaler("cpu").get_scale()
+    print(
+        f"{g.numel()} nonzero of {grads[0].numel()}; fp16 zero {lost(torch.float16)}, "
+        f"subnormal {subnormal(torch.float16)}; bf16 zero {lost(torch.bfloat16)}; fp16 x "
+        f"{scale:.0f}: zero {lost(torch.float16, scale)}, subnormal "
+        f"{subnormal(torch.float16, scale)}, inf {int((g * scale).half().isinf().sum())}; sum of "
+        f"8 off by {sum_error(torch.bfloat16):.2g} (bf16), {sum_error(torch.float16):.2g} "
+        f"(fp16), {sum_error(torch.float32):.2g} (fp32)"
+    )
+    assert lost(torch.float16) > 0 and lost(torch.bfloat16) == 0
+    assert scale == 2**16 and lost(torch.float16, scale) == 0
+    assert 2**-10 < sum_error(torch.bfloat16) < 2**-6
+    assert sum_error(torch.float32) < 2**-20
 
 
 # ----------------------------------------------------------------------------- no_grad
@@ -381,6 +549,71 @@ def headings() -> list[str]:
 def test_every_question_of_the_course_has_a_heading():
     missing = [q for q in QUESTIONS if not any(q in h for h in headings())]
     assert not missing, missing
+
+
+# A question of EXERCISES.md: a list item (continued on lines indented by two spaces) ending in
+# its id, "? (Q4.2b)": section 4, exercise 2, its second question.
+SHEET_ITEM = re.compile(r"^- (.+(?:\n  .+)*)", re.M)
+QUESTION_ID = r"Q\d+\.\d+[a-z]"
+ASKED = re.compile(rf"\? \(({QUESTION_ID})\)$")
+# Where concepts.md answers: the line right after a heading, "Sheet questions: Q4.2b, Q4.3a."
+ANSWERS = re.compile(rf"^#+ .+\n\nSheet questions: ({QUESTION_ID}(?:, {QUESTION_ID})*)\.$", re.M)
+
+
+def sheet_questions(text: str) -> tuple[list[str], list[str]]:
+    """The ids of the sheet's questions, in order, and what is wrong with the sheet: a question
+    that carries no id, or a question mark outside a list item."""
+    ids, bad = [], []
+    for item in SHEET_ITEM.findall(text):
+        item = " ".join(item.split())
+        asked = ASKED.search(item)
+        if asked:
+            ids.append(asked.group(1))
+        elif "?" in item:
+            bad.append(f"no id: {item}")
+    outside = SHEET_ITEM.sub("", text).splitlines()
+    bad += [f"a question outside a list item: {line}" for line in outside if "?" in line]
+    return ids, bad
+
+
+def answered(text: str) -> list[str]:
+    """The ids concepts.md's headings answer, in order (an id may be answered twice)."""
+    return [i for line in ANSWERS.findall(text) for i in line.split(", ")]
+
+
+def unpaired(sheet: str, answers: str) -> list[str]:
+    ids, bad = sheet_questions(sheet)
+    given = answered(answers)
+    bad += [f"{i}: asked twice" for i in sorted({i for i in ids if ids.count(i) > 1})]
+    bad += [f"{i}: no answer" for i in ids if i not in given]
+    bad += [f"{i}: answers no question" for i in dict.fromkeys(given) if i not in ids]
+    return bad
+
+
+def test_every_question_of_the_sheet_has_an_answer_heading():
+    """Each question of EXERCISES.md carries an id, and a heading of concepts.md answers it,
+    named on the line after the heading; no heading names a question the sheet does not ask."""
+    ids, _ = sheet_questions(EXERCISES.read_text())
+    assert len(ids) >= 20
+    assert not unpaired(EXERCISES.read_text(), CONCEPTS.read_text())
+
+
+def test_the_pairing_checker_finds_unpaired_questions():
+    sheet = (
+        "Intro, no question.\n\n- Why? (Q1.1a)\n- And how, in two\n  lines? (Q1.1b)\n"
+        "- Without an id?\n- Twice? (Q1.1a)\n- Unanswered? (Q2.1a)\n\nWhy here?\n"
+    )
+    answers = (
+        "## One\n\nSheet questions: Q1.1a, Q1.1b.\n\nText.\n\n## Two\n\nSheet questions: Q9.9a.\n"
+        "\n## Three\n\nText first.\nSheet questions: Q2.1a.\n"
+    )
+    assert unpaired(sheet, answers) == [
+        "no id: Without an id?",
+        "a question outside a list item: Why here?",
+        "Q1.1a: asked twice",
+        "Q2.1a: no answer",
+        "Q9.9a: answers no question",
+    ]
 
 
 def definitions(path: Path) -> dict[str, str]:

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoint import Position
 from config import Config
@@ -33,7 +34,8 @@ CHECK = [*TINY, "--cuda-graphs", "--device", "cuda", "--check", "1"]
         ({"strategy": "fsdp"}, "--strategy fsdp cannot be captured"),
         ({"strategy": "fsdp2", "cpu_offload": True}, "--cpu-offload copies the parameters"),
         ({"strategy": "dp"}, "--strategy dp cannot be captured"),
-        ({"precision": "fp16"}, "use --precision bf16"),
+        ({"precision": "fp16"}, None),  # the fused Adam skips an inf step on the device
+        ({"precision": "fp16", "strategy": "fsdp2", "optimizer": "sgd"}, "reads FSDP2's SGD's"),
         ({"compile": True}, "torch.compile makes CUDA graphs of its own"),
         ({}, None),
         ({"lr_schedule": "cosine", "warmup_epochs": 1}, None),
@@ -57,6 +59,56 @@ def test_fsdp2_is_refused_before_torch_2_11_only():
 
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+HOST_SYNC = "aten._local_scalar_dense"  # .item(), a bool of a tensor: what a capture forbids
+
+
+class HostSyncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func.overloadpacket) == HOST_SYNC
+        return func(*args, **(kwargs or {}))
+
+
+def fp16_steps(optimizer_options: dict) -> list[tuple[int, bool, float]]:
+    """Three fp16 steps as train.Learner.step takes them (autocast, the scaler's scale,
+    backward, step and update), the last with an inf loss: per step, the host reads it made,
+    whether the parameters moved, and the scale after it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), **optimizer_options)
+    scaler = torch.amp.GradScaler("cpu")
+    images = torch.randn(3, 4)
+    steps = []
+    for overflow in (False, False, True):
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(images).float().mean()
+        with HostSyncs() as syncs:
+            scaler.scale(loss * float("inf") if overflow else loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        steps.append((syncs.count, moved, scaler.get_scale()))
+    return steps
+
+
+def test_fp16s_scaler_skips_a_step_on_the_device_where_the_optimizer_is_fused():
+    """Why fp16's step may be one graph: GradScaler hands a fused optimizer (the Adam a graphed
+    run builds: capturable) its inf check as a device tensor, which skips the update on the
+    device, and updates the scale with a device kernel (torch/amp/grad_scaler.py:
+    _step_supports_amp_scaling, _amp_update_scale_): no host read, also in the step it skips.
+    A foreach optimizer is stepped only after a read of the check on the host."""
+    fused = fp16_steps({"fused": True, "capturable": True})
+    assert [syncs for syncs, _, _ in fused] == [0, 0, 0]
+    assert [moved for _, moved, _ in fused] == [True, True, False]  # the inf step skipped
+    assert fused[2][2] == fused[1][2] / 2  # and the scale backed off
+    foreach = fp16_steps({"foreach": True})
+    assert all(syncs > 0 for syncs, _, _ in foreach), foreach
+
 
 # FSDP2 with SGD as --cuda-graphs would build it: its rate scheduled, or constant; and Adam.
 FSDP2_SGD = {
@@ -110,7 +162,8 @@ FSDP2_EAGER = (
         ({"cuda_graphs": False}, CUDA, False, None),  # --no-cuda-graphs
         ({"strategy": "fsdp"}, CUDA, False, "--strategy fsdp cannot be captured"),
         ({"strategy": "fsdp2"}, CUDA, False, FSDP2_EAGER),
-        ({"precision": "fp16"}, CUDA, False, "use --precision bf16"),
+        ({"precision": "fp16"}, CUDA, False, "fp16's gradient scaler has not yet run captured"),
+        ({"precision": "fp16", "cuda_graphs": True}, CUDA, True, None),  # asked for
         ({"lr_schedule": "cosine"}, CUDA, False, "a learning-rate schedule has not yet run"),
         ({"grad_accum": 2}, CUDA, False, "--grad-accum has not yet run captured"),
         ({"model": "resnet50"}, CUDA, False, "--model resnet50 has not yet run"),
