@@ -50,6 +50,8 @@ FSDP1_ALIGNMENT = 16
 # in fused Adam, optim.make_optimizer, whatever the parameters' dtype).
 OPTIMIZER_STATE = {"adam": (2, 4), "sgd": (1, 0)}
 
+MB = 2**20  # as peak_mem's
+
 
 @dataclass(frozen=True)
 class RankState:
@@ -153,3 +155,19 @@ def rank_state(
 def state_mem(cfg: Config, model: nn.Module, world_size: int, nodes: int = 1) -> int:
     """The [METRIC] line's state_mem, predicted: the most any rank keeps."""
     return max(rank_state(cfg, model, world_size, nodes, r).total for r in range(world_size))
+
+
+def describe(cfg: Config, model: nn.Module, world_sizes: list[int], nodes: int) -> str:
+    """`main.py --check`'s word on the state a rank will keep at each world size."""
+    said = []
+    for size in world_sizes:
+        try:
+            said.append(f"{state_mem(cfg, model, size, nodes) / MB:.1f} MB at {size}")
+        except ValueError:  # hybrid sharding of a world that does not split over the nodes
+            said.append(f"n/a at {size}")
+    where = " in host memory" if offloaded(cfg) else ""
+    return (
+        "state per rank (parameters, gradients, optimizer state), predicted: "
+        + ", ".join(said)
+        + where
+    )

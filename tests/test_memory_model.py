@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from config import SHARDED, Config, pipeline_world_sizes
+from conftest import TINY, run_main
 from dist_harness import spawn, steps_cfg
 from memory_model import rank_state, state_mem
 from model import CNN, build_model
@@ -155,3 +156,14 @@ def test_the_formula_gives_the_recorded_runs_state_mem(strategy, world_size, rec
     with torch.device("meta"):
         model = build_model("cnn")
     assert state_mem(Config(strategy=strategy), model, world_size) == recorded
+
+
+@pytest.mark.fast
+def test_check_predicts_the_state_per_rank_at_each_world_size():
+    """`main.py --check` says what a rank of an FSDP run will keep at each world size it checks:
+    the CNN's 8.4 MB (2^20 bytes) at one rank, half at two, a quarter at four."""
+    args = [*TINY, "--strategy", "fsdp", "--batch-size", "64", "--check", "1", "2", "4"]
+    done = run_main(args, timeout=60)
+    assert done.returncode == 0, done.stderr
+    said = "state per rank (parameters, gradients, optimizer state), predicted: "
+    assert f"{said}8.4 MB at 1, 4.2 MB at 2, 2.1 MB at 4" in done.stdout, done.stdout
