@@ -7,7 +7,8 @@ over N ranks) made exact for this project's wrappers.
 
 What a rank keeps of each parameter (`held`: its elements there, or None where it keeps no part
 of it, and so no gradient and no optimizer state for it either):
-- replicated (ddp, dp, single, model): the whole of every parameter.
+- replicated (ddp, dp, single, model): the whole of every parameter (model: the one process's,
+  over the GPUs it spreads them on).
 - pipeline: the whole of each parameter of its own stage (model.cut).
 - fsdp2 (fully_shard): its chunk of the parameter's rows, cut as torch.chunk cuts: N chunks of
   ceil(rows / N) rows, the last ones shorter or empty (torch's _fsdp_param stores each chunk
@@ -24,12 +25,13 @@ reduces gradients in fp32, and holds its 16-bit copies only while a unit runs). 
 gradients one element each; the optimizer OPTIMIZER_STATE's. All of it on the device, or with
 --cpu-offload (FSDP) in host memory.
 
-Not counted, as state_bytes counts none of it: FSDP's padding (fewer than a row a parameter in
-FSDP2, N x 16 bytes a unit in FSDP1); the buffers (BatchNorm's statistics); and the transient: a
-unit's gathered parameters (FSDP's grad_op keeps them from forward to backward: the difference
-from full is there; both reshard after backward, and keep the same state between steps),
-activations, the loss scaler. DDP's buckets are its gradients (gradient_as_bucket_view).
-Gradients exist only after a backward, and the optimizer's state only after its first step.
+Not counted, as state_bytes counts none of it: FSDP's padding (FSDP2: the rows a rank's chunk
+lacks, on the last ranks; FSDP1: under 16 bytes a parameter and N elements a unit); the buffers
+(BatchNorm's statistics); and the transient: a unit's gathered parameters (FSDP's grad_op keeps
+them from forward to backward: the difference from full is there; both reshard after backward,
+and keep the same state between steps), activations, the loss scaler. DDP's buckets are its
+gradients (gradient_as_bucket_view). Gradients exist only after a backward, and the optimizer's
+state only after its first step.
 """
 
 import math
