@@ -6,7 +6,7 @@ optimizer state. Two APIs, one idea:
 - `--strategy fsdp2`: `fully_shard` (PyTorch's current FSDP), applied explicitly to each unit,
   then to the root; parameters become DTensors sharded over a device mesh.
 
-The units (`own_units`): each of the model's `shard_units()` (the CNN's conv blocks and
+The units (`model.own_units`): each of the model's `shard_units()` (the CNN's conv blocks and
 classifier, a ResNet's stages) that holds at least MIN_UNIT_PARAMS parameters; the root holds
 the rest (the CNN's three conv blocks, 4% of its parameters, a ResNet's stem and head). A unit
 costs the host the same hooks and copies whatever its size, and a tiny one's gather is all
@@ -57,6 +57,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 import distributed_utils
+from model import own_units
 from precision import low_precision
 from utils import UsageError
 
@@ -65,20 +66,6 @@ SHARDING = {
     "grad_op": ShardingStrategy.SHARD_GRAD_OP,
     "hybrid": ShardingStrategy.HYBRID_SHARD,
 }
-
-# The fewest parameters a shard unit needs for a unit of its own (as torch's
-# size_based_auto_wrap_policy's min_num_params, 1e8 by default, sized for this project's models):
-# 400 KB in fp32, a few microseconds on NVLink, less than the fixed cost of gathering it.
-MIN_UNIT_PARAMS = 100_000
-
-
-def own_units(model: nn.Module) -> list[nn.Module]:
-    """The shard units that become FSDP units of their own; the root holds the others."""
-    return [
-        unit
-        for unit in model.shard_units()
-        if sum(p.numel() for p in unit.parameters()) >= MIN_UNIT_PARAMS
-    ]
 
 
 def check_ranks_by_node(ranks_per_node: int) -> None:

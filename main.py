@@ -119,18 +119,20 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import checkpoint
     import data
     import distributed_utils
+    import memory_model
     from model import build_model
 
     distributed_utils.check_torch()
     train_size, source = data.find_data(cfg.dataset, cfg.data_dir, cfg.train_samples, cfg.download)
     spec = data.DATASETS[cfg.dataset]
     with torch.device("meta"):  # the model's code runs (a ResNet loads torchvision); no memory
-        build_model(cfg.model, spec.num_classes, spec.image_shape)
+        model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     for world_size in world_sizes:
         check_world(cfg, world_size, train_size)
     device, where = distributed_utils.check_device(cfg)
     distributed_utils.check_device_options(cfg, device)
     step = describe_step(cfg, device, world_sizes)
+    state = memory_model.describe(cfg, model, world_sizes, distributed_utils.num_nodes())
     if cfg.resume not in (None, "auto"):
         checkpoint.resolve(cfg.resume, Path("."))
     elif cfg.checkpoint and cfg.checkpoint_dir:
@@ -138,7 +140,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     print(
         f"check: ok: strategy={cfg.strategy} world sizes {' '.join(map(str, world_sizes))}, "
         f"global batch {cfg.batch_size}, {train_size} training images ({source}), {where}; "
-        f"the step: {step}"
+        f"the step: {step}; {state}"
     )
     return EXIT_STATUS["finished"]
 

@@ -2,8 +2,9 @@
 
 Nothing here knows about distribution: DDP and FSDP wrap these models unchanged. Each model
 names its sharding units (`shard_units()`): the course CNN's conv blocks and classifier, a
-ResNet's four residual stages. FSDP (fsdp_utils.py) gathers each unit's parameters just before
-it runs and frees them right after. Each model also lists its forward as named pieces
+ResNet's four residual stages; those large enough (`own_units`) become FSDP units of their own,
+the root holds the rest. FSDP (fsdp_utils.py) gathers each unit's parameters just before it
+runs and frees them right after. Each model also lists its forward as named pieces
 (`forward_pieces()`), so that `cut` can split it at those units into consecutive parts: a
 pipeline's stages (pipeline_utils.py) or the devices of naive model parallelism.
 """
@@ -129,6 +130,24 @@ def build_model(
     name: str, num_classes: int = NUM_CLASSES, image_shape: tuple[int, int, int] = IMAGE_SHAPE
 ) -> nn.Module:
     return MODELS[name](num_classes, tuple(image_shape))
+
+
+# The fewest parameters a shard unit needs for an FSDP unit of its own (as torch's
+# size_based_auto_wrap_policy's min_num_params, 1e8 by default, sized for this project's models):
+# 400 KB in fp32, a few microseconds on NVLink, less than the fixed cost of gathering it. Here,
+# not in fsdp_utils.py, so that memory_model.py (and `main.py --check`) can ask without loading
+# FSDP.
+MIN_UNIT_PARAMS = 100_000
+
+
+def own_units(model: nn.Module) -> list[nn.Module]:
+    """The shard units that become FSDP units of their own (fsdp_utils.py); the root holds the
+    others."""
+    return [
+        unit
+        for unit in model.shard_units()
+        if sum(p.numel() for p in unit.parameters()) >= MIN_UNIT_PARAMS
+    ]
 
 
 class Part(nn.Sequential):

@@ -17,6 +17,8 @@ from checkpoint import Position
 from config import Config
 from conftest import TINY, TINY_CFG, config_in, main_on_ranks, metrics_in, run_main
 from dist_harness import spawn
+from memory_model import state_mem
+from model import build_model
 from session import build_trainer
 
 # Two epochs of 8 steps on TINY's 256 images, no checkpoint: a few seconds per run.
@@ -36,6 +38,13 @@ def trained(args: list, nproc: int | None = None, epochs: int = 2, timeout=240, 
         assert math.isfinite(m["train_loss"]) and math.isfinite(m["val_loss"]), m
     config = config_in(done.stdout)
     return lines, config
+
+
+def predicted_state_mem(cfg: Config, world_size: int) -> int:
+    """memory_model's state_mem for cfg's model at the shape of TINY's synthetic images."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    return state_mem(cfg, model, world_size)
 
 
 def losses(lines: list[dict]) -> list[float]:
@@ -58,9 +67,11 @@ def test_hybrid_sharding_trains_sharded_within_the_node(reference, strategy):
     """`--sharding hybrid` on one node of 2 ranks really runs hybrid (the `sharding` field, per
     fsdp_utils.effective_sharding, says `hybrid`; it falls back to `no_shard` only at world size
     1), shards inside the node (each rank holds half of DDP's state bytes, as `full` does), and
-    trains as one process does on the same global batches (the same losses, to rounding)."""
+    trains as one process does on the same global batches (the same losses, to rounding).
+    Its state_mem is memory_model's prediction, to the byte."""
     lines, config = trained([*ARGS, "--strategy", strategy, "--sharding", "hybrid"], nproc=2)
     ref_lines, _ = reference
+    predicted = predicted_state_mem(Config(strategy=strategy, sharding="hybrid"), world_size=2)
     for m, ref in zip(lines, ref_lines):
         assert (m["sharding"], m["strategy"], m["world_size"], m["nodes"]) == (
             "hybrid",
@@ -69,6 +80,7 @@ def test_hybrid_sharding_trains_sharded_within_the_node(reference, strategy):
             1,
         ), m
         assert 0.49 < m["state_mem"] / ref["state_mem"] < 0.51, (m["state_mem"], ref["state_mem"])
+        assert m["state_mem"] == predicted, (m["state_mem"], predicted)
     assert losses(lines) == pytest.approx(losses(ref_lines), abs=2e-4)
     assert config["sharding"] == "hybrid"
 
@@ -170,12 +182,15 @@ def test_classic_loader_trains_like_the_tensor_loader(reference):
 def test_cnn_wide_trains_with_far_more_state(reference):
     """`--model cnn-wide` (4x the channels) trains, and its state_mem (parameters, gradients and
     Adam's two moments: 16 bytes a parameter, plus Adam's step counters) is that of its own
-    parameter count, more than 4x the course CNN's in the same settings."""
+    parameter count, more than 4x the course CNN's in the same settings: memory_model's
+    prediction, to the byte."""
     lines, config = trained([*ARGS, "--model", "cnn-wide"])
     ref_lines, ref_config = reference
     assert config["parameters"] > 4 * ref_config["parameters"]
+    predicted = predicted_state_mem(Config(model="cnn-wide"), world_size=1)
     for m, ref in zip(lines, ref_lines):
         assert 0 <= m["state_mem"] - 16 * config["parameters"] < 1024, m["state_mem"]
+        assert m["state_mem"] == predicted, (m["state_mem"], predicted)
         assert m["state_mem"] > 4 * ref["state_mem"], (m["state_mem"], ref["state_mem"])
 
 

@@ -13,7 +13,11 @@ import sys
 import pytest
 import torch
 
+from config import Config
 from conftest import REPO, TINY, TINY_CFG, config_in, metrics_in, run, run_main
+from dist_harness import spawn, steps_cfg
+from memory_model import rank_state
+from model import build_model
 from utils import parse_comm
 from verify import max_param_diffs
 
@@ -83,6 +87,34 @@ def test_cpu_offload_with_clipping_and_fp16(strategy, extra):
     GPUs."""
     _, metrics = run_gpu([*QUICK, "--strategy", strategy, "--cpu-offload", *extra, "--epochs", "1"])
     assert metrics[-1]["device"] == "cuda"
+
+
+def offloaded_state(env, strategy: str) -> tuple[int, set[str]]:
+    """One step of an FSDP run with --cpu-offload on this GPU: the bytes of state the rank keeps
+    (measure.state_bytes), and the devices its parameters, gradients and optimizer state are on."""
+    from measure import state_bytes
+    from session import build_trainer
+
+    trainer, _ = build_trainer(steps_cfg(8, 1, strategy=strategy, cpu_offload=True), env)
+    images = torch.randn(8, 3, 32, 32, device=env.device)
+    trainer.step(images, torch.randint(0, 10, (8,), device=env.device), trainer.loss_sum)
+    model, optimizer = trainer.model, trainer.optimizer
+    grads = [p.grad for p in model.parameters()]
+    state = [v for s in optimizer.state.values() for v in s.values()]
+    held = [t for t in (*model.parameters(), *grads, *state) if torch.is_tensor(t)]
+    return state_bytes(model, optimizer), {t.device.type for t in held}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_cpu_offload_keeps_the_predicted_state_in_host_memory(strategy):
+    """memory_model's prediction under --cpu-offload: the bytes, and where they are: every
+    parameter, gradient and optimizer tensor in host memory, none on the GPU."""
+    (found,) = spawn(offloaded_state, 1, strategy)
+    with torch.device("meta"):
+        model = build_model("cnn")
+    predicted = rank_state(Config(strategy=strategy, cpu_offload=True), model, 1)
+    assert predicted.on_device == 0
+    assert found == (predicted.total, {"cpu"})
 
 
 def test_a_cpu_run_on_a_gpu_machine_leaves_the_gpu_alone(tmp_path):
