@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from distributed_utils import BACKENDS
 from measure import StageTimer, all_reduce, synchronize_device
+from model import own_units
 from precision import wire_dtypes
 from utils import FSDP_ROOT_UNIT, format_comm, log0
 
@@ -95,11 +96,8 @@ def ddp_buckets(model: nn.Module, gradient_bytes: int, rebuilt: bool = True) -> 
 
 
 def fsdp_units(model: nn.Module, element_bytes: int) -> dict[str, int]:
-    """The flat parameter bytes each FSDP unit gathers: one per block of fsdp_utils.own_units,
+    """The flat parameter bytes each FSDP unit gathers: one per block of model.own_units,
     and the root for the parameters no such block holds."""
-    # Imported here: FSDP's modules take seconds to import, which a --check never needs.
-    from fsdp_utils import own_units
-
     units, inside = {}, set()
     for name, module in model.named_children():
         if any(module is unit for unit in own_units(model)):

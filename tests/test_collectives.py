@@ -16,8 +16,7 @@ from benchmark import OperationCounter
 from checkpoint import Position
 from comm_bench import ddp_buckets, messages
 from dist_harness import spawn, steps_cfg
-from fsdp_utils import own_units
-from model import build_model
+from model import build_model, own_units
 from precision import wire_dtypes
 from session import build_trainer
 
@@ -99,7 +98,7 @@ def test_each_strategy_sends_the_collectives_its_design_says_at_the_sizes_timed(
     sent = spawn(one_step_each, 2, timeout=280)
     assert sent[0] == sent[1], "every rank takes part in every collective"
     model = build_model("cnn")
-    # fsdp_utils.own_units: the classifier alone; the root holds the 3 conv blocks. 2 DDP buckets.
+    # model.own_units: the classifier alone; the root holds the 3 conv blocks. 2 DDP buckets.
     units, buckets = 1 + len(own_units(model)), len(ddp_buckets(model, 4))
     assert (units, buckets) == (2, 2)
     design = {

@@ -100,7 +100,7 @@ def test_fsdp_shards_per_unit_and_full_reshards_after_forward(sharding, resharde
     the parameters' sight: tests/test_collectives.py counts its one gather a step.)"""
     cfg = Config(**CFG, strategy="fsdp", sharding=sharding)
     for units, before, after_forward, total in spawn(parameters_held, 2, cfg):
-        # The conv blocks are too small for units of their own (fsdp_utils.own_units).
+        # The conv blocks are too small for units of their own (model.own_units).
         assert units == ["CNN", "Classifier"]
         assert before == pytest.approx(total / 2, abs=8)  # a shard may carry padding
         assert after_forward == (before if resharded_after_forward else total)

@@ -64,7 +64,7 @@ def epoch_operations(env, strategies: tuple, steps: int = 6) -> dict:
 @pytest.mark.timeout(300)
 def test_an_fsdp_step_dispatches_at_most_its_budget_of_ddps_operations():
     """FSDP's host work per step against DDP's, per-epoch work included (issue 35's measure):
-    what units of their own for the CNN's small conv blocks cost (fsdp_utils.own_units), and
+    what units of their own for the CNN's small conv blocks cost (model.own_units), and
     FSDP2's foreach optimizer (a host read of each parameter's step count)."""
     (found,) = spawn(epoch_operations, 1, ("ddp", *OPERATIONS_AGAINST_DDP), timeout=280)
     print({strategy: f"{n:.1f}" for strategy, n in found.items()})
