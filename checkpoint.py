@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import safe_load
-from config import SHARDED, STAGED
+from config import SHARDED, STAGED, Config
 from distributed_utils import is_peer_failure, run_name
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
 
@@ -72,6 +72,11 @@ class Identity:
     model: str
     parameters: int
     global_batch: int  # a step count means this many images: mid-epoch positions need it
+
+
+def run_identity(cfg: Config, parameters: int) -> Identity:
+    """What the checkpoints of a run of `cfg`, whose model has `parameters`, are."""
+    return Identity(cfg.strategy, cfg.model, parameters, cfg.batch_size)
 
 
 class Resumable(NamedTuple):
@@ -289,6 +294,11 @@ def _cause(error: BaseException) -> str:
         return "; ".join(
             f"rank {rank}: {_cause(wrapped[0])}" for rank, wrapped in sorted(error.failures.items())
         )
+    return _one_line(error)
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception's type and first line (without loading DCP, as _cause does)."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
@@ -424,16 +434,20 @@ def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]
     return gone
 
 
-def resolve(resume: str, directory: Path) -> Path | None:
-    """`--resume auto` (the latest in the checkpoint folder, if any) or a path."""
-    if resume == "auto":
-        return latest(directory)
+def chosen(resume: str) -> Path:
+    """The checkpoint `--resume PATH` names: itself, or the newest in a folder of them. Looked
+    for before the run builds or creates anything: a mistyped path is one line, no folder."""
     path = named_by(resume)
     if not (path / META_FILE).is_file():
         path = latest(path)  # a folder of checkpoints
         if path is None:
             raise UsageError(f"--resume {resume}: no checkpoint there")
     return path
+
+
+def resolve(resume: str, directory: Path) -> Path | None:
+    """`--resume auto` (the latest in the checkpoint folder, if any) or a path."""
+    return latest(directory) if resume == "auto" else chosen(resume)
 
 
 class Unreadable(CheckpointError):
@@ -446,8 +460,12 @@ def _read(path: Path, fn, *args):
     while the others go on to a collective and wait for it)."""
     value, error = _together(fn, *args)
     if error:
-        raise Unreadable(f"cannot read checkpoint {path} ({error})")
+        raise _unreadable(path, error)
     return value
+
+
+def _unreadable(path: Path, cause: str) -> Unreadable:
+    return Unreadable(f"cannot read checkpoint {path} ({cause})")
 
 
 class _Meta(NamedTuple):
@@ -512,36 +530,63 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
     return model
 
 
-def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
-    """Every rank calls this. Restore model, optimizer, scheduler and (at the same world size)
-    every rank's random streams. A file that any rank cannot read raises the same Unreadable
-    on every rank."""
-    model, optimizer, generator, scheduler = resumable
-    meta = _read(path, _load_meta, path / META_FILE)
+def misfit(path: Path, meta: _Meta, identity: Identity, world_size: int) -> str | None:
+    """Why checkpoint `path` (its meta) cannot resume a run of `identity` on world_size ranks,
+    or None: what `load` refuses, and `--check` before it."""
     theirs = meta.identity
     if (theirs.strategy, theirs.model, theirs.parameters) != (
         identity.strategy,
         identity.model,
         identity.parameters,
     ):
-        raise UsageError(
+        return (
             f"checkpoint {path} was written by strategy={theirs.strategy} "
             f"model={theirs.model} ({theirs.parameters} parameters); this run is "
             f"strategy={identity.strategy} model={identity.model} "
             f"({identity.parameters} parameters)"
         )
-    position = meta.position
-    if position.step and theirs.global_batch != identity.global_batch:
-        raise UsageError(
+    if meta.position.step and theirs.global_batch != identity.global_batch:
+        return (
             f"checkpoint {path} stopped mid-epoch at global batch "
             f"{theirs.global_batch}; resume it with --batch-size "
             f"{theirs.global_batch}, or from an end-of-epoch checkpoint"
         )
-    if identity.strategy in STAGED and meta.world_size != _world():
-        raise UsageError(
+    if identity.strategy in STAGED and meta.world_size != world_size:
+        return (
             f"checkpoint {path} holds {meta.world_size} pipeline stages: resume it on "
-            f"{meta.world_size} ranks, not {_world()}"
+            f"{meta.world_size} ranks, not {world_size}"
         )
+    return None
+
+
+def check_resume(resume: str, directory: Path, identity: Identity, world_sizes: list[int]) -> None:
+    """`--check`'s word on `--resume`: the checkpoint the run would start from is there and
+    fits the run at every world size, or the run's own error now. Its meta.pt alone is read,
+    weights-only (no shard, DCP not loaded). With auto, one whose meta cannot be read is left
+    to the run, which passes over it to an older one."""
+    path = resolve(resume, directory)
+    if path is None:
+        return
+    try:
+        meta = _load_meta(path / META_FILE)
+    except Exception as e:
+        if resume == "auto":
+            return
+        raise _unreadable(path, _one_line(e)) from None
+    for world_size in world_sizes:
+        if why := misfit(path, meta, identity, world_size):
+            raise UsageError(why)
+
+
+def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
+    """Every rank calls this. Restore model, optimizer, scheduler and (at the same world size)
+    every rank's random streams. A file that any rank cannot read raises the same Unreadable
+    on every rank."""
+    model, optimizer, generator, scheduler = resumable
+    meta = _read(path, _load_meta, path / META_FILE)
+    if why := misfit(path, meta, identity, _world()):
+        raise UsageError(why)
+    position = meta.position
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     full = _whole(identity)

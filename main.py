@@ -119,20 +119,22 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import checkpoint
     import data
     import distributed_utils
-    from model import build_model
+    from model import build_model, count_parameters
 
     distributed_utils.check_torch()
     train_size, source = data.find_data(cfg.dataset, cfg.data_dir, cfg.train_samples, cfg.download)
     spec = data.DATASETS[cfg.dataset]
     with torch.device("meta"):  # the model's code runs (a ResNet loads torchvision); no memory
-        build_model(cfg.model, spec.num_classes, spec.image_shape)
+        model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     for world_size in world_sizes:
         check_world(cfg, world_size, train_size)
     device, where = distributed_utils.check_device(cfg)
     distributed_utils.check_device_options(cfg, device)
     step = describe_step(cfg, device, world_sizes)
-    if cfg.resume not in (None, "auto"):
-        checkpoint.resolve(cfg.resume, Path("."))
+    if cfg.resume:  # the checkpoint's meta.pt: does it fit this run, as session.run asks
+        fits = checkpoint.run_identity(cfg, count_parameters(model))
+        folder = checkpoint.folder_for(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint else None
+        checkpoint.check_resume(cfg.resume, folder or Path("."), fits, world_sizes)
     elif cfg.checkpoint and cfg.checkpoint_dir:
         checkpoint.refuse_overwrite(Path(cfg.checkpoint_dir), cfg.resume)
     print(

@@ -208,6 +208,7 @@ class Outcome:
 
 def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     """Build, resume if asked, then train until cfg.epochs or until a stop signal (then save)."""
+    chosen = checkpoint.chosen(cfg.resume) if cfg.resume not in (None, "auto") else None
     trainer, resolved = build_trainer(cfg, env)
     if cfg.profile:
         trainer.profiler = StepProfiler(profile_path(env), env.device, trainer.cuda_graphs)
@@ -216,16 +217,15 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         if cfg.checkpoint
         else None
     )
-    fits = checkpoint.Identity(cfg.strategy, cfg.model, resolved["parameters"], cfg.batch_size)
+    fits = checkpoint.run_identity(cfg, resolved["parameters"])
     resumable = checkpoint.Resumable(
         trainer.model, trainer.optimizer, trainer.loaders.generator, trainer.scheduler
     )
     source, position = None, checkpoint.Position()
     if cfg.resume == "auto":
         source, position = checkpoint.load_newest_readable(folder or Path("."), fits, resumable)
-    elif cfg.resume:
-        source = checkpoint.resolve(cfg.resume, folder or Path("."))
-        position = checkpoint.load_chosen(source, fits, resumable)
+    elif chosen:
+        source, position = chosen, checkpoint.load_chosen(chosen, fits, resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
     if why_eager := cuda_graphs.decide(cfg, env.device, env.world_size)[1]:
         log0(f"[CONFIG] note: the step runs eager, not as one CUDA graph: {why_eager}")

@@ -399,6 +399,17 @@ def test_check_finds_what_the_run_would_fail_on(tmp_path, args, message):
     assert_one_line_error(run_main(["--check", *TINY, *args], timeout=60), message)
 
 
+def test_check_refuses_a_checkpoint_that_does_not_fit_as_the_run_does(tmp_path):
+    """--check reads the checkpoint's meta.pt: a DDP checkpoint resumed by FSDP is refused in
+    the run's own words (the bad-input table below), named by its folder or found by auto."""
+    checkpoint_of_another_strategy(tmp_path)
+    for resume in (["--resume", tmp_path], ["--resume", "auto", "--checkpoint-dir", tmp_path]):
+        done = run_main(["--check", "1", "2", *BATCH_64, "--strategy", "fsdp", *resume])
+        assert_one_line_error(
+            done, f"checkpoint {tmp_path}/ckpt_e0002_s000000 was written by strategy=ddp"
+        )
+
+
 def test_check_takes_the_launchers_world_size():
     done = run_main(["--check", *BATCH_64], timeout=60, RANK="0", LOCAL_RANK="0", WORLD_SIZE="3")
     assert_one_line_error(done, "multiple of the world size 3")
@@ -528,6 +539,15 @@ def test_a_stopped_rank_sent_sigterm_while_it_exits_still_exits_3(repo_copy):
             ranks[1].send_signal(signal.SIGTERM)
             time.sleep(0.1)
     assert ranks[1].returncode == 3, ranks[1].stderr.read()[-2000:]
+
+
+def test_a_resume_from_nowhere_is_refused_before_anything_is_made(tmp_path):
+    """A mistyped --resume PATH: the one line --check gives, and no folder made at PATH (where
+    the run's checkpoints would have gone)."""
+    missing = tmp_path / "does-not-exist"
+    done = run_main([*ONE_EPOCH, "--resume", missing])
+    assert_one_line_error(done, f"--resume {missing}: no checkpoint there")
+    assert not missing.exists()
 
 
 def test_resume_auto_says_when_it_found_nothing(tmp_path):
