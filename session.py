@@ -133,7 +133,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **sizes,
         "steps_per_epoch": len(loaders.train),
         "parameters": parameters,
-        "microbatches": stage_microbatches,
+        **built,  # as [METRIC] reads them: the sharding that ran, not --sharding's default
         "flops_per_image": flops.per_image,
         "peak_tflops": flops.peak_tflops or mfu.UNKNOWN,
         "torch": torch.__version__,

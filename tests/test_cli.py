@@ -141,6 +141,17 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     assert config["threads"] >= 1
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_config_and_metric_read_every_field_they_share_alike(strategy):
+    """DDP's [CONFIG] once said sharding=full microbatches=None (--sharding's default, unused)
+    where its [METRIC] said sharding=replicate microbatches=na; FSDP at one rank runs no_shard."""
+    done = run_main([*QUICK, "--epochs", "1", "--strategy", strategy])
+    config, (metric,) = config_in(done.stdout), metrics_in(done.stdout)
+    shared = sorted(set(config) & set(metric))
+    assert {"sharding", "microbatches", "strategy", "world_size"} <= set(shared), shared
+    assert [config[k] for k in shared] == [metric[k] for k in shared], shared
+
+
 def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
     """And exactly the same in bf16: the shards, their gradients and Adam's state stay fp32. Read
     when training ends: validation's forward leaves FSDP2's root unsharded (bf16 once read
