@@ -161,6 +161,19 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     return trainer, resolved
 
 
+def validation_note(cfg: Config, train_size: int, val_size: int) -> str | None:
+    """Said where a run trains on fewer images (--train-samples) than it validates on every
+    epoch (all of them, without --val-samples): validation then takes longer than training
+    (ResNet-18 on 512 of 10,000: 53 s against 8 s an epoch). Validation is not scaled with
+    --train-samples: its accuracy would become another measure, noisier the fewer it reads."""
+    if cfg.train_samples is None or cfg.val_samples is not None or val_size <= train_size:
+        return None
+    return (
+        f"[CONFIG] note: every epoch validates all {val_size} validation images, more than "
+        f"the {train_size} it trains on: --val-samples N validates the first N"
+    )
+
+
 def calibrate_compute(
     cfg: Config,
     env: distributed_utils.DistEnv,
@@ -227,6 +240,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     elif chosen:
         source, position = chosen, checkpoint.load_chosen(chosen, fits, resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
+    if note := validation_note(cfg, resolved["train_size"], resolved["val_size"]):
+        log0(note)
     if why_eager := cuda_graphs.decide(cfg, env.device, env.world_size)[1]:
         log0(f"[CONFIG] note: the step runs eager, not as one CUDA graph: {why_eager}")
     if warning := distributed_utils.network_warning(resolved["nodes"], env.backend):

@@ -255,6 +255,26 @@ def test_check_names_a_chosen_checkpoint_it_cannot_read_and_leaves_auto_to_the_r
     checkpoint.check_resume("auto", tmp_path, fits, [1])
 
 
+@pytest.mark.parametrize(
+    "samples, sizes, noted",
+    [
+        (dict(train_samples=512), (512, 10_000), True),  # few trained, every one validated
+        (dict(train_samples=512, val_samples=256), (512, 256), False),  # a quick run: both
+        (dict(), (50_000, 10_000), False),  # the whole set
+        (dict(train_samples=20_000), (20_000, 10_000), False),  # validates fewer than it trains
+    ],
+)
+def test_a_run_that_validates_more_images_than_it_trains_says_so(samples, sizes, noted):
+    from config import Config
+    from session import validation_note
+
+    note = validation_note(Config(**samples), *sizes)
+    assert (note is not None) == noted, note
+    if noted:
+        assert note.startswith("[CONFIG] note: every epoch validates all 10000 validation images")
+        assert "--val-samples N" in note
+
+
 def test_the_oldest_torch_is_requirements_floor():
     """requirements.txt lets pip install no torch that main.py refuses, nor refuses one it runs."""
     floor = re.search(r"^torch>=(\d+)\.(\d+),", (REPO / "requirements.txt").read_text(), re.M)
