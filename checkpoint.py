@@ -63,6 +63,16 @@ class Position:
     def name(self) -> str:
         return f"ckpt_e{self.epoch:04d}_s{self.step:06d}"
 
+    @property
+    def resumes(self) -> str:
+        """Where training goes on from here, in words: the name gives where it resumes, which
+        after epoch 1 reads as epoch 2 (ckpt_e0002_s000000)."""
+        if self.step:
+            return f"after step {self.step} of epoch {self.epoch}: resumes there"
+        if self.epoch == 1:
+            return "before any step: resumes at epoch 1"
+        return f"after epoch {self.epoch - 1}: resumes at epoch {self.epoch}"
+
 
 @dataclass
 class Identity:

@@ -257,7 +257,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         if not folder or (source and source.resolve() == (folder / at.name).resolve()):
             return  # nothing trained since resuming (a stop during start-up): saved already
         distributed_utils.say_where(f"saving checkpoint {at.name}")
-        log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, resumable)}")
+        log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, resumable)} ({at.resumes})")
         if is_rank_zero():
             for old in checkpoint.prune(folder, cfg.keep_last, protect=source):
                 log0(f"[CHECKPOINT] deleted {old} (--keep-last {cfg.keep_last})")

@@ -561,6 +561,14 @@ def test_a_resume_from_nowhere_is_refused_before_anything_is_made(tmp_path):
     assert not missing.exists()
 
 
+def test_a_save_says_where_training_resumes_from_it(tmp_path):
+    """The checkpoint after epoch 1 is named for epoch 2, where training goes on: its line says
+    both."""
+    done = run_main([*ONE_EPOCH, "--checkpoint-dir", tmp_path])
+    saved = f"[CHECKPOINT] saved {tmp_path}/ckpt_e0002_s000000 (after epoch 1: resumes at epoch 2)"
+    assert saved in done.stdout.splitlines(), done.stdout[-2000:]
+
+
 def test_resume_auto_says_when_it_found_nothing(tmp_path):
     done = run_main([*ONE_EPOCH, "--resume", "auto", "--checkpoint-dir", tmp_path / "empty"])
     assert done.returncode == 0, done.stderr[-2000:]

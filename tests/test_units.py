@@ -275,6 +275,18 @@ def test_a_run_that_validates_more_images_than_it_trains_says_so(samples, sizes,
         assert "--val-samples N" in note
 
 
+@pytest.mark.parametrize(
+    "epoch, step, said",
+    [
+        (2, 0, "after epoch 1: resumes at epoch 2"),
+        (2, 106, "after step 106 of epoch 2: resumes there"),
+        (1, 0, "before any step: resumes at epoch 1"),
+    ],
+)
+def test_a_checkpoints_position_in_words(epoch, step, said):
+    assert checkpoint.Position(epoch, step).resumes == said
+
+
 def test_the_oldest_torch_is_requirements_floor():
     """requirements.txt lets pip install no torch that main.py refuses, nor refuses one it runs."""
     floor = re.search(r"^torch>=(\d+)\.(\d+),", (REPO / "requirements.txt").read_text(), re.M)
