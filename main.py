@@ -139,7 +139,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         checkpoint.refuse_overwrite(Path(cfg.checkpoint_dir), cfg.resume)
     print(
         f"check: ok: strategy={cfg.strategy} world sizes {' '.join(map(str, world_sizes))}, "
-        f"global batch {cfg.batch_size}, {train_size} training images ({source}), {where}; "
+        f"global batch {cfg.batch_size}, {train_size} training images ({source}), device={where}; "
         f"the step: {step}"
     )
     return EXIT_STATUS["finished"]

@@ -205,8 +205,8 @@ def context(results: pd.DataFrame) -> str:
     images = values(results, "train_images", "{:,.0f}")
     if data or images:
         parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
-    if study := results_summary.scaling(results):
-        parts.append(study.replace(" at every GPU count", ""))
+    if study := results_summary.scaling(results, brief=True):
+        parts.append(study)
     elif batch := values(results, "global_batch", "{:.0f}"):
         parts.append(f"global batch {batch}")
     epochs = results.groupby(["strategy", "gpus"])["epoch"].max()

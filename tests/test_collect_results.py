@@ -403,6 +403,20 @@ def test_the_study_is_named_strong_or_weak_scaling():
     import plot_results
 
     assert plot_results.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
+    assert plot_results.context(strong) == "strong scaling: global batch 256 · 1 epochs"
+
+
+def test_the_study_names_the_ranks_after_their_device():
+    """A CPU sweep's study once said "at every GPU count" above a table of "CPU ranks"."""
+    strong = runs_frame({("ddp", 1): [9.0], ("ddp", 2): [5.0]}).assign(
+        global_batch=256, local_batch=[256, 128], device="cpu"
+    )
+    assert results_summary.scaling(strong) == (
+        "strong scaling: global batch 256 at every CPU rank count"
+    )
+    weak = strong.assign(global_batch=[64, 128], local_batch=64)
+    assert results_summary.scaling(weak) == "weak scaling: 64 images per CPU rank per step"
+    assert results_summary.rank_unit(strong) == ("CPU rank", "CPU ranks")
 
 
 # ---- [COMM] lines: comm.csv and the modelled communication time ----
