@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import safe_load
-from config import SHARDED, STAGED
+from config import SHARDED, STAGED, Config
 from distributed_utils import run_name
 from peer_failures import is_peer_failure
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
@@ -64,6 +64,16 @@ class Position:
     def name(self) -> str:
         return f"ckpt_e{self.epoch:04d}_s{self.step:06d}"
 
+    @property
+    def resumes(self) -> str:
+        """Where training goes on from here, in words: the name gives where it resumes, which
+        after epoch 1 reads as epoch 2 (ckpt_e0002_s000000)."""
+        if self.step:
+            return f"after step {self.step} of epoch {self.epoch}: resumes there"
+        if self.epoch == 1:
+            return "before any step: resumes at epoch 1"
+        return f"after epoch {self.epoch - 1}: resumes at epoch {self.epoch}"
+
 
 @dataclass
 class Identity:
@@ -73,6 +83,11 @@ class Identity:
     model: str
     parameters: int
     global_batch: int  # a step count means this many images: mid-epoch positions need it
+
+
+def run_identity(cfg: Config, parameters: int) -> Identity:
+    """What the checkpoints of a run of `cfg`, whose model has `parameters`, are."""
+    return Identity(cfg.strategy, cfg.model, parameters, cfg.batch_size)
 
 
 class Resumable(NamedTuple):
@@ -290,6 +305,11 @@ def _cause(error: BaseException) -> str:
         return "; ".join(
             f"rank {rank}: {_cause(wrapped[0])}" for rank, wrapped in sorted(error.failures.items())
         )
+    return _one_line(error)
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception's type and first line (without loading DCP, as _cause does)."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
@@ -425,16 +445,20 @@ def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]
     return gone
 
 
-def resolve(resume: str, directory: Path) -> Path | None:
-    """`--resume auto` (the latest in the checkpoint folder, if any) or a path."""
-    if resume == "auto":
-        return latest(directory)
+def chosen(resume: str) -> Path:
+    """The checkpoint `--resume PATH` names: itself, or the newest in a folder of them. Looked
+    for before the run builds or creates anything: a mistyped path is one line, no folder."""
     path = named_by(resume)
     if not (path / META_FILE).is_file():
         path = latest(path)  # a folder of checkpoints
         if path is None:
             raise UsageError(f"--resume {resume}: no checkpoint there")
     return path
+
+
+def resolve(resume: str, directory: Path) -> Path | None:
+    """`--resume auto` (the latest in the checkpoint folder, if any) or a path."""
+    return latest(directory) if resume == "auto" else chosen(resume)
 
 
 class Unreadable(CheckpointError):
@@ -447,8 +471,12 @@ def _read(path: Path, fn, *args):
     while the others go on to a collective and wait for it)."""
     value, error = _together(fn, *args)
     if error:
-        raise Unreadable(f"cannot read checkpoint {path} ({error})")
+        raise _unreadable(path, error)
     return value
+
+
+def _unreadable(path: Path, cause: str) -> Unreadable:
+    return Unreadable(f"cannot read checkpoint {path} ({cause})")
 
 
 class _Meta(NamedTuple):
@@ -523,36 +551,63 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
     return model
 
 
-def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
-    """Every rank calls this. Restore model, optimizer, scheduler and (at the same world size)
-    every rank's random streams. A file that any rank cannot read raises the same Unreadable
-    on every rank."""
-    model, optimizer, generator, scheduler = resumable
-    meta = _read(path, _load_meta, path / META_FILE)
+def misfit(path: Path, meta: _Meta, identity: Identity, world_size: int) -> str | None:
+    """Why checkpoint `path` (its meta) cannot resume a run of `identity` on world_size ranks,
+    or None: what `load` refuses, and `--check` before it."""
     theirs = meta.identity
     if (theirs.strategy, theirs.model, theirs.parameters) != (
         identity.strategy,
         identity.model,
         identity.parameters,
     ):
-        raise UsageError(
+        return (
             f"checkpoint {path} was written by strategy={theirs.strategy} "
             f"model={theirs.model} ({theirs.parameters} parameters); this run is "
             f"strategy={identity.strategy} model={identity.model} "
             f"({identity.parameters} parameters)"
         )
-    position = meta.position
-    if position.step and theirs.global_batch != identity.global_batch:
-        raise UsageError(
+    if meta.position.step and theirs.global_batch != identity.global_batch:
+        return (
             f"checkpoint {path} stopped mid-epoch at global batch "
             f"{theirs.global_batch}; resume it with --batch-size "
             f"{theirs.global_batch}, or from an end-of-epoch checkpoint"
         )
-    if identity.strategy in STAGED and meta.world_size != _world():
-        raise UsageError(
+    if identity.strategy in STAGED and meta.world_size != world_size:
+        return (
             f"checkpoint {path} holds {meta.world_size} pipeline stages: resume it on "
-            f"{meta.world_size} ranks, not {_world()}"
+            f"{meta.world_size} ranks, not {world_size}"
         )
+    return None
+
+
+def check_resume(resume: str, directory: Path, identity: Identity, world_sizes: list[int]) -> None:
+    """`--check`'s word on `--resume`: the checkpoint the run would start from is there and
+    fits the run at every world size, or the run's own error now. Its meta.pt alone is read,
+    weights-only (no shard, DCP not loaded). With auto, one whose meta cannot be read is left
+    to the run, which passes over it to an older one."""
+    path = resolve(resume, directory)
+    if path is None:
+        return
+    try:
+        meta = _load_meta(path / META_FILE)
+    except Exception as e:
+        if resume == "auto":
+            return
+        raise _unreadable(path, _one_line(e)) from None
+    for world_size in world_sizes:
+        if why := misfit(path, meta, identity, world_size):
+            raise UsageError(why)
+
+
+def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
+    """Every rank calls this. Restore model, optimizer, scheduler and (at the same world size)
+    every rank's random streams. A file that any rank cannot read raises the same Unreadable
+    on every rank."""
+    model, optimizer, generator, scheduler = resumable
+    meta = _read(path, _load_meta, path / META_FILE)
+    if why := misfit(path, meta, identity, _world()):
+        raise UsageError(why)
+    position = meta.position
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     full = _whole(identity)

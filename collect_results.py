@@ -52,10 +52,16 @@ CRASH_MARKERS = (
 STOPPED_RE = re.compile(rf"srun: error: .*Exited with exit code {utils.EXIT_STATUS['stopped']}$")
 EXCEPTION_RE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")
 
-# What to do when there is nothing to read: `make run` prints its lines to the terminal only.
+# What to do when there is nothing to read (a fresh clone; `make run` prints its lines to the
+# terminal only): the README's small sweep on this machine, which tests/test_docs.py holds it to.
+SMALL_LOCAL_SWEEP = (
+    "python run_benchmarks.py --local --gpus 1 2 --epochs 3 -- --dataset synthetic "
+    "--train-samples 2048 --val-samples 512 --no-checkpoint"
+)
 HOW_TO_GET_LOGS = (
-    ": logs come from a sweep (python run_benchmarks.py, or with --local on this "
-    "machine) or from sbatch run.sh"
+    f": nothing to plot yet; run a sweep first, on this machine: {SMALL_LOCAL_SWEEP} "
+    "(README.md, From the quickstart to a study); on SLURM: python run_benchmarks.py, or "
+    "sbatch run.sh"
 )
 
 

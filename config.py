@@ -172,7 +172,11 @@ class Config:
         flag="--no-download",
     )
     train_samples: int | None = option(
-        None, "use the first N training images (default: all)", minimum=1, metavar="N"
+        None,
+        "use the first N training images (default: all); validation still reads every "
+        "validation image, each epoch, unless --val-samples",
+        minimum=1,
+        metavar="N",
     )
     val_samples: int | None = option(
         None, "use the first N validation images (default: all)", minimum=1, metavar="N"

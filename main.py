@@ -120,7 +120,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import data
     import distributed_utils
     import memory_model
-    from model import build_model
+    from model import build_model, count_parameters
 
     distributed_utils.check_torch()
     train_size, source = data.find_data(cfg.dataset, cfg.data_dir, cfg.train_samples, cfg.download)
@@ -133,13 +133,15 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     distributed_utils.check_device_options(cfg, device)
     step = describe_step(cfg, device, world_sizes)
     state = memory_model.describe(cfg, model, world_sizes, distributed_utils.num_nodes())
-    if cfg.resume not in (None, "auto"):
-        checkpoint.resolve(cfg.resume, Path("."))
+    if cfg.resume:  # the checkpoint's meta.pt: does it fit this run, as session.run asks
+        fits = checkpoint.run_identity(cfg, count_parameters(model))
+        folder = checkpoint.folder_for(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint else None
+        checkpoint.check_resume(cfg.resume, folder or Path("."), fits, world_sizes)
     elif cfg.checkpoint and cfg.checkpoint_dir:
         checkpoint.refuse_overwrite(Path(cfg.checkpoint_dir), cfg.resume)
     print(
         f"check: ok: strategy={cfg.strategy} world sizes {' '.join(map(str, world_sizes))}, "
-        f"global batch {cfg.batch_size}, {train_size} training images ({source}), {where}; "
+        f"global batch {cfg.batch_size}, {train_size} training images ({source}), device={where}; "
         f"the step: {step}; {state}"
     )
     return EXIT_STATUS["finished"]

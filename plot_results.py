@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
-from matplotlib.ticker import FuncFormatter, NullLocator, ScalarFormatter  # noqa: E402
+from matplotlib.ticker import Formatter, NullLocator, ScalarFormatter  # noqa: E402
 
 import results_summary
 import utils
@@ -105,13 +105,24 @@ def log2_axis(ax, which: str, ticks) -> None:
     axis.set_minor_locator(NullLocator())
 
 
+class LogLabels(Formatter):
+    """A log axis' labels as plain numbers (0.5, not 5x10^-1), on the ticks whose leading digit
+    the axis' span leaves room for: every one across a decade or less, 1 2 3 5 7 up to two
+    decades, 1 2 5 beyond. Epoch times span about a decade with the one-rank points at its
+    top, which 2, 3 and 5 alone left unlabelled (none above 0.5 s)."""
+
+    def __call__(self, value, pos=None) -> str:
+        low, high = sorted(self.axis.get_view_interval())
+        decades = math.log10(high / low)
+        shown = range(1, 10) if decades <= 1 else (1, 2, 3, 5, 7) if decades <= 2 else (1, 2, 5)
+        return f"{value:g}" if leading_digit(value) in shown else ""
+
+
 def log10_y_axis(ax) -> None:
-    """Log y axis labelled 0.5, 1, 2, 3 rather than 2x10^0: epoch times span about one decade."""
+    """Log y axis labelled 0.5, 0.7, 1, 2 rather than 10^0 alone (LogLabels)."""
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.yaxis.set_minor_formatter(
-        FuncFormatter(lambda value, _: f"{value:g}" if leading_digit(value) in (2, 3, 5) else "")
-    )
+    ax.yaxis.set_major_formatter(LogLabels())
+    ax.yaxis.set_minor_formatter(LogLabels())
 
 
 def leading_digit(value: float) -> int:
@@ -194,8 +205,8 @@ def context(results: pd.DataFrame) -> str:
     images = values(results, "train_images", "{:,.0f}")
     if data or images:
         parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
-    if study := results_summary.scaling(results):
-        parts.append(study.replace(" at every GPU count", ""))
+    if study := results_summary.scaling(results, brief=True):
+        parts.append(study)
     elif batch := values(results, "global_batch", "{:.0f}"):
         parts.append(f"global batch {batch}")
     epochs = results.groupby(["strategy", "gpus"])["epoch"].max()

@@ -9,6 +9,7 @@ import math
 
 import pandas as pd
 
+import utils
 from utils import COURSE_FIELDS, FSDP_ROOT_UNIT, TIME_PARTS
 
 # The columns that name a run, first in the CSV, then the course's; a run's rows are those of
@@ -19,15 +20,9 @@ COURSE_COLUMNS = tuple(f.name for f in COURSE_FIELDS)  # epoch, time, val_loss, 
 
 
 def rank_unit(table: pd.DataFrame) -> tuple[str, str]:
-    """What the `gpus` column counts, singular and plural, for the figures and tables: a rank
-    per GPU where the runs trained on CUDA, processes on CPU cores where they trained on the
-    CPU. The course's CSV names no device; its runs had a GPU each."""
-    devices = set(table["device"].dropna()) - {""} if "device" in table else set()
-    if devices <= {"cuda"}:
-        return "GPU", "GPUs"
-    if devices == {"cpu"}:
-        return "CPU rank", "CPU ranks"
-    return "rank", "ranks"  # a mix of devices
+    """What the `gpus` column counts, singular and plural (utils.rank_unit): the course's CSV
+    names no device; its runs had a GPU each."""
+    return utils.rank_unit(set(table["device"].dropna()) if "device" in table else set())
 
 
 def cores_outnumbered(results: pd.DataFrame) -> str | None:
@@ -254,16 +249,19 @@ def bubble_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def scaling(results: pd.DataFrame) -> str | None:
-    """Which study the runs make: strong scaling (one global batch at every GPU count) or weak
-    (one batch per GPU); None where the CSV does not say or the runs mix batch sizes."""
+def scaling(results: pd.DataFrame, brief: bool = False) -> str | None:
+    """Which study the runs make: strong scaling (one global batch at every rank count; brief:
+    without those words) or weak (one batch per rank), ranks named after their device; None
+    where the CSV does not say or the runs mix batch sizes."""
     if not {"global_batch", "local_batch"} <= set(results) or results["gpus"].nunique() < 2:
         return None
     global_batch, local_batch = results["global_batch"].dropna(), results["local_batch"].dropna()
+    one = rank_unit(results)[0]
     if global_batch.nunique() == 1:
-        return f"strong scaling: global batch {global_batch.iloc[0]:.0f} at every GPU count"
+        study = f"strong scaling: global batch {global_batch.iloc[0]:.0f}"
+        return study if brief else f"{study} at every {one} count"
     if local_batch.nunique() == 1:
-        return f"weak scaling: {local_batch.iloc[0]:.0f} images per GPU per step"
+        return f"weak scaling: {local_batch.iloc[0]:.0f} images per {one} per step"
     return None
 
 

@@ -43,7 +43,7 @@ import config
 import layout
 import slurm_jobs
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import count, fail
+from utils import count, fail, rank_unit
 from verify_job import run_verify
 
 # The course's sweep; config.STRATEGIES has more (fsdp2, pipeline, and the one-process model,
@@ -353,12 +353,13 @@ def collect_script(sweep: str, args) -> str:
     return slurm_jobs.script(comment, options, ["--wrap", command], {})
 
 
-def repeated(runs: list[Configuration], repeats: int):
-    """(configuration, name) R times each, one configuration after the other; the name says
-    which repeat (a repeat's log differs by its job id or time stamp alone)."""
+def repeated(runs: list[Configuration], repeats: int, named=lambda run: run.name):
+    """(configuration, name) R times each, one configuration after the other; the name,
+    named(run), says which repeat (a repeat's log differs by its job id or time stamp alone)."""
     for run in runs:
         for i in range(1, repeats + 1):
-            yield run, run.name if repeats == 1 else f"{run.name} (repeat {i} of {repeats})"
+            name = named(run)
+            yield run, name if repeats == 1 else f"{name} (repeat {i} of {repeats})"
 
 
 def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[slurm_jobs.Job]:
@@ -446,30 +447,36 @@ def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
     )
 
 
-def check_configurations(runs: list[Configuration], args, extra: list[str]) -> None:
+def check_configurations(runs: list[Configuration], args, extra: list[str]) -> set[str]:
     """main.py --check for each strategy at every GPU count of the sweep, before anything is
-    written or submitted: a typo fails here, in seconds, not in the queue."""
+    written or submitted: a typo fails here, in seconds, not in the queue. Returns the devices
+    the checks found ({"unknown"} where none ran)."""
     python = slurm_jobs.checking_python(args)
     if not python:
-        return
+        return {"unknown"}
     # One check per strategy and global batch (weak scaling has one per GPU count).
+    devices = set()
     for strategy, batch in dict.fromkeys((r.strategy, r.global_batch) for r in runs):
         same = [r for r in runs if (r.strategy, r.global_batch) == (strategy, batch)]
         first, sizes = same[0], [str(r.gpus) for r in same]
-        slurm_jobs.check_main(
-            python,
-            [
-                *main_args(first, args, extra),
-                *slurm_jobs.check_device(args, extra),
-                "--check",
-                *sizes,
-            ],
-            f"--strategy {strategy}",
+        devices.add(
+            slurm_jobs.check_main(
+                python,
+                [
+                    *main_args(first, args, extra),
+                    *slurm_jobs.check_device(args, extra),
+                    "--check",
+                    *sizes,
+                ],
+                f"--strategy {strategy}",
+            )
         )
+    return devices
 
 
-def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
-    """The same sweep through run.sh without SLURM: torchrun, one configuration at a time."""
+def run_locally(runs: list[Configuration], args, extra: list[str], devices: set[str]) -> int:
+    """The same sweep through run.sh without SLURM: torchrun, one configuration at a time, on
+    the devices main.py --check found here (a rank per GPU, or processes on the CPU)."""
     logs = layout.next_sweep_folder(layout.LOGS_DIR)
     plot = ["bash", "plot_results.sh"]
     if args.dry_run:
@@ -480,11 +487,16 @@ def run_locally(runs: list[Configuration], args, extra: list[str]) -> int:
         return 0
     logs.mkdir(parents=True)
     print(f"sweep {logs.name}: logs in {layout.relative(logs)}/", flush=True)
+    one = rank_unit(devices)[0]
+
+    def in_words(run: Configuration) -> str:  # its name, ddp_1gpu, counts GPUs: a CPU has none
+        return f"{run.strategy} on {count(run.gpus, one)}"
+
     failed = []
-    for run, name in repeated(runs, args.repeats):
+    for run, name in repeated(runs, args.repeats, in_words):
         # <sweep>/<name>_local-<time>.log: the place of a job id, never an earlier run's file.
         log = layout.time_stamped(logs, layout.log_stem(run.name, "local-"), ".log")
-        print(f"{name}: {count(run.gpus, 'process')} here, log {layout.relative(log)}", flush=True)
+        print(f"{name} here: log {layout.relative(log)}", flush=True)
         with open(log, "w") as out, open(log.with_suffix(layout.ERR_SUFFIX), "w") as err:
             status = subprocess.run(
                 ["bash", "run.sh", *main_args(run, args, extra)],
@@ -557,9 +569,9 @@ def main(argv=None) -> int:
     runs = without_uncuttable(plan(args), model_of(extra))
     if not (args.local or args.dry_run):  # before the checks: without SLURM they are in vain
         slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
-    check_configurations(runs, args, extra)
+    devices = check_configurations(runs, args, extra)
     if args.local:
-        return run_locally(runs, args, extra)
+        return run_locally(runs, args, extra, devices)
     if args.dry_run:
         dry_run(runs, args, extra)
         return 0

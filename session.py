@@ -134,7 +134,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **sizes,
         "steps_per_epoch": len(loaders.train),
         "parameters": parameters,
-        "microbatches": stage_microbatches,
+        **built,  # as [METRIC] reads them: the sharding that ran, not --sharding's default
         "flops_per_image": flops.per_image,
         "peak_tflops": flops.peak_tflops or mfu.UNKNOWN,
         "torch": torch.__version__,
@@ -160,6 +160,19 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         step_collectives=STEP_COLLECTIVES[cfg.strategy],
     )
     return trainer, resolved
+
+
+def validation_note(cfg: Config, train_size: int, val_size: int) -> str | None:
+    """Said where a run trains on fewer images (--train-samples) than it validates on every
+    epoch (all of them, without --val-samples): validation then takes longer than training
+    (ResNet-18 on 512 of 10,000 on a CPU: 3.6 times; docs/performance.md). It is not scaled with
+    --train-samples: its accuracy would become another measure, noisier the fewer it reads."""
+    if cfg.train_samples is None or cfg.val_samples is not None or val_size <= train_size:
+        return None
+    return (
+        f"[CONFIG] note: every epoch validates all {val_size} validation images, more than "
+        f"the {train_size} it trains on: --val-samples N validates the first N"
+    )
 
 
 def calibrate_compute(
@@ -209,6 +222,7 @@ class Outcome:
 
 def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     """Build, resume if asked, then train until cfg.epochs or until a stop signal (then save)."""
+    chosen = checkpoint.chosen(cfg.resume) if cfg.resume not in (None, "auto") else None
     trainer, resolved = build_trainer(cfg, env)
     if cfg.profile:
         trainer.profiler = StepProfiler(profile_path(env), env.device, trainer.cuda_graphs)
@@ -217,17 +231,18 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         if cfg.checkpoint
         else None
     )
-    fits = checkpoint.Identity(cfg.strategy, cfg.model, resolved["parameters"], cfg.batch_size)
+    fits = checkpoint.run_identity(cfg, resolved["parameters"])
     resumable = checkpoint.Resumable(
         trainer.model, trainer.optimizer, trainer.loaders.generator, trainer.scheduler
     )
     source, position = None, checkpoint.Position()
     if cfg.resume == "auto":
         source, position = checkpoint.load_newest_readable(folder or Path("."), fits, resumable)
-    elif cfg.resume:
-        source = checkpoint.resolve(cfg.resume, folder or Path("."))
-        position = checkpoint.load_chosen(source, fits, resumable)
+    elif chosen:
+        source, position = chosen, checkpoint.load_chosen(chosen, fits, resumable)
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
+    if note := validation_note(cfg, resolved["train_size"], resolved["val_size"]):
+        log0(note)
     if why_eager := cuda_graphs.decide(cfg, env.device, env.world_size)[1]:
         log0(f"[CONFIG] note: the step runs eager, not as one CUDA graph: {why_eager}")
     if warning := distributed_utils.network_warning(resolved["nodes"], env.backend):
@@ -243,7 +258,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         if not folder or (source and source.resolve() == (folder / at.name).resolve()):
             return  # nothing trained since resuming (a stop during start-up): saved already
         peer_failures.say_where(f"saving checkpoint {at.name}")
-        log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, resumable)}")
+        log0(f"[CHECKPOINT] saved {checkpoint.save(folder, at, fits, resumable)} ({at.resumes})")
         if is_rank_zero():
             for old in checkpoint.prune(folder, cfg.keep_last, protect=source):
                 log0(f"[CHECKPOINT] deleted {old} (--keep-last {cfg.keep_last})")

@@ -31,6 +31,8 @@ ENDED = set(
 # SLURM forgets MinJobAge seconds after it ends (and there may be no sacct to ask).
 EXIT_LINE = re.compile(r"exit status (\d+)\s*$", re.MULTILINE)
 
+# The device `main.py --check` found, in its line: device=cpu, device=cuda (no GPU here: ...).
+CHECKED_DEVICE = re.compile(r"\bdevice=(\w+)")
 SQUEUE_RETRIES = 5  # a busy controller may time out now and then
 
 
@@ -240,14 +242,17 @@ def check_device(args, extra: list[str]) -> list[str]:
     return [] if args.local or "--device" in extra else ["--device", "cuda"]
 
 
-def check_main(python: str, argv: list[str], what: str) -> None:
-    """main.py --check; its one line, ending this program, where it refuses."""
+def check_main(python: str, argv: list[str], what: str) -> str:
+    """main.py --check; its one line, ending this program, where it refuses. Returns the device
+    it would train on ("unknown" where its line does not say)."""
     done = subprocess.run(
         [python, "main.py", *argv], cwd=REPO, capture_output=True, text=True, env=without_slurm()
     )
     if done.returncode:  # main.py's one line, or argparse's "main.py: error: ..."
         error = last_line(done.stderr or done.stdout).split("error: ", 1)[-1]
         fail(f"main.py {what}: {error} (nothing submitted)")
+    found = CHECKED_DEVICE.search(done.stdout)
+    return found.group(1) if found else "unknown"
 
 
 def without_slurm() -> dict:

@@ -248,6 +248,19 @@ def note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)  # stderr: a tool's stdout stays its table or paths
 
 
+def rank_unit(devices: set[str]) -> tuple[str, str]:
+    """What a count of ranks counts, singular and plural, by the devices they trained on: a
+    rank per GPU on CUDA (and where no device is known: the course's runs, a SLURM sweep's),
+    processes on CPU cores on the CPU, plain ranks for a mix or an unknown device. The one
+    owner of the word: the sweep's lines, the tables and the figures."""
+    devices = devices - {""}
+    if devices <= {"cuda"}:
+        return "GPU", "GPUs"
+    if devices == {"cpu"}:
+        return "CPU rank", "CPU ranks"
+    return "rank", "ranks"
+
+
 def count(n: int, noun: str) -> str:
     """n and the noun, plural unless n is 1: 1 node, 2 GPUs, 2 processes."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"

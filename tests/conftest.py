@@ -1,7 +1,8 @@
 """What the tests share, written once: the tiny run's arguments, running or starting a command
 as a user would (without the SLURM variables of a surrounding job), reading `[METRIC]` and
 `[CONFIG]` lines, a scratch copy of the repository, and the project's loopback SLURM cluster
-(.ci/slurm/start.sh) for the tests marked `slurm`."""
+(.ci/slurm/start.sh) for the tests marked `slurm`; and the check that a session leaves no file in
+the repository."""
 
 import inspect
 import os
@@ -283,6 +284,65 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # keep pytest_collection_modifyitems's order
     return FilesOfSharedFixturesWhole(config, log)
+
+
+# ----------------------------------------------------------------------------- a clean repository
+
+# What a session may add to the repository: Python's byte code and the tools' caches. Anything
+# else (checkpoints/local-*, logs/, data/, results.csv) is a test that ran a tool in the
+# repository rather than in tmp_path or repo_copy, or trained there without --no-checkpoint.
+ALLOWED_LEFTOVERS = ("__pycache__/", "/.pytest_cache/", "/.ruff_cache/", "/.venv*")
+UNTRACKED = pytest.StashKey[set]()
+LEFT_BEHIND = pytest.StashKey[list]()
+
+
+def untracked_files() -> set[str] | None:
+    """The repository's files that git does not track, ignored ones included (a few ms); None
+    outside a git checkout."""
+    excludes = [f"--exclude={pattern}" for pattern in ALLOWED_LEFTOVERS]
+    try:
+        done = subprocess.run(
+            ["git", "-C", REPO, "ls-files", "--others", *excludes],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except OSError:  # no git
+        return None
+    return set(done.stdout.splitlines()) if done.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist the controller alone compares, once every worker has finished."""
+    if not hasattr(session.config, "workerinput") and (files := untracked_files()) is not None:
+        session.config.stash[UNTRACKED] = files
+
+
+def pytest_sessionfinish(session):
+    """A session that left files in the repository fails, whatever its tests said."""
+    before = session.config.stash.get(UNTRACKED, None)
+    if before is None:
+        return
+    left = sorted((untracked_files() or before) - before)
+    if left:
+        session.config.stash[LEFT_BEHIND] = left
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left = config.stash.get(LEFT_BEHIND, [])
+    if not left:
+        return
+    terminalreporter.section("files left in the repository", red=True)
+    for path in left[:10]:
+        terminalreporter.write_line(path)
+    if len(left) > 10:
+        terminalreporter.write_line(f"... and {len(left) - 10} more")
+    terminalreporter.write_line(
+        f"error: the tests left {len(left)} file(s) in {REPO}: a test ran a tool there (run it "
+        "in tmp_path or repo_copy, or add --no-checkpoint), or something else wrote there "
+        "meanwhile"
+    )
 
 
 @pytest.fixture(scope="session")

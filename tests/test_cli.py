@@ -141,6 +141,17 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     assert config["threads"] >= 1
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_config_and_metric_read_every_field_they_share_alike(strategy):
+    """DDP's [CONFIG] once said sharding=full microbatches=None (--sharding's default, unused)
+    where its [METRIC] said sharding=replicate microbatches=na; FSDP at one rank runs no_shard."""
+    done = run_main([*QUICK, "--epochs", "1", "--strategy", strategy])
+    config, (metric,) = config_in(done.stdout), metrics_in(done.stdout)
+    shared = sorted(set(config) & set(metric))
+    assert {"sharding", "microbatches", "strategy", "world_size"} <= set(shared), shared
+    assert [config[k] for k in shared] == [metric[k] for k in shared], shared
+
+
 def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
     """And exactly the same in bf16: the shards, their gradients and Adam's state stay fp32. Read
     when training ends: validation's forward leaves FSDP2's root unsharded (bf16 once read
@@ -399,6 +410,17 @@ def test_check_finds_what_the_run_would_fail_on(tmp_path, args, message):
     assert_one_line_error(run_main(["--check", *TINY, *args], timeout=60), message)
 
 
+def test_check_refuses_a_checkpoint_that_does_not_fit_as_the_run_does(tmp_path):
+    """--check reads the checkpoint's meta.pt: a DDP checkpoint resumed by FSDP is refused in
+    the run's own words (the bad-input table below), named by its folder or found by auto."""
+    checkpoint_of_another_strategy(tmp_path)
+    for resume in (["--resume", tmp_path], ["--resume", "auto", "--checkpoint-dir", tmp_path]):
+        done = run_main(["--check", "1", "2", *BATCH_64, "--strategy", "fsdp", *resume])
+        assert_one_line_error(
+            done, f"checkpoint {tmp_path}/ckpt_e0002_s000000 was written by strategy=ddp"
+        )
+
+
 def test_check_takes_the_launchers_world_size():
     done = run_main(["--check", *BATCH_64], timeout=60, RANK="0", LOCAL_RANK="0", WORLD_SIZE="3")
     assert_one_line_error(done, "multiple of the world size 3")
@@ -528,6 +550,23 @@ def test_a_stopped_rank_sent_sigterm_while_it_exits_still_exits_3(repo_copy):
             ranks[1].send_signal(signal.SIGTERM)
             time.sleep(0.1)
     assert ranks[1].returncode == 3, ranks[1].stderr.read()[-2000:]
+
+
+def test_a_resume_from_nowhere_is_refused_before_anything_is_made(tmp_path):
+    """A mistyped --resume PATH: the one line --check gives, and no folder made at PATH (where
+    the run's checkpoints would have gone)."""
+    missing = tmp_path / "does-not-exist"
+    done = run_main([*ONE_EPOCH, "--resume", missing])
+    assert_one_line_error(done, f"--resume {missing}: no checkpoint there")
+    assert not missing.exists()
+
+
+def test_a_save_says_where_training_resumes_from_it(tmp_path):
+    """The checkpoint after epoch 1 is named for epoch 2, where training goes on: its line says
+    both."""
+    done = run_main([*ONE_EPOCH, "--checkpoint-dir", tmp_path])
+    saved = f"[CHECKPOINT] saved {tmp_path}/ckpt_e0002_s000000 (after epoch 1: resumes at epoch 2)"
+    assert saved in done.stdout.splitlines(), done.stdout[-2000:]
 
 
 def test_resume_auto_says_when_it_found_nothing(tmp_path):

@@ -245,16 +245,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys, case):
 
 def test_logs_of_a_local_run_alone_say_how_to_get_something_to_plot(tmp_path, capsys):
     """What `make run` leaves in logs/: its sampler's CSV and torchrun's folder, no run log
-    (rank 0 prints to the terminal). The error says where logs come from."""
+    (rank 0 prints to the terminal). The error says what to run first: the README's sweep."""
     logs = tmp_path / "logs"
     (logs / "torchrun" / "20261123-101500-42").mkdir(parents=True)
     (logs / "cpu_local-20261123-101500-42_host.csv").write_text("time_s,pid,cpu_s,rss_mb\n")
     code, out, err = cli(capsys, "--logs", logs, "--out", tmp_path / "r.csv")
     assert code != 0 and out == ""
     assert err.splitlines()[-1] == (
-        f"error: no log files in {logs}: logs come from a sweep "
-        "(python run_benchmarks.py, or with --local on this "
-        "machine) or from sbatch run.sh"
+        f"error: no log files in {logs}: nothing to plot yet; run a sweep first, on this "
+        "machine: python run_benchmarks.py --local --gpus 1 2 --epochs 3 -- --dataset "
+        "synthetic --train-samples 2048 --val-samples 512 --no-checkpoint (README.md, From "
+        "the quickstart to a study); on SLURM: python run_benchmarks.py, or sbatch run.sh"
     )
 
 
@@ -403,6 +404,20 @@ def test_the_study_is_named_strong_or_weak_scaling():
     import plot_results
 
     assert plot_results.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
+    assert plot_results.context(strong) == "strong scaling: global batch 256 · 1 epochs"
+
+
+def test_the_study_names_the_ranks_after_their_device():
+    """A CPU sweep's study once said "at every GPU count" above a table of "CPU ranks"."""
+    strong = runs_frame({("ddp", 1): [9.0], ("ddp", 2): [5.0]}).assign(
+        global_batch=256, local_batch=[256, 128], device="cpu"
+    )
+    assert results_summary.scaling(strong) == (
+        "strong scaling: global batch 256 at every CPU rank count"
+    )
+    weak = strong.assign(global_batch=[64, 128], local_batch=64)
+    assert results_summary.scaling(weak) == "weak scaling: 64 images per CPU rank per step"
+    assert results_summary.rank_unit(strong) == ("CPU rank", "CPU ranks")
 
 
 # ---- [COMM] lines: comm.csv and the modelled communication time ----

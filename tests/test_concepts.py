@@ -669,6 +669,15 @@ def test_every_code_reference_names_a_definition_that_holds_the_code_quoted():
     assert not bad_references(text)
 
 
+def test_the_learners_reading_order_names_code_that_is_there():
+    """docs/architecture.md's reading order for DDP against FSDP, held to the code as this page
+    is: each step names a function or class that exists."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    order = text.split("## Where a learner starts", 1)[1].split("\n## ", 1)[0]
+    assert len(REFERENCE.findall(order)) >= 10
+    assert not bad_references(order)
+
+
 def test_the_reference_checker_finds_bad_references(tmp_path):
     (tmp_path / "m.py").write_text(
         "class A:\n    @staticmethod\n    def f():\n        return 1\n\n\ndef g():\n    pass\n"

@@ -164,6 +164,17 @@ def test_readme_opens_with_the_quickstart():
     assert not missing, f"not in README.md's first {QUICKSTART_LINES} lines: {missing}"
 
 
+def test_readme_shows_the_small_sweep_that_plot_results_asks_for():
+    """A fresh clone's ./plot_results.sh has no logs and names the sweep to run first: the one
+    the README's path from the quickstart to a study runs (its lines joined)."""
+    import collect_results
+
+    text = README.read_text().replace("\\\n    ", "")
+    assert collect_results.SMALL_LOCAL_SWEEP in text
+    assert "From the quickstart to a study" in collect_results.HOW_TO_GET_LOGS
+    assert "from-the-quickstart-to-a-study" in anchors(README)
+
+
 def test_readme_shows_one_metric_line_in_the_format_and_one_figure_from_docs():
     text = README.read_text()
     metrics = [line for line in text.splitlines() if line.startswith("[METRIC]")]

@@ -409,6 +409,39 @@ def test_repeated_runs_draw_min_max_bars():
     assert not [c for c in once.collections if len(c.get_segments())]
 
 
+def labelled_ticks(ax) -> list[float]:
+    """The y values of the ticks drawn with a label, within the axis' view."""
+    ax.figure.canvas.draw()
+    low, high = ax.get_ylim()
+    ticks = [*ax.yaxis.get_majorticklabels(), *ax.yaxis.get_minorticklabels()]
+    return [
+        t.get_position()[1] for t in ticks if t.get_text() and low <= t.get_position()[1] <= high
+    ]
+
+
+def test_every_epoch_time_has_a_labelled_tick_near_it():
+    """A CPU sweep's epoch times (issue 46's) span under a decade with the one-rank points at
+    its top, 0.74-0.77 s, where the log axis once labelled nothing above 0.5. Every point, the
+    ideal lines' too, now has a labelled tick within a factor of 1.42 (1 2 3 5 7's widest gap
+    is 1 to 2: sqrt(2) from either)."""
+    results = runs_frame(
+        {
+            ("ddp", 1): [0.80, 0.74],
+            ("ddp", 2): [0.50, 0.45],
+            ("ddp", 4): [0.42, 0.40],
+            ("fsdp", 1): [0.80, 0.77],
+            ("fsdp", 2): [0.55, 0.52],
+            ("fsdp", 4): [0.50, 0.47],
+        }
+    )
+    (ax,) = plot_results.plot_epoch_time(results_summary.summarize(results)).axes
+    labelled = labelled_ticks(ax)
+    for line in ax.get_lines():
+        for y in line.get_ydata():
+            assert min(max(y / t, t / y) for t in labelled) <= 1.42, (line.get_label(), y, labelled)
+    plt.close("all")
+
+
 def test_the_subtitle_fits_the_figure_above_the_panels(tmp_path):
     """A subtitle longer than a 720-px figure is wide is wrapped onto lines that lie within the
     figure, and the panels' titles below them."""

@@ -673,6 +673,11 @@ def test_local_sweep_trains_collects_and_plots(repo_copy):
         timeout=290,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # The ranks named after the device main.py --check found, as the tables name them.
+    said = [line.split(" here: ")[0] for line in done.stdout.splitlines() if " here: log " in line]
+    assert said == ["ddp on 1 CPU rank", "ddp on 2 CPU ranks"], done.stdout
+    assert "strong scaling: global batch 32 at every CPU rank count" in done.stderr
+    assert "| strategy | CPU ranks |" in done.stdout
     (sweep,) = (repo_copy / "logs").glob("sweep-*")  # the sweep's own folder
     logs = sorted(p.name for p in sweep.glob("*.log"))
     assert [re.sub(r"_local-[\d-]+", "", name) for name in logs] == ["ddp_1gpu.log", "ddp_2gpu.log"]

@@ -243,6 +243,50 @@ def test_resume_names_a_checkpoint_by_its_folder_or_any_of_its_files(tmp_path):
         assert checkpoint.folder_for(None, str(named)) == ckpt.parent, named
 
 
+def test_check_names_a_chosen_checkpoint_it_cannot_read_and_leaves_auto_to_the_run(tmp_path):
+    """--resume PATH whose meta.pt is cut short: the run's own Unreadable (exit status 5). With
+    auto, the run passes over it to an older one: --check does not refuse it."""
+    ckpt = tmp_path / "ckpt_e0002_s000000"
+    ckpt.mkdir()
+    (ckpt / checkpoint.META_FILE).write_bytes(b"half")
+    fits = checkpoint.Identity("ddp", "cnn", 1, 64)
+    with pytest.raises(checkpoint.Unreadable, match=f"cannot read checkpoint {ckpt} "):
+        checkpoint.check_resume(str(tmp_path), tmp_path, fits, [1])
+    checkpoint.check_resume("auto", tmp_path, fits, [1])
+
+
+@pytest.mark.parametrize(
+    "samples, sizes, noted",
+    [
+        (dict(train_samples=512), (512, 10_000), True),  # few trained, every one validated
+        (dict(train_samples=512, val_samples=256), (512, 256), False),  # a quick run: both
+        (dict(), (50_000, 10_000), False),  # the whole set
+        (dict(train_samples=20_000), (20_000, 10_000), False),  # validates fewer than it trains
+    ],
+)
+def test_a_run_that_validates_more_images_than_it_trains_says_so(samples, sizes, noted):
+    from config import Config
+    from session import validation_note
+
+    note = validation_note(Config(**samples), *sizes)
+    assert (note is not None) == noted, note
+    if noted:
+        assert note.startswith("[CONFIG] note: every epoch validates all 10000 validation images")
+        assert "--val-samples N" in note
+
+
+@pytest.mark.parametrize(
+    "epoch, step, said",
+    [
+        (2, 0, "after epoch 1: resumes at epoch 2"),
+        (2, 106, "after step 106 of epoch 2: resumes there"),
+        (1, 0, "before any step: resumes at epoch 1"),
+    ],
+)
+def test_a_checkpoints_position_in_words(epoch, step, said):
+    assert checkpoint.Position(epoch, step).resumes == said
+
+
 def test_the_oldest_torch_is_requirements_floor():
     """requirements.txt lets pip install no torch that main.py refuses, nor refuses one it runs."""
     floor = re.search(r"^torch>=(\d+)\.(\d+),", (REPO / "requirements.txt").read_text(), re.M)
@@ -441,10 +485,21 @@ SHARDING_IMPORTS = [
 
 
 def test_check_finds_device_data_and_checkpoint_without_the_sharding_imports(tmp_path):
-    """--check of an FSDP2 run resuming from a folder of checkpoints finds the checkpoint (or
-    it would exit 2) and loads no wrapper and no DCP."""
-    (tmp_path / "ckpt_e0001_s000000").mkdir()
-    (tmp_path / "ckpt_e0001_s000000" / "meta.pt").touch()
+    """--check of an FSDP2 run resuming from a folder of checkpoints finds the checkpoint and
+    reads its meta.pt (or it would exit 2, or 5 for an unreadable one) and loads no wrapper and
+    no DCP."""
+    (tmp_path / "ckpt_e0002_s000000").mkdir()
+    meta = {  # what checkpoint.save writes of an FSDP2 run at world size 2, after epoch 1
+        "position": {"epoch": 2},
+        "identity": {
+            "strategy": "fsdp2",
+            "model": "cnn",
+            "parameters": count_parameters(build_model("cnn")),
+            "global_batch": 256,
+        },
+        "world_size": 2,
+    }
+    torch.save(meta, tmp_path / "ckpt_e0002_s000000" / checkpoint.META_FILE)
     check = [*TINY, "--strategy", "fsdp2", "--resume", str(tmp_path), "--check", "1", "2"]
     probe = (
         "import sys, main\n"
