@@ -414,33 +414,26 @@ def test_a_graphed_profile_traces_the_graphs_replays(tmp_path):
 GRAPHED = [*TINY, "--batch-size", "64", "--train-samples", "2048", "--deterministic"]
 
 
-@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp2"])
-def test_a_graphed_run_trains_as_the_eager_one(tmp_path, strategy):
+@pytest.mark.parametrize(
+    "strategy,precision", [("single", "fp32"), ("ddp", "fp32"), ("fsdp2", "fp32"), ("ddp", "fp16")]
+)
+def test_a_graphed_run_trains_as_the_eager_one(tmp_path, strategy, precision):
     """The same steps replayed from one graph end with the eager run's parameters: to the bit
     is what a capture of the same kernels should give; the test allows 1e-6 and prints it.
-    FSDP2's step (its gathers and reduce-scatters on streams of its own) has not yet run
-    captured on a GPU: this is its first proof."""
-    args = [*GRAPHED, "--strategy", strategy, "--epochs", "2"]
+    FSDP2's step (its gathers and reduce-scatters on streams of its own) and fp16's scaler
+    inside the graph (the fused Adam takes its inf check as a device tensor and skips an
+    overflowing step on the device, the scale updated there too: test_cuda_graphs.py shows no
+    host read on a CPU; the 11 eager warm-up steps start from a scale of 65536, so the skipping
+    is exercised) have not yet run captured on a GPU: this is their first proof."""
+    args = [*GRAPHED, "--strategy", strategy, "--precision", precision, "--epochs", "2"]
     run_gpu([*args, "--no-cuda-graphs", "--checkpoint-dir", str(tmp_path / "eager")])
     config, metrics = run_gpu([*args, "--cuda-graphs", "--checkpoint-dir", str(tmp_path / "g")])
     assert config["cuda_graphs"] == "True" and metrics[-1]["device"] == "cuda"
+    assert metrics[-1]["precision"] == precision
     (difference,) = max_param_diffs(tmp_path / "eager", tmp_path / "g")
-    print(f"{strategy}: largest parameter difference, graphed vs eager: {difference:.3g}")
-    assert difference <= 1e-6
-
-
-def test_a_graphed_fp16_run_trains_as_the_eager_one(tmp_path):
-    """fp16's scaler inside the graph: the fused Adam takes its inf check as a device tensor
-    and skips an overflowing step on the device, and the scale is updated there too
-    (test_cuda_graphs.py shows no host read on a CPU); the 11 eager warm-up steps start from a
-    scale of 65536, so the skipping is exercised. Not yet run on a GPU: this is its first
-    proof."""
-    args = [*GRAPHED, "--strategy", "ddp", "--precision", "fp16", "--epochs", "2"]
-    run_gpu([*args, "--no-cuda-graphs", "--checkpoint-dir", str(tmp_path / "eager")])
-    config, metrics = run_gpu([*args, "--cuda-graphs", "--checkpoint-dir", str(tmp_path / "g")])
-    assert config["cuda_graphs"] == "True" and metrics[-1]["precision"] == "fp16"
-    (difference,) = max_param_diffs(tmp_path / "eager", tmp_path / "g")
-    print(f"ddp fp16: largest parameter difference, graphed vs eager: {difference:.3g}")
+    print(
+        f"{strategy} {precision}: largest parameter difference, graphed vs eager: {difference:.3g}"
+    )
     assert difference <= 1e-6
 
 
