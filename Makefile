@@ -78,11 +78,12 @@ format: $(LINT_STAMP)
 	$(VENV)/bin/ruff check --select I --fix .
 	$(VENV)/bin/ruff format .
 
-# The student's copy (make_exercise.py, docs/exercise.md): DIR=path, default exercise/ here.
+# The student's copy (make_exercise.py, docs/exercise.md): DIR=path, default exercise/ here;
+# KEY=1 keeps the instructors' key (docs/concepts.md), which the copy otherwise leaves out.
 DIR ?= exercise
 
 exercise:
-	$(PYTHON) make_exercise.py $(DIR)
+	$(PYTHON) make_exercise.py $(DIR) $(if $(KEY),--key)
 
 # The checks of EXERCISES.md's parts to complete: EX=2.1 for one, all without. The module is
 # also the plugin that says each failure in one line (-p), in place of pytest's report.

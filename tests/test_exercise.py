@@ -1,7 +1,8 @@
 """The student's copy (make_exercise.py, `make exercise`) and its checks (`make check EX=N.M`,
 tests/exercise_checks.py): the marks and the sheet agree, the marks are comments, the copy is
-the solution with the regions cut and is the same at every build, and each exercise's check
-fails on the stub and passes once that exercise alone is restored."""
+the solution with the regions and their twins cut, the same at every build, without the
+solution's tests, and with the instructors' key only when asked; each exercise's check fails on
+the stub and passes once that exercise alone is restored."""
 
 import ast
 import filecmp
@@ -67,6 +68,7 @@ def test_every_region_is_a_sheet_exercise_to_complete_and_each_has_a_region_and_
         ("# exercise 2.1 begin\n# exercise 2.1 end\n", "region is empty"),
         ("# exercise 2.1 begin\n# exercise 3.1 begin\n", "2.1's region is still open"),
         ("x = 1  # exercise 2.1 begin\n", "a mark must be a line of its own"),
+        ("# exercise 2.1 begin\nx = 1\n# exercise 2.1 twin end\n", "2.1 twin without a begin"),
     ],
 )
 def test_a_bad_mark_is_named_with_its_line(text, error):
@@ -80,6 +82,8 @@ def test_a_region_off_the_sheet_or_a_part_without_one_is_refused():
         mx.check_marks([mx.Region("f.py", "2.2", 0, 2, "")], exercises)
     with pytest.raises(mx.ExerciseError, match="exercise 2.1 has no marked region"):
         mx.check_marks([], exercises)
+    with pytest.raises(mx.ExerciseError, match="exercise 2.1 has no marked region"):  # a twin's
+        mx.check_marks([mx.Region("f.py", "2.1", 0, 2, "", twin=True)], exercises)
 
 
 def test_the_stubs_point_at_the_sheets_headings():
@@ -98,6 +102,8 @@ def test_only_comments_are_marks():
     assert mx.regions_of("f.py", text) == []
     text = "def f():\n    # exercise 2.1 begin\n    x = 1\n    # exercise 2.1 end\n"
     assert mx.regions_of("f.py", text) == [mx.Region("f.py", "2.1", 1, 3, "    ")]
+    twin = text.replace(" begin", " twin begin").replace(" end", " twin end")
+    assert mx.regions_of("f.py", twin) == [mx.Region("f.py", "2.1", 1, 3, "    ", twin=True)]
 
 
 # ----------------------------------------------------------------------------- the copy
@@ -107,15 +113,19 @@ def test_the_copy_is_the_solution_with_the_regions_cut_and_the_same_every_time(t
     first, second = tmp_path / "first", tmp_path / "second"
     regions = mx.build(first)
     cut = {r.path for r in regions}
+    assert {r.path for r in regions if r.twin}, "no twin cut"
     for name in mx.repository_files():
         copied = first / name
-        if name in mx.LEFT_OUT:
+        if mx.left_out(name):
             assert not copied.exists(), name
+        elif name == mx.KEY:
+            assert copied.read_text() == mx.KEY_NOTE
         elif name not in cut:
             assert filecmp.cmp(REPO / name, copied, shallow=False), name
     assert (first / mx.SHEET).is_file()
-    # The answers: concepts.md's lines quoted from the solution, checked against its code.
-    assert not (first / "tests" / "test_concepts.py").exists()
+    # The student's checks and what they import stay; the solution's own tests go.
+    assert (first / "tests" / "exercise_checks.py").is_file()
+    assert not list((first / "tests").glob("test_*.py"))
     for path in cut:
         text = (first / path).read_text()
         compile(text, path, "exec")  # every module still imports
@@ -124,7 +134,8 @@ def test_the_copy_is_the_solution_with_the_regions_cut_and_the_same_every_time(t
         for region in mx.regions_of(path, text):
             lines = text.splitlines()[region.begin + 1 : region.end]
             assert lines[0].strip() == "raise NotImplementedError(", (path, lines)
-            assert f'"exercise {region.number}: ' in lines[1], (path, lines)
+            says = "cut from the student's copy" if region.twin else f"exercise {region.number}: "
+            assert says in lines[1] and mx.SHEET in lines[1], (path, lines)
     mx.build(second)
     (first / "stray").write_text("")
     mx.build(first)  # over the copy made before: replaced
@@ -135,6 +146,20 @@ def test_the_copy_is_the_solution_with_the_regions_cut_and_the_same_every_time(t
     assert all(
         filecmp.cmp(first / n, second / n, shallow=False) for n in names if (first / n).is_file()
     )
+
+
+def test_the_key_is_in_the_copy_only_when_asked_for(tmp_path):
+    for key, says in ((False, "left out (KEY=1 keeps it)"), (True, "kept")):
+        folder = tmp_path / f"key-{key}"
+        done = run(
+            ["make", "-s", "exercise", f"DIR={folder}", f"PYTHON={sys.executable}"]
+            + (["KEY=1"] if key else [])
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"the instructors' key, {mx.KEY}, {says}" in done.stdout, done.stdout
+        copied = (folder / mx.KEY).read_text()
+        assert (copied == (REPO / mx.KEY).read_text()) == key
+        assert (copied == mx.KEY_NOTE) != key
 
 
 def test_make_exercise_refuses_a_folder_it_did_not_make(tmp_path):
