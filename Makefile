@@ -87,9 +87,11 @@ exercise:
 
 # The checks of EXERCISES.md's parts to complete: EX=2.1 for one, all without. The module is
 # also the plugin that says each failure in one line (-p), in place of pytest's report.
+# PYTEST_ARGS='-k "test_ex6_1_..."' picks checks by name (tests/test_exercise.py does).
 check: $(STAMP)
 	PYTHONPATH=.:tests $(PY) -m pytest tests/exercise_checks.py -p exercise_checks \
-		-p no:cacheprovider -q --no-header --tb=no -rN $(if $(EX),-k "ex$(subst .,_,$(EX))_")
+		-p no:cacheprovider -q --no-header --tb=no -rN $(if $(EX),-k "ex$(subst .,_,$(EX))_") \
+		$(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache __pycache__ tests/__pycache__
