@@ -78,17 +78,20 @@ format: $(LINT_STAMP)
 	$(VENV)/bin/ruff check --select I --fix .
 	$(VENV)/bin/ruff format .
 
-# The student's copy (make_exercise.py, docs/exercise.md): DIR=path, default exercise/ here.
+# The student's copy (make_exercise.py, docs/exercise.md): DIR=path, default exercise/ here;
+# KEY=1 keeps the instructors' key (docs/concepts.md), which the copy otherwise leaves out.
 DIR ?= exercise
 
 exercise:
-	$(PYTHON) make_exercise.py $(DIR)
+	$(PYTHON) make_exercise.py $(DIR) $(if $(KEY),--key)
 
 # The checks of EXERCISES.md's parts to complete: EX=2.1 for one, all without. The module is
 # also the plugin that says each failure in one line (-p), in place of pytest's report.
+# PYTEST_ARGS='-k "test_ex6_1_..."' picks checks by name (tests/test_exercise.py does).
 check: $(STAMP)
 	PYTHONPATH=.:tests $(PY) -m pytest tests/exercise_checks.py -p exercise_checks \
-		-p no:cacheprovider -q --no-header --tb=no -rN $(if $(EX),-k "ex$(subst .,_,$(EX))_")
+		-p no:cacheprovider -q --no-header --tb=no -rN $(if $(EX),-k "ex$(subst .,_,$(EX))_") \
+		$(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache __pycache__ tests/__pycache__

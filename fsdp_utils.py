@@ -152,6 +152,7 @@ def get_fsdp2_model(
     ranks_per_node: int | None = None,
 ) -> nn.Module:
     """FSDP2: fully_shard each of `own_units`, then the root (which holds what no unit does)."""
+    # exercise 4.2 twin begin
     world = torch.distributed.get_world_size()
     mesh = (
         hybrid_mesh(device, ranks_per_node)
@@ -175,6 +176,7 @@ def get_fsdp2_model(
     # resharded a root told True since torch 2.8).
     fully_shard(model, **{**options, "reshard_after_forward": False})
     return model
+    # exercise 4.2 twin end
 
 
 def effective_sharding(model: nn.Module, sharding: str) -> str:

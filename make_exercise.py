@@ -11,12 +11,17 @@ code to write. The code owns where that code is: comment lines around it,
 
 (an exercise may have several regions). The copy keeps the marks and puts in each region's
 place `raise NotImplementedError("exercise 2.1: ...; see EXERCISES.md#21-...")`, so that every
-module still imports and a stub says where to read. Everything else is copied as it is but the
-tests that would give the answers away. tests/exercise_checks.py grades a completed part:
-`make check EX=2.1` (docs/exercise.md).
+module still imports and a stub says where to read. Code that is not the student's to write but
+would show an exercise's answer (FSDP2's twin of the FSDP wrapper) is marked the same way as
+that exercise's twin, `# exercise 4.2 twin begin` ... `# exercise 4.2 twin end`: the copy cuts
+it too, with a stub that says why. Everything else is copied as it is but the files that would
+give the answers away: the solution's own tests, and the instructors' key, docs/concepts.md,
+which only `--key` (`make exercise KEY=1`) keeps. tests/exercise_checks.py grades a completed
+part: `make check EX=2.1` (docs/exercise.md).
 """
 
 import argparse
+import fnmatch
 import io
 import re
 import shutil
@@ -32,12 +37,20 @@ SHEET = "EXERCISES.md"
 DEFAULT_DIR = REPO / "exercise"  # git-ignored
 # Written into every copy: the only folder besides an empty one that a build may replace.
 STAMP = ".student-copy"
-# Not in the copy: the lines docs/concepts.md quotes are checked against the solution's code
-# (they would name every answer), and the tests of the cut itself.
-LEFT_OUT = ("tests/test_concepts.py", "tests/test_exercise.py")
+# Not in the copy (fnmatch patterns): the solution's own tests, which test its code, name the
+# answers and fail on the stubs (the student's are tests/exercise_checks.py), and a GPU run's
+# log that quotes the DDP wrapper's line.
+LEFT_OUT = ("tests/test_*.py", "docs/gpu-runs/2026-11-23-h100/5_ddp_bucket_views_and_sync_bn.log")
+# The instructors' key: the answers to the sheet's questions, in the copy only if asked for
+# (--key); else a note in its place, so that the links to it still lead somewhere.
+KEY = "docs/concepts.md"
+KEY_NOTE = (
+    "# The course's questions, answered\n\n"
+    "The instructors' key: left out of the student's copy (`make exercise KEY=1` keeps it).\n"
+)
 COMPLETE = "Complete"  # how the sheet's title of an exercise with code to write begins
 
-MARK = re.compile(r"^# exercise (?P<number>\d+\.\d+) (?P<side>begin|end)$")
+MARK = re.compile(r"^# exercise (?P<number>\d+\.\d+)(?P<twin> twin)? (?P<side>begin|end)$")
 HEADING = re.compile(r"^#{2,4} (?P<number>\d+\.\d+) (?P<title>.+)$", re.M)
 
 
@@ -52,6 +65,7 @@ class Region:
     begin: int  # the index of the begin mark's line
     end: int  # the index of the end mark's line
     indent: str
+    twin: bool = False  # code that shows the exercise's answer, not the student's to write
 
 
 def sheet_exercises(repo: Path = REPO) -> dict[str, str]:
@@ -69,15 +83,20 @@ def anchor(number: str, title: str) -> str:
     return text.replace(" ", "-")
 
 
-def stub(number: str, title: str, indent: str) -> str:
+def stub(number: str, title: str, indent: str, twin: bool = False) -> str:
     """What takes a region's place: a NotImplementedError naming the exercise and the sheet."""
-    message = f"exercise {number}: {title}; see {SHEET}#{anchor(number, title)}"
+    where = f"{SHEET}#{anchor(number, title)}"
+    message = (
+        f"cut from the student's copy: it would show exercise {number}'s answer ({where})"
+        if twin
+        else f"exercise {number}: {title}; see {where}"
+    )
     return f'{indent}raise NotImplementedError(\n{indent}    "{message}"\n{indent})\n'
 
 
 def marks_of(path: str, text: str) -> list[tuple[int, str, str, str]]:
-    """(line index, exercise, begin or end, indent) of each mark: comments, not text that looks
-    like one in a string (this module's own docstring)."""
+    """(line index, exercise or its twin, begin or end, indent) of each mark: comments, not text
+    that looks like one in a string (this module's own docstring)."""
     found = []
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type != tokenize.COMMENT or not (mark := MARK.match(token.string)):
@@ -85,7 +104,8 @@ def marks_of(path: str, text: str) -> list[tuple[int, str, str, str]]:
         indent = token.line[: token.start[1]]
         if indent.strip():
             raise ExerciseError(f"{path}:{token.start[0]}: a mark must be a line of its own")
-        found.append((token.start[0] - 1, mark["number"], mark["side"], indent))
+        number = mark["number"] + (mark["twin"] or "")
+        found.append((token.start[0] - 1, number, mark["side"], indent))
     return found
 
 
@@ -103,7 +123,8 @@ def regions_of(path: str, text: str) -> list[Region]:
             raise ExerciseError(f"{where}: an end of exercise {number} without a begin")
         if index == open_mark[1] + 1:
             raise ExerciseError(f"{where}: exercise {number}'s region is empty")
-        found.append(Region(path, number, open_mark[1], index, open_mark[2]))
+        exercise, twin = number.removesuffix(" twin"), number.endswith(" twin")
+        found.append(Region(path, exercise, open_mark[1], index, open_mark[2], twin))
         open_mark = None
     if open_mark:
         raise ExerciseError(f"{path}:{open_mark[1] + 1}: exercise {open_mark[0]} never ends")
@@ -141,7 +162,7 @@ def cut(text: str, regions: list[Region], exercises: dict[str, str]) -> str:
     lines = text.splitlines(keepends=True)
     for region in sorted(regions, key=lambda r: r.begin, reverse=True):
         lines[region.begin + 1 : region.end] = [
-            stub(region.number, exercises[region.number], region.indent)
+            stub(region.number, exercises[region.number], region.indent, region.twin)
         ]
     return "".join(lines)
 
@@ -154,7 +175,7 @@ def check_marks(regions: list[Region], exercises: dict[str, str]) -> None:
                 f"{region.path}:{region.begin + 1}: exercise {region.number} is not an "
                 f"exercise of {SHEET} whose title begins with {COMPLETE!r}"
             )
-    missing = sorted(to_complete(exercises) - {region.number for region in regions})
+    missing = sorted(to_complete(exercises) - {r.number for r in regions if not r.twin})
     if missing:
         raise ExerciseError(f"{SHEET}'s exercise {', '.join(missing)} has no marked region")
 
@@ -171,21 +192,30 @@ def prepare(dest: Path, repo: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
 
 
-def build(dest: Path, repo: Path = REPO, keep: frozenset[str] = frozenset()) -> list[Region]:
-    """Write the student's copy into dest; the exercises in `keep` keep their solution (for
-    the tests of the cut). Returns the regions cut."""
+def left_out(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in LEFT_OUT)
+
+
+def build(
+    dest: Path, repo: Path = REPO, keep: frozenset[str] = frozenset(), key: bool = False
+) -> list[Region]:
+    """Write the student's copy into dest, with the instructors' key if `key`. The exercises in
+    `keep` keep their solution (for the tests of the cut); their twins are cut all the same, as
+    in a copy the student has completed. Returns the regions cut."""
     exercises = sheet_exercises(repo)
     regions = all_regions(repo)
     check_marks(regions, exercises)
     prepare(dest, repo)
-    cut_here = [region for region in regions if region.number not in keep]
+    cut_here = [region for region in regions if region.twin or region.number not in keep]
     for name in repository_files(repo, outside=dest):
-        if name in LEFT_OUT:
+        if left_out(name):
             continue
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
         mine = [region for region in cut_here if region.path == name]
-        if mine:
+        if name == KEY and not key:
+            target.write_text(KEY_NOTE)
+        elif mine:
             target.write_text(cut((repo / name).read_text(), mine, exercises))
             shutil.copymode(repo / name, target)
         else:
@@ -199,16 +229,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "dir", nargs="?", default=DEFAULT_DIR, type=Path, help="where (default: exercise/)"
     )
+    parser.add_argument(
+        "--key", action="store_true", help=f"keep the instructors' key, {KEY} (else left out)"
+    )
     args = parser.parse_args(argv)
     try:
-        regions = build(args.dir)
+        regions = build(args.dir, key=args.key)
     except ExerciseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    numbers = sorted({region.number for region in regions})
+    own = [region for region in regions if not region.twin]
+    numbers = sorted({region.number for region in own})
+    key = "kept (--key)" if args.key else "left out (KEY=1 keeps it)"
     print(
-        f"student's copy in {args.dir}: {len(regions)} regions cut for exercises "
-        f"{', '.join(numbers)}; the sheet is {SHEET}, make check EX=N.M grades one"
+        f"student's copy in {args.dir}: {len(own)} regions cut for exercises "
+        f"{', '.join(numbers)}, and {len(regions) - len(own)} twins that would show their "
+        f"answers; the sheet is {SHEET}, make check EX=N.M grades one; the instructors' key, "
+        f"{KEY}, {key}"
     )
     return 0
 

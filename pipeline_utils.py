@@ -129,6 +129,7 @@ class PipelineTrainer(Trainer):
         """One optimizer step of this stage: the schedule runs the global batch's micro-batches
         through the pipeline (their forwards, backwards and the sends between stages), then
         every stage steps its own parameters."""
+        # exercise 6.1 twin begin
         self.optimizer.zero_grad(set_to_none=True)
         losses = [] if self.last else None
         start = time.perf_counter()
@@ -146,6 +147,7 @@ class PipelineTrainer(Trainer):
         if self.clip_grad is not None:
             clip_across_stages(self.model, self.clip_grad)
         self.optimizer.step()
+        # exercise 6.1 twin end
 
     def compute_seconds_per_step(self, epoch_seconds: float) -> float:
         """Measured, not calibrated: this stage's own forwards and backwards, per step."""

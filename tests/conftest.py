@@ -235,6 +235,7 @@ def _stop(env: dict) -> None:
 ONE_WORKER_FILES = {
     "test_data.py",
     "test_equivalence.py",
+    "test_exercise.py",
     "test_features.py",
     "test_pipeline.py",
     "test_resume.py",
