@@ -52,8 +52,10 @@ $(OLDEST_VENV)/.installed: requirements.txt
 	$(OLDEST_VENV)/bin/python $(INSTALL_CHECK)
 	touch $@
 
+# The planted mistakes (about 5 minutes) grade what the checks say, which the torch version does
+# not change; the oldest torch runs the checks themselves on the solved and unsolved copies.
 test-oldest: $(OLDEST_VENV)/.installed
-	$(OLDEST_VENV)/bin/python -m pytest tests $(WORKERS) $(PYTEST_ARGS)
+	$(OLDEST_VENV)/bin/python -m pytest tests $(WORKERS) -m "not planted" $(PYTEST_ARGS)
 
 # On a machine with a GPU: the CUDA/NCCL tests (skipped elsewhere), then the benchmark. Eight
 # workers share the one GPU (2 minutes against about 7 one after another, H200); no GPU test

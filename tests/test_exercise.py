@@ -1110,6 +1110,7 @@ def graded(tmp_path_factory) -> dict[Plant, list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.planted
 @pytest.mark.parametrize("plant", MISTAKES, ids=lambda p: f"{p.exercise} {p.name}")
 def test_a_planted_mistake_fails_its_check_saying_what_is_wrong(graded, plant):
     lines = graded[plant]
@@ -1119,6 +1120,7 @@ def test_a_planted_mistake_fails_its_check_saying_what_is_wrong(graded, plant):
 
 
 @pytest.mark.slow
+@pytest.mark.planted
 @pytest.mark.parametrize("plant", ALTERNATIVES, ids=lambda p: f"{p.exercise} {p.name}")
 def test_a_correct_alternative_passes_its_exercises_checks(graded, plant):
     assert graded[plant] == []
