@@ -370,7 +370,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
         list(x),
         [f"{s}\n{g:.0f} {one if g == 1 else many}" for s, g in zip(rows["strategy"], rows["gpus"])],
     )
-    ax.set_ylabel(f"seconds per epoch ({steady(summary)})")
+    ax.set_ylabel(f"seconds in one epoch ({steady(summary)})")  # steady_breakdown's epoch
     ax.set_title("Where an epoch's time goes")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
