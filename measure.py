@@ -1,9 +1,9 @@
 """What an epoch measures, and how: memory (the training peak above a baseline, the state's
 exact bytes), the time of a stage of every step (StageTimer), where the epoch's time went
-(time_breakdown, with the compute calibration behind t_compute), the share of it the GPU ran
-kernels (gpu_busy, from a kernel trace of the calibration's step, at one rank only), and the
-`[METRIC]` fields they make, each reduced over the ranks (all_reduce: every number reported is
-a global one).
+(time_breakdown, with the compute calibration timed beside the epoch behind t_compute, and
+breakdown_warning where it cannot tell), the share of it the GPU ran kernels (gpu_busy, from a
+kernel trace of the calibration's step, at one rank only), and the `[METRIC]` fields they make,
+each reduced over the ranks (all_reduce: every number reported is a global one).
 docs/metrics.md says what each field means.
 """
 
@@ -12,6 +12,7 @@ import ctypes
 import math
 import re
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,20 +100,44 @@ class MemoryMeter:
     device and before the model exists. It counts the model, its gradients, optimizer state,
     activations and batches, not the data set (reported on its own) nor, on CPU, torch's own
     libraries: so it compares with a run that keeps its data on the host, as the course's does,
-    and it means the same on a GPU and on a CPU."""
+    and it means the same on a GPU and on a CPU. Nor what runs set_aside within the epoch (the
+    compute calibration's rounds: their model is not the trained one)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         if device.type == "cpu":
             release_free_heap()
         self.baseline = current_memory_bytes(device)
+        self.kept = (0, 0)  # the epoch's peaks, allocated and reserved, before work set aside
 
     def reset(self) -> None:
         reset_peak_memory(self.device)
+        self.kept = (0, 0)
+
+    def peaks(self) -> tuple[int, int]:
+        """Since reset(), the work set aside left out: (allocated, reserved) peak bytes."""
+        now = (peak_memory_bytes(self.device), reserved_peak_bytes(self.device))
+        return max(now[0], self.kept[0]), max(now[1], self.kept[1])
+
+    @contextlib.contextmanager
+    def set_aside(self):
+        """Work within the epoch whose memory is not training's: the peaks so far are kept, and
+        the device's own peak statistics start again afterwards, from what is held then (on
+        CUDA without emptying the allocator's cache, which the epoch's next steps reuse)."""
+        self.kept = self.peaks()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_peak_memory(self.device)
 
     def training_peak(self, at_least: int = 0) -> int:
         """Since reset(), above the baseline; at_least: a peak the allocator did not see."""
-        return max(0, max(peak_memory_bytes(self.device), at_least) - self.baseline)
+        return max(0, max(self.peaks()[0], at_least) - self.baseline)
+
+    def reserved_peak(self) -> int:
+        """Since reset(): what the process really took (reserved_peak_bytes)."""
+        return self.peaks()[1]
 
 
 class StageTimer:
@@ -178,8 +203,8 @@ def all_reduce(
 @dataclass
 class Segment:
     """What this rank did in the part of an epoch this process trained (the whole epoch unless
-    it resumed mid-way): the part's wall time (its slowest rank's), this rank's own time
-    fetching batches, and its steps."""
+    it resumed mid-way): the part's wall time (its slowest rank's, the compute calibration's
+    rounds beside it left out), this rank's own time fetching batches, and its steps."""
 
     elapsed: float
     data: float
@@ -196,40 +221,89 @@ def every_rank(value: float, device: torch.device) -> list[float]:
     return all_reduce([value if r == rank else 0.0 for r in range(world_size())], device)
 
 
-def time_breakdown(segment: Segment, step_seconds: float, device: torch.device) -> dict:
+@dataclass
+class StepCompute:
+    """One step's compute on this rank, for t_compute: the median of the compute calibration's
+    rounds beside the epoch (ComputeCalibration), and the fastest and the slowest of them; the
+    three alike where a step's compute is measured as it trains (a pipeline's stages)."""
+
+    median: float
+    fastest: float
+    slowest: float
+
+    @classmethod
+    def measured(cls, seconds: float) -> "StepCompute":
+        return cls(seconds, seconds, seconds)
+
+
+# Above this share of the epoch, compute_spread leaves the epoch's compute too uncertain to be
+# told apart from the rest: breakdown=unreliable.
+SPREAD_LIMIT = 0.25
+
+
+def time_breakdown(segment: Segment, step: StepCompute, device: torch.device, sends: bool) -> dict:
     """Where the epoch's time went, in seconds, each the mean over ranks, none negative; they add
     up to the segment's time by construction:
 
     t_compute  the steps' forward, backward and optimizer work as one process does it on this
-               rank's local batch (ComputeCalibration: step_seconds x steps)
+               rank's local batch (ComputeCalibration: step.median x steps)
     t_data     fetching batches (the data_wait of this rank)
     t_wait     waiting for the slowest rank: the busiest rank's compute + data, minus this
                rank's own
-    t_comm     the rest: the epoch's time beyond its busiest rank's compute and data, that is
-               communication and the wrapper's work not hidden behind compute (the same on
-               every rank: every rank takes the slowest one's time)
+    t_comm     where the run sends (sends: its devices are more than one): the rest, the
+               epoch's time beyond its busiest rank's compute and data, that is communication
+               and the wrapper's work not hidden behind compute, and what the step's model
+               misses (the same on every rank: every rank takes the slowest one's time); 0
+               where nothing is sent
+    t_other    where nothing is sent: the rest, what the step's model does not explain (the
+               wrapper's own work, the loop's, other work on the machine beyond what the
+               calibration saw); 0 where the run sends (the rest is t_comm's)
 
-    Where the rest comes out below zero, the calibration took the steps for longer than the
-    epoch did: how the epoch split between compute and communication is then unknown, and
-    both are `na`, with breakdown=unreliable (never a negative time, nor one clamped to 0).
+    Where the median round's compute does not fit in the epoch beside its data, the most that
+    does: the rest is then 0. compute_spread, how uncertain the compute is: the slowest round's
+    compute minus the fastest's, or minus the most that fits where the fastest's does not, the
+    largest over ranks. Above SPREAD_LIMIT of the epoch, how the epoch split between compute and
+    the rest is unknown: both are `na`, with breakdown=unreliable (never a negative time;
+    breakdown_warning says why).
     Also the straggler: which rank was the busiest (slowest_rank), and by how many seconds the
     busiest and the least busy differ (rank_time_spread).
     """
-    compute, data = step_seconds * segment.steps, segment.data
+    steps, data = segment.steps, segment.data
+    room = segment.elapsed - data  # the most compute this rank's part of the epoch can hold
+    compute = min(step.median * steps, room)
     busy = every_rank(compute + data, device)
     slowest = max(busy)
     rest = segment.elapsed - slowest
+    own_spread = step.slowest * steps - min(step.fastest * steps, room)
+    (spread,) = all_reduce([own_spread], device, dist.ReduceOp.MAX)
     means = [v / len(busy) for v in all_reduce([compute, data, slowest - (compute + data)], device)]
-    reliable = rest >= 0
+    reliable = spread <= SPREAD_LIMIT * segment.elapsed
+    rest = rest if reliable else UNKNOWN
     return {
         "t_compute": means[0] if reliable else UNKNOWN,
         "t_data": means[1],
-        "t_comm": rest if reliable else UNKNOWN,
+        "t_comm": rest if sends else 0.0,
         "t_wait": means[2],
+        "t_other": 0.0 if sends else rest,
+        "compute_spread": spread,
         "breakdown": "ok" if reliable else "unreliable",
         "slowest_rank": busy.index(slowest),
         "rank_time_spread": slowest - min(busy),
     }
+
+
+def breakdown_warning(fields: dict) -> str | None:
+    """Why an epoch's breakdown is unreliable (time_breakdown), or None where it is not."""
+    if fields.get("breakdown") != "unreliable":
+        return None
+    spread, epoch = fields["compute_spread"], fields["time"]
+    return (
+        f"warning: epoch {fields['epoch']}: breakdown=unreliable: the compute calibration's "
+        f"rounds beside the epoch leave its compute uncertain by compute_spread={spread:.3g} s, "
+        f"{100 * spread / epoch:.0f}% of its {epoch:.3g} s (more than "
+        f"{100 * SPREAD_LIMIT:.0f}%): the machine's speed changed while it trained (other work "
+        "on its cores?), or the rounds' step is slower than the run's"
+    )
 
 
 def busy_seconds(events) -> float:
@@ -301,20 +375,25 @@ class ComputeCalibration:
     """One optimizer step's compute as one process does it on this rank's local batch: an
     unwrapped model of its own, stepped as the run steps (micro-batches, precision, clipping;
     compiled, or captured as one CUDA graph, where the run's step is: session.calibrate_compute
-    builds it) on fixed random data. Timed after every epoch's training, on every rank at
-    once, so that it sees the machine as the epoch just did; it touches neither the trained
-    model nor any random stream.
+    builds it) on fixed random data. It touches neither the trained model nor any random stream.
 
-    Steps are timed in rounds of consecutive steps, the device synchronised around each round
-    only, as the training loop runs them: on a GPU the host queues a step's kernels while the
-    last step's run, and a step timed alone would add the launch latency the loop hides. A
-    step's compute is the fastest round's mean: a shared machine's other work only ever slows
-    a round down, so the fastest is the nearest to the step's own cost."""
+    Timed beside the epoch's training, so that it sees the machine the epoch sees: rounds of its
+    steps interleaved with the epoch's, spread evenly over it (plan), on every rank at once, the
+    epoch's clock stopped while they run (train.Trainer.train_epoch; their memory is not
+    training's either: MemoryMeter.set_aside). Timed after the epoch instead, on a shared
+    machine, it saw another one: the epoch's steps slowed by other work, its own fastest round
+    not, and the difference was taken for communication.
 
-    # Rounds timed: as many as fit in a tenth of the epoch's training, at most BUDGET_S (a
-    # short epoch, a tiny run's or a test's, would otherwise spend as long calibrating as
-    # training); never fewer than LEAST, nor more than MOST.
-    EPOCH_SHARE, BUDGET_S, LEAST, MOST = 0.1, 0.25, 3, 10
+    A round's steps run back to back, the device synchronised around the round only, as the
+    training loop runs them: on a GPU the host queues a step's kernels while the last step's
+    run, and a step timed alone would add the launch latency the loop hides. A step's compute
+    is the median round's (step_compute): other work on the machine slows some of the epoch's
+    steps and some rounds alike, and the median is the typical one, neither the luckiest nor the
+    unluckiest."""
+
+    # Rounds an epoch: as many as take a tenth of its steps, never fewer than LEAST, nor more
+    # than MOST.
+    EPOCH_SHARE, LEAST, MOST = 0.1, 3, 10
     # Steps a round: a CPU computes as it is called, one step is a round; a GPU's queue holds
     # the next steps' launches while the device works, as in the training loop.
     QUEUED_STEPS = 8
@@ -334,6 +413,7 @@ class ComputeCalibration:
         graphed = isinstance(self.step, GraphedStep)
         for _ in range(self.step.warmup + 1 if graphed else 1):
             self.step(self.images, self.labels, self.losses)
+        self.rounds = []  # this epoch's, seconds a step
         # A CPU runs no kernels: nothing to trace, the profiler never starts.
         self.traced, self.kernel_seconds = self.device.type != "cuda", None
 
@@ -341,25 +421,34 @@ class ComputeCalibration:
         for _ in range(self.round_steps):
             self.step(self.images, self.labels, self.losses)
 
-    def seconds_per_step(self, epoch_seconds: float) -> float:
-        """The fastest round's step, of the rounds timed after an epoch of epoch_seconds'
-        training."""
-        budget_s = min(self.BUDGET_S, self.EPOCH_SHARE * epoch_seconds)
-        device, rounds = self.device, []
+    def plan(self, first: int, total: int) -> list[int]:
+        """A new epoch, of which steps first..total-1 are to train: the steps before which a
+        round runs (total: after the last), in order, spread evenly over them."""
+        self.rounds = []
+        steps = total - first
+        count = min(self.MOST, max(self.LEAST, round(self.EPOCH_SHARE * steps / self.round_steps)))
+        return [first + (2 * i + 1) * steps // (2 * count) for i in range(count)]
+
+    def timed_round(self) -> float:
+        """One round beside the epoch, on every rank at once: its step's time joins this epoch's
+        rounds. Returns the seconds it held this rank's epoch up, the wait for the other ranks'
+        rounds included (none of it is the epoch's)."""
+        synchronize_device(self.device)  # the epoch's queued steps are the epoch's time
         start = time.perf_counter()
-        while len(rounds) < self.MOST and (
-            len(rounds) < self.LEAST or time.perf_counter() - start < budget_s
-        ):
-            synchronize_device(device)
-            t0 = time.perf_counter()
-            self.run_round()
-            synchronize_device(device)
-            rounds.append((time.perf_counter() - t0) / self.round_steps)
-        return min(rounds)
+        self.run_round()
+        synchronize_device(self.device)
+        self.rounds.append((time.perf_counter() - start) / self.round_steps)
+        barrier()  # the ranks go on together: no rank's next collective waits for a round
+        return time.perf_counter() - start
+
+    def step_compute(self) -> StepCompute:
+        """The median, fastest and slowest of this epoch's rounds."""
+        rounds = sorted(self.rounds)
+        return StepCompute(statistics.median(rounds), rounds[0], rounds[-1])
 
     def kernel_seconds_per_step(self) -> float | None:
         """The GPU's time running one step's kernels (for gpu_busy): one more round, after the
-        timed ones and never timed itself, under a kernel trace (traced_busy_seconds). Traced at
+        epoch and never timed itself, under a kernel trace (traced_busy_seconds). Traced at
         the first call only: a step runs the same kernels every epoch. None on a CPU, or where
         the trace saw no kernel."""
         if not self.traced:

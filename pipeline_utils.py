@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from measure import StageTimer, all_reduce
+from measure import StageTimer, StepCompute, all_reduce
 from model import cut
 from precision import loss_input
 from train import Trainer
@@ -149,9 +149,9 @@ class PipelineTrainer(Trainer):
         self.optimizer.step()
         # exercise 6.1 twin end
 
-    def compute_seconds_per_step(self, epoch_seconds: float) -> float:
+    def step_compute(self) -> StepCompute:
         """Measured, not calibrated: this stage's own forwards and backwards, per step."""
-        return self.clock.busy / max(self.clock.steps, 1)
+        return StepCompute.measured(self.clock.busy / max(self.clock.steps, 1))
 
     def strategy_fields(self) -> dict:
         """bubble: the share of a step the stages waited (the mean over stages) this epoch;

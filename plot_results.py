@@ -350,11 +350,11 @@ BAR_WIDTH = 0.7
 
 
 def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
-    """A stacked bar per strategy and GPU count of where the epoch went (the four add up to the
+    """A stacked bar per strategy and GPU count of where the epoch went (the parts add up to the
     epoch time), and each strategy's ideal: its 1-GPU time / N."""
     rows = summary.dropna(subset=list(utils.TIME_PARTS)).sort_values(["strategy", "gpus"])
     if rows.empty:
-        raise NotPlottable("no t_compute, t_data, t_comm, t_wait values")
+        raise NotPlottable(f"no {', '.join(utils.TIME_PARTS)} values")
     fig, (ax,) = figure()
     one, many = results_summary.rank_unit(rows)
     fig.set_figwidth(max(8.5, 0.9 * len(rows) + 4))  # room for the legend beside the bars
@@ -381,7 +381,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
         list(x),
         [f"{s}\n{g:.0f} {one if g == 1 else many}" for s, g in zip(rows["strategy"], rows["gpus"])],
     )
-    ax.set_ylabel(f"seconds per epoch ({steady(summary)})")
+    ax.set_ylabel(f"seconds in one epoch ({steady(summary)})")  # steady_breakdown's epoch
     ax.set_title("Where an epoch's time goes")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
@@ -638,18 +638,20 @@ def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
 
 
 def largest_costs(summary: pd.DataFrame) -> list[str]:
-    """One sentence per strategy and GPU count: the largest of the four parts of an epoch, and
-    the modelled communication beside the measured where the jobs measured their collectives;
-    and the epochs whose breakdown was unreliable (their compute calibration overshot the epoch:
-    left out of the parts, docs/metrics.md), where there were any; and on a GPU the share of
-    the epoch it ran kernels, host-bound where that is low (gpu_busy_mark), with what that means."""
+    """One sentence per strategy and GPU count: the largest of the parts of an epoch, what the
+    step's model does not explain where that is not the largest, and the modelled communication
+    beside the measured where the jobs measured their collectives and the point sends; and the
+    epochs whose breakdown was unreliable (their compute calibration could not tell compute
+    from the rest: left out of the parts, docs/metrics.md), where there were any; and on a GPU
+    the share of the epoch it ran kernels, host-bound where that is low (gpu_busy_mark), with
+    what that means."""
     sentences, (one, many) = [], results_summary.rank_unit(summary)
     for _, row in summary.iterrows():
         point = f"{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
         unreliable = row.get("unreliable_epochs", 0)
         left_out = (
-            f"{unreliable:.0f} epoch(s) left out, whose compute calibration took longer than the "
-            "epoch (breakdown=unreliable)"
+            f"{unreliable:.0f} epoch(s) left out, whose compute calibration could not tell "
+            "compute from the rest (breakdown=unreliable)"
         )
         busy = row.get("gpu_busy", math.nan)
         busy = f"; {gpu_busy_mark(busy)}" if pd.notna(busy) else ""
@@ -658,13 +660,19 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
                 sentences.append(f"- {point}: no reliable breakdown; {left_out}{busy}.")
             continue
         part = max(utils.TIME_PARTS, key=lambda p: row[p])
+        epoch = sum(row[p] for p in utils.TIME_PARTS)  # the epoch the parts are of
         text = (
             f"{point}: the largest cost is {utils.LABEL[part]}, {row[part]:.3f} s of "
-            f"{row['time']:.2f} s per epoch ({100 * row[part] / row['time']:.0f}%)"
+            f"{epoch:.2f} s per epoch ({100 * row[part] / epoch:.0f}%)"
         )
         if row.get("threads_per_core", 0) > 1:
             text += "; but its ranks shared too few cores for this to be a finding"
-        if pd.notna(row.get("comm_model")):
+        if part != "t_other" and row["t_other"] > 0:
+            text += (
+                f"; {row['t_other']:.3f} s ({100 * row['t_other'] / epoch:.0f}%) the step's "
+                "model does not explain"
+            )
+        if pd.notna(row.get("comm_model")) and (row["comm_model"] > 0 or row["t_comm"] > 0):
             text += (
                 f"; its messages would take {row['comm_model']:.3f} s at the measured "
                 f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden"
@@ -672,7 +680,7 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
         if unreliable > 0:
             text += f"; {left_out}"
         sentences.append(f"- {text}{busy}.")
-    sentences = sentences or ["- The CSV has no t_compute, t_data, t_comm, t_wait: no breakdown."]
+    sentences = sentences or [f"- The CSV has no {', '.join(utils.TIME_PARTS)}: no breakdown."]
     if "gpu_busy" in summary and summary["gpu_busy"].notna().any():
         sentences.append(HOST_BOUND_NOTE.format(100 * results_summary.HOST_BOUND_BELOW))
     return sentences

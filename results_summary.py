@@ -77,18 +77,25 @@ def median_after_first(run: pd.DataFrame, column: str) -> float:
     return steady.median()
 
 
+# Time parts a log written before them lacks, and what its line held in their place: t_comm
+# held the whole rest, at one rank too.
+LATER_PARTS = {"t_other": 0.0}
+
+
 def steady_breakdown(run: pd.DataFrame) -> dict:
-    """The time parts' medians over the epochs after the first whose breakdown is reliable (all
-    four from the same epochs, so that they still add up), and how many were not
-    (breakdown=unreliable: the compute calibration overshot, measure.time_breakdown)."""
+    """The time parts of one epoch, so that they add up to its time: of the epochs after the
+    first whose breakdown is reliable, the one of median time (the faster of two in the
+    middle); and how many were not (breakdown=unreliable: the compute calibration could not
+    tell compute from the rest, measure.time_breakdown)."""
     steady = run.iloc[1:] if len(run) > 1 else run
     flags = steady["breakdown"] if "breakdown" in steady else pd.Series("ok", index=steady.index)
     unreliable = flags == "unreliable"
-    reliable = steady[~unreliable]
-    return {
-        **{t: reliable[t].median() if t in reliable else math.nan for t in TIME_PARTS},
-        "unreliable_epochs": int(unreliable.sum()),
-    }
+    reliable = steady[~unreliable].sort_values("time")
+    epoch = reliable.iloc[(len(reliable) - 1) // 2] if len(reliable) else {}
+    parts = {t: epoch.get(t, math.nan) for t in TIME_PARTS}
+    if pd.notna(parts["t_compute"]):  # a breakdown, perhaps logged before some of its parts
+        parts.update({t: v for t, v in LATER_PARTS.items() if pd.isna(parts[t])})
+    return {**parts, "unreliable_epochs": int(unreliable.sum())}
 
 
 def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
@@ -290,6 +297,8 @@ TABLE_COLUMNS = (
     # messages would take at the bandwidth the job measured (--comm-benchmark).
     ("t_comm", "t_comm s", "{:.3f}"),
     ("comm_model", "comm at measured bw s", "{:.3f}"),
+    # The rest of a one-rank epoch, which sends nothing: what the step's model does not explain.
+    ("t_other", "unexplained s", "{:.3f}"),
 )
 
 

@@ -6,7 +6,8 @@ a checkpoint after each, and an early stop (with a checkpoint) when SLURM warns;
 the device: losses and counts accumulate as device tensors and are all-reduced (summed) once
 per epoch, so loss and accuracy are those of the whole data set, not of rank 0's shard. Epoch
 time is taken between two barriers around the training part only (validation is timed on its
-own); what else an epoch measures, and how, is measure.py's.
+own), less the compute calibration's rounds that run beside its steps; what else an epoch
+measures, and how, is measure.py's.
 """
 
 import contextlib
@@ -33,10 +34,11 @@ from measure import (
     MemoryMeter,
     Segment,
     StageTimer,
+    StepCompute,
     all_reduce,
+    breakdown_warning,
     epoch_fields,
     gpu_busy,
-    reserved_peak_bytes,
     state_bytes,
     synchronize,
     time_breakdown,
@@ -229,8 +231,9 @@ class Trainer(Learner):
                     raise Diverged(f"epoch {reached.epoch}: the training loss is {loss}")
                 history.append(metric_order({**measured, **self.labels}))
                 log0(format_metric(history[-1]))
-                if warning := implausible(history[-1]):
-                    log0(warning)
+                for warning in (implausible(history[-1]), breakdown_warning(history[-1])):
+                    if warning:
+                        log0(warning)
                 position = Position(epoch=position.epoch + 1)
                 save(position)
                 if stopping and position.epoch <= epochs:
@@ -251,13 +254,15 @@ class Trainer(Learner):
         reached, complete, segment = self.train_epoch(start, stop)
         if not complete:
             return reached, None
-        # Read before the calibration and validation run: their memory is not training's (the
-        # calibration's unsharded model would otherwise hide FSDP's saving), and validation's
-        # forward holds FSDP2's root gathered (reshard_after_forward=False) until it ends: its
-        # parameters whole, without their gradients' shards.
-        own_peak, own_reserved = self.memory.training_peak(replay_peak), reserved_peak_bytes(device)
+        # Read before validation runs, the calibration's rounds set aside: their memory is not
+        # training's (the calibration's unsharded model would otherwise hide FSDP's saving), nor
+        # is validation's, whose forward holds FSDP2's root gathered (reshard_after_forward=
+        # False) until it ends: its parameters whole, without their gradients' shards.
+        own_peak, own_reserved = self.memory.training_peak(replay_peak), self.memory.reserved_peak()
         memory = [own_peak, state_bytes(self.model, self.optimizer), own_reserved]
-        breakdown = time_breakdown(segment, self.compute_seconds_per_step(segment.elapsed), device)
+        # Nothing is sent where the run trains on one device (a rank, not dp's or model's GPUs).
+        sends = self.flops.devices > 1
+        breakdown = time_breakdown(segment, self.step_compute(), device, sends)
         busy = gpu_busy(segment, self.kernel_seconds_per_step())  # after the timing
         val = self.evaluate()
         epoch = epoch_fields(reached, val, memory, self.loaders.device_bytes(), device)
@@ -276,9 +281,33 @@ class Trainer(Learner):
         step = self.train_step
         return step.replay_peak if isinstance(step, GraphedStep) and step.graph else 0
 
-    def compute_seconds_per_step(self, epoch_seconds: float) -> float:
-        """One step's compute on this rank, for t_compute (time_breakdown)."""
-        return self.calibration.seconds_per_step(epoch_seconds) if self.calibration else 0.0
+    def calibration_plan(self, start: Position, total: int) -> list[int]:
+        """The steps of this epoch before which the compute calibration times a round (measure.
+        ComputeCalibration.plan): none without one (a pipeline's stages measure their own
+        compute); while --profile's trace is still to come, after the steps it traces, which
+        hold the run's steps alone."""
+        if self.calibration is None:
+            return []
+        first = start.step
+        if self.profiler and not self.profiler.saved:
+            first = min(total, first + self.profiler.traced_steps[-1])
+        return self.calibration.plan(first, total)
+
+    def calibrate(self, planned: list[int], step: int) -> float:
+        """The compute calibration's rounds planned before `step` (total: after the last),
+        beside the epoch, their memory set aside; returns the seconds they held it up."""
+        held, count = 0.0, planned.count(step)
+        if count:
+            say_where(f"in the compute calibration's rounds before step {step}")
+        for _ in range(count):
+            with self.memory.set_aside():
+                held += self.calibration.timed_round()
+        return held
+
+    def step_compute(self) -> StepCompute:
+        """One step's compute on this rank this epoch, for t_compute (time_breakdown); 0
+        without a calibration (a trainer built without one)."""
+        return self.calibration.step_compute() if self.calibration else StepCompute.measured(0.0)
 
     def kernel_seconds_per_step(self) -> float | None:
         """One step's GPU kernel time, for gpu_busy; None where unknown: no calibration (a
@@ -314,6 +343,8 @@ class Trainer(Learner):
         progress = Progress(start.epoch, total, self.print_every, self.shows_progress, start.step)
         data_wait = self.data_timer
         data_wait.reset()
+        planned = self.calibration_plan(start, total)
+        held = 0.0  # seconds the compute calibration's rounds held the epoch up: not its time
 
         synchronize(device)
         t_start = time.perf_counter()
@@ -322,6 +353,8 @@ class Trainer(Learner):
         while step < total and not (stop and stop.poll()):
             if step % STOP_POLL_EVERY == 0:
                 say_where(f"at epoch {start.epoch} step {step} in {self.step_collectives}")
+            rounds = self.calibrate(planned, step)  # 0 where none is planned here
+            held, progress.start = held + rounds, progress.start + rounds
             with data_wait.measure():
                 images, labels = next(batches)
 
@@ -333,8 +366,10 @@ class Trainer(Learner):
             seen += len(labels)
             progress.update(step, mean_loss_sum)
             step += 1
+        if step == total:
+            held += self.calibrate(planned, step)
         synchronize(device)
-        elapsed = time.perf_counter() - t_start
+        elapsed = time.perf_counter() - t_start - held
 
         own_data = data_wait.total()
         say_where(f"at the end of epoch {start.epoch}'s training, in its all-reduces")

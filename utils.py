@@ -85,6 +85,8 @@ METRIC = (
     MetricField("bubble_ideal", "share", may_be_na=True),
     MetricField("breakdown"),
     MetricField("gpu_busy", "share", "GPU busy", may_be_na=True),
+    MetricField("t_other", "s", "unexplained", may_be_na=True),
+    MetricField("compute_spread", "s"),
     MetricField("sharding"),  # labels added since (e.g. the sharding FSDP really used)
     MetricField("train_images", "images"),
     MetricField("microbatches", may_be_na=True),

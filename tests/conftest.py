@@ -169,15 +169,25 @@ def config_in(text: str) -> dict:
 
 def assert_breakdown_holds(m: dict) -> None:
     """No part is negative; reliable ones add up to the epoch's time; an unreliable one says it
-    and reports neither compute nor communication."""
+    and reports neither compute nor the rest. The rest is t_comm where the run sends, t_other
+    where it does not (one rank on one device): its communication is then 0."""
     from utils import TIME_PARTS
 
     assert all(m[t] == "na" or m[t] >= 0 for t in TIME_PARTS), m
+    if m["world_size"] > 1:
+        rest, nothing = "t_comm", "t_other"
+    elif m["strategy"] not in ("dp", "model"):  # which may drive several GPUs from one rank
+        rest, nothing = "t_other", "t_comm"
+    else:
+        rest, nothing = None, None
+    if nothing:
+        assert m[nothing] == 0, m
     if m["breakdown"] == "ok":
         assert sum(m[t] for t in TIME_PARTS) == pytest.approx(m["time"], rel=1e-3, abs=0.01)
         assert m["t_compute"] > 0  # measured, not zero
     else:
-        assert m["breakdown"] == "unreliable" and m["t_compute"] == m["t_comm"] == "na", m
+        assert m["breakdown"] == "unreliable" and m["t_compute"] == "na", m
+        assert rest is None or m[rest] == "na", m
 
 
 def assert_one_line_error(

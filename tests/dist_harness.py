@@ -389,7 +389,7 @@ def calibration_learner(calibration):
 def calibration_of(env, cfg, stand_in_compile=False):
     """The calibration a run of cfg makes (session.calibrate_compute, which build_trainer calls;
     --cuda-graphs is refused on a CPU before it), and the steps its step took once made and
-    after one timing. torch.compile stood in for where asked: the mechanism, not the compiler,
+    in one timed round. torch.compile stood in for where asked: the mechanism, not the compiler,
     is what is tested."""
     import data
     import session
@@ -401,7 +401,7 @@ def calibration_of(env, cfg, stand_in_compile=False):
     calibration = session.calibrate_compute(cfg, env, spec, torch.contiguous_format)
     graphed = calibration.step if isinstance(calibration.step, GraphedStep) else None
     made = graphed.eager_steps if graphed else None
-    calibration.seconds_per_step(0.0)
+    calibration.timed_round()
     learner = calibration_learner(calibration)
     return {
         "graphed": graphed is not None,

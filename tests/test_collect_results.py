@@ -206,7 +206,7 @@ def test_speedup_and_efficiency():
     ddp4 = next(line for line in table.splitlines() if line.startswith("| ddp | 4 |"))
     assert "| 2.00 |" in ddp4 and "| 4.00 | 100% |" in ddp4
     fsdp2 = next(line for line in table.splitlines() if line.startswith("| fsdp | 2 |"))
-    assert fsdp2.endswith("| n/a | n/a |")
+    assert fsdp2.endswith("| n/a | n/a | n/a |")  # no breakdown: no rest, of either kind
 
 
 def test_one_epoch_run_uses_its_only_epoch():
@@ -439,7 +439,8 @@ def comm_line(op: str, label: str, time_us: float, world_size: int = 2) -> str:
 
 def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys):
     # 512 images per epoch at global batch 256: 2 steps per epoch.
-    two_steps = dict(world_size=2, train_images=512, t_comm=0.5)
+    breakdown = dict(t_compute=1.5, t_data=0.25, t_comm=0.5, t_wait=0.25)  # logged before t_other
+    two_steps = dict(world_size=2, train_images=512, **breakdown)
     ddp = [
         comm_line("all_reduce", "grad", 3500),
         comm_line("all_reduce", "bucket0", 1000),
@@ -483,7 +484,7 @@ def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys
     assert summary.loc["fsdp", "comm_model"] == pytest.approx(0.010)
     assert summary.loc["ddp", "t_comm"] == 0.5
     ddp_row = next(line for line in table.splitlines() if line.startswith("| ddp |"))
-    assert ddp_row.endswith("| 0.500 | 0.008 |")
+    assert ddp_row.endswith("| 0.500 | 0.008 | 0.000 |")  # two ranks: the rest is t_comm
 
 
 def test_no_comm_lines_no_comm_csv(tmp_path, capsys):
@@ -555,9 +556,10 @@ def test_pipeline_runs_scale_against_ddps_one_gpu_and_give_the_bubble_by_microba
 
 
 def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(tmp_path):
-    """An epoch whose compute calibration overshot (breakdown=unreliable, t_compute and t_comm
-    na) gives no parts: the point's parts come from its reliable epochs, all four from the same
-    ones, and report.md's sentence counts those left out; a point with none left says so."""
+    """An epoch whose compute calibration could not tell compute from the rest (breakdown=
+    unreliable, t_compute and t_comm na) gives no parts: the point's parts come from its
+    reliable epochs, all from the same ones, and report.md's sentence counts those left out; a
+    point with none left says so."""
     import plot_results
 
     ok = dict(t_compute=1.0, t_data=0.1, t_comm=0.3, t_wait=0.0, breakdown="ok")
@@ -579,6 +581,59 @@ def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(
     sentences = plot_results.largest_costs(summary.reset_index())
     assert "1 epoch(s) left out" in sentences[0] and "compute, 1.200 s" in sentences[0]
     assert "no reliable breakdown" in sentences[1], sentences
+
+
+def test_the_breakdown_is_one_epochs_the_reliable_one_of_median_time(tmp_path):
+    """A point's parts are those of one epoch, so that they add up to its time (medians taken
+    part by part, each from another epoch, would not): of the reliable epochs after the first,
+    the one of median time; report.md's shares are of that epoch."""
+    import plot_results
+
+    def epoch(time: float, compute: float, breakdown: str = "ok") -> dict:
+        parts = dict(t_compute=compute, t_data=0.0, t_comm=time - compute, t_wait=0.0)
+        return dict(time=time, breakdown=breakdown, **parts, t_other=0.0)
+
+    epochs = [epoch(9.0, 1.0), epoch(2.0, 1.5), epoch(3.0, 1.0), epoch(2.5, 2.0), epoch(1.0, 0.5)]
+    epochs[-1]["breakdown"] = "unreliable"
+    write_log(
+        tmp_path / "ddp_2gpu_1.log",
+        [metric_fields(e, world_size=2, **fields) for e, fields in enumerate(epochs, 1)],
+    )
+    results, _ = collect(tmp_path)
+    summary = results_summary.summarize(results)
+    row = summary.iloc[0]
+    assert (row["t_compute"], row["t_comm"], row["unreliable_epochs"]) == (2.0, 0.5, 1)
+    assert plot_results.largest_costs(summary)[0].startswith(
+        "- ddp on 2 CPU ranks: the largest cost is compute, 2.000 s of 2.50 s per epoch (80%)"
+    )
+
+
+def test_a_one_rank_points_rest_is_unexplained_and_an_older_logs_still_adds_up(tmp_path):
+    """One rank sends nothing: its rest is t_other, which report.md names as what the step's
+    model does not explain, with no word of communication beside its modelled messages (none).
+    A log written before t_other (its rest in t_comm at every world size) keeps parts that add
+    up to its epoch: t_other 0."""
+    import plot_results
+
+    alone = dict(t_compute=1.5, t_data=0.25, t_comm=0.0, t_wait=0.0, t_other=0.75)
+    older = dict(t_compute=1.5, t_data=0.25, t_comm=0.75, t_wait=0.0)
+    write_log(tmp_path / "ddp_1gpu_1.log", [metric_fields(e, job_id="1", **alone) for e in (1, 2)])
+    write_log(
+        tmp_path / "ddp_2gpu_2.log",
+        [metric_fields(e, world_size=2, job_id="2", **older) for e in (1, 2)],
+    )
+    results, _ = collect(tmp_path)
+    summary = results_summary.summarize(results).assign(comm_model=[0.0, 0.5])
+    one, two = summary.set_index("gpus").loc[1], summary.set_index("gpus").loc[2]
+    assert (one["t_comm"], one["t_other"], two["t_comm"], two["t_other"]) == (0, 0.75, 0.75, 0)
+    for row in (one, two):
+        assert sum(row[t] for t in utils.TIME_PARTS) == row["time"]
+    sentences = plot_results.largest_costs(summary)
+    assert sentences[0] == (
+        "- ddp on 1 CPU rank: the largest cost is compute, 1.500 s of 2.50 s per epoch (60%); "
+        "0.750 s (30%) the step's model does not explain."
+    )
+    assert "0.500 s at the measured bandwidth, against 0.750 s of communication" in sentences[1]
 
 
 def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp_path, capsys):

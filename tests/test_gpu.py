@@ -375,6 +375,32 @@ def test_a_graphed_runs_peak_mem_is_an_eager_runs():
         assert 0.8 * e["peak_mem"] <= g["peak_mem"] <= 1.25 * e["peak_mem"] + 8, (e, g)
 
 
+# MemoryMeter.set_aside on CUDA, in a process of its own: 64 MB allocated and freed in the
+# epoch, 256 MB within the work set aside (the compute calibration's round), 16 MB after it.
+SET_ASIDE_ON_CUDA = """
+import contextlib, torch, measure
+cuda, mb = torch.device("cuda"), 2**20
+meter = measure.MemoryMeter(cuda)
+meter.reset()
+for size, aside in ((64, False), (256, True), (16, False)):
+    with meter.set_aside() if aside else contextlib.nullcontext():
+        torch.empty(size * mb, dtype=torch.uint8, device=cuda)  # made and freed
+print(meter.training_peak() // mb, meter.reserved_peak() // mb, torch.cuda.memory_reserved() // mb)
+"""
+
+
+def test_the_calibrations_rounds_are_left_out_of_peak_mem_on_cuda():
+    """The work set aside within an epoch (the calibration's rounds beside its steps) is left out
+    of the epoch's allocated peak: what came before it stays in, what comes after counts again.
+    The allocator's cache is not emptied (the epoch's next steps reuse it): what the round left
+    reserved is in the reserved peak, as the process held it."""
+    done = run([sys.executable, "-c", SET_ASIDE_ON_CUDA])
+    assert done.returncode == 0, done.stderr[-3000:]
+    peak, reserved, cached = map(int, done.stdout.split())
+    assert 64 <= peak < 128, peak
+    assert cached >= 256 and reserved >= cached, (reserved, cached)
+
+
 def profiled_events(folder, *extra: str) -> tuple[str, list[dict]]:
     """--profile of 32 steps in a copy of the repository: the [PROFILE] line, the trace's events."""
     import shutil

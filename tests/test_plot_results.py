@@ -15,6 +15,7 @@ from matplotlib.colors import to_rgb
 import collect_results
 import plot_results
 import results_summary
+import utils
 from conftest import REPO, call_main, clean_environment
 from helpers import COURSE_LOGS, GPU_CSV, run_log, runs_frame
 from utils import format_comm
@@ -517,6 +518,21 @@ def test_speedups_below_one_are_readable():
     ticks = [t for t in speed_ax.get_yticks() if speed_ax.get_ylim()[0] <= t]
     assert min(ticks) <= 9 / 23 and {0.5, 1.0} <= set(ticks)
     assert [t.get_text() for t in speed_ax.texts] == ["1.00", "0.75", "0.39"]
+
+
+def test_the_breakdown_draws_every_part_also_from_logs_older_than_some():
+    """A bar per point of all the parts, t_other's ("unexplained") too; from logs written before
+    t_other (with_breakdown's four parts), drawn as 0 there: the bars still reach the epoch."""
+    summary = results_summary.summarize(
+        with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [6.0, 5.0]}))
+    )
+    (bars,) = plot_results.plot_time_breakdown(summary).axes
+    labels = [t.get_text() for t in bars.get_legend().get_texts()]
+    parts = [label for label in labels if not label.startswith("ideal")]
+    assert parts == [utils.LABEL[t] for t in utils.TIME_PARTS] and "unexplained" in parts
+    tops = [max(p.get_y() + p.get_height() for p in c) for c in bars.containers]
+    assert tops[-1] == pytest.approx(max(summary["time"]))
+    plt.close("all")
 
 
 def test_every_legend_entry_of_the_breakdown_stands_clear_of_its_label():

@@ -43,11 +43,13 @@ MACHINE_FIELDS = {
     "t_data",
     "t_comm",
     "t_wait",
+    "t_other",
+    "compute_spread",
     "tflops",
     "mfu",
     "slowest_rank",
     "rank_time_spread",
-    "breakdown",  # whether the calibration came out within the epoch's time
+    "breakdown",  # whether the calibration could tell compute from the rest
     "gpu_busy",
 }
 
