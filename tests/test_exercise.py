@@ -317,15 +317,18 @@ SET_UP, DATA, DDP, FSDP, MAIN, STRATEGIES, TRAIN = (
 )
 ON_GPUS = "test_ex2_1_a_rank_on_a_node_of_gpus"
 JOINS = "test_ex2_1_each_rank_joins_as_the_launcher_says"
-GROUP = """    dist.init_process_group(
-        groups_backend,
-        store=group_store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
+
+
+# The process group's start as the solution writes it, planted on.
+GROUP = (
+    next(
+        text
+        for region in mx.all_regions()
+        if region.path == "distributed_utils.py"
+        and "init_process_group(" in (text := region_text(region))
     )
-"""
+    + "\n"
+)
 DOWNLOADS = "test_ex3_1_rank_0_alone_downloads_and_the_others_wait"
 ONCE = "test_ex3_1_every_image_once_per_epoch_over_the_ranks"
 ORDER = "test_ex3_1_a_new_order_every_epoch"
