@@ -483,6 +483,7 @@ def fsdp_made(env, runs: list[tuple]) -> list[dict]:
                 "strategy": wrapped.sharding_strategy.name if fsdp else None,
                 "param_dtype": str(mixed.param_dtype) if mixed and mixed.param_dtype else None,
                 "reduce_dtype": str(mixed.reduce_dtype) if mixed and mixed.reduce_dtype else None,
+                "buffer_dtype": str(mixed.buffer_dtype) if mixed and mixed.buffer_dtype else None,
                 "offload": fsdp and wrapped.cpu_offload.offload_params,
                 "own_parameters": fsdp and wrapped._use_orig_params,
                 "mesh": fsdp and wrapped._device_mesh is not None,
@@ -505,6 +506,9 @@ def test_ex4_2_fsdp_units_sharding_and_precision():
     assert (full["param_dtype"], full["reduce_dtype"]) == ("torch.bfloat16", "torch.float32"), (
         f"bf16 computes in {full['param_dtype']} and reduces the gradients in "
         f"{full['reduce_dtype']}, not in bf16 and in fp32"
+    )
+    assert full["buffer_dtype"] == full["param_dtype"], (
+        f"bf16 keeps the buffers in {full['buffer_dtype']}: not in the compute dtype"
     )
     assert full["own_parameters"], (
         "the optimizer and torch.compile see FSDP's flat parameters, not the model's own"

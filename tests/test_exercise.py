@@ -673,6 +673,14 @@ MISTAKES = [
     ),
     Plant(
         "4.2",
+        "buffers left in fp32",
+        FSDP,
+        ((MIXED, MIXED.replace(", buffer_dtype=dtype", "")),),
+        FSDP_MADE,
+        "keeps the buffers in None",
+    ),
+    Plant(
+        "4.2",
         "bf16 whatever asked",
         FSDP,
         ((MIXED, MIXED.replace("param_dtype=dtype", "param_dtype=torch.bfloat16")),),
