@@ -34,7 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from dataset_files import FILE_SETS, TINY_CLASSES, TINY_SHAPE, not_found, prepare, read_cache
+from dataset_files import (
+    FILE_SETS,
+    TINY_CLASSES,
+    TINY_SHAPE,
+    not_found,
+    open_cache,
+    prepare,
+    read_cache,
+)
 from distributed_utils import on_rank0
 from model import IMAGE_SHAPE, NUM_CLASSES
 from utils import UsageError, fail, require_torchvision
@@ -105,7 +113,7 @@ def load_files(
     cache = on_rank0(prepare, dataset, data_dir, download, fetch_hint)
     # exercise 3.1 end
     t = (
-        torch.load(cache, mmap=True, weights_only=True)
+        open_cache(cache)
         if cache
         else FILE_SETS[dataset].decode(data_dir / FILE_SETS[dataset].folder)
     )

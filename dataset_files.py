@@ -392,11 +392,17 @@ def _source_signature(files: FileSet, folder: Path) -> list:
     return [stat(p) for p in files.sources(folder)]
 
 
+def open_cache(path: Path) -> dict:
+    """A decoded cache's tensors, memory-mapped, read weights-only: torch's own format, which
+    this loader keeps to tensors and plain data (docs/reliability.md#what-the-run-trusts)."""
+    return torch.load(path, mmap=True, weights_only=True)
+
+
 def read_cache(dataset: str, data_dir: Path) -> dict | None:
     """The cached tensors (memory-mapped), if the cache matches the source files."""
     files = FILE_SETS[dataset]
     try:
-        cached = torch.load(cache_path(dataset, data_dir), mmap=True, weights_only=True)
+        cached = open_cache(cache_path(dataset, data_dir))
         if cached["signature"] == _source_signature(files, data_dir / files.folder):
             return cached
     except Exception:
