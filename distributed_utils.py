@@ -26,11 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import cuda_graphs
 import peer_failures
-from config import Config
 from layout import LOGS_DIR, time_stamp
-from precision import device_refusal
 from utils import UsageError, env_int, is_rank_zero, read_ranks, release
 
 # The oldest torch this project runs on; requirements.txt's floor is the same (a test checks).
@@ -186,30 +183,14 @@ def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[
     return torch.device("cpu"), BACKENDS["cpu"]
 
 
-def check_device(cfg: Config) -> tuple[torch.device, str]:
-    """For `main.py --check`: the device the run would take here, or, for `--device cuda`
-    checked on a machine without a GPU (a login node planning a sweep), a GPU assumed: its
-    model is unknown here."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+def check_device(wanted: str) -> tuple[torch.device, str]:
+    """For `main.py --check`: the device the run would take here (--device `wanted`), or, for
+    `--device cuda` checked on a machine without a GPU (a login node planning a sweep), a GPU
+    assumed: its model is unknown here."""
+    if wanted == "cuda" and not torch.cuda.is_available():
         return torch.device("cuda"), "cuda (no GPU here: bf16 support not checked)"
-    device, _ = pick_device(0, cfg.device)
+    device, _ = pick_device(0, wanted)
     return device, device.type
-
-
-def check_device_options(cfg: Config, device: torch.device) -> None:
-    """Options the device cannot do: refused by `main.py --check` (one process, which loads no
-    wrapper) and by every rank before it builds its model."""
-    if why := device_refusal(cfg.precision, device):
-        raise UsageError(why)
-    if cfg.cpu_offload and device.type != "cuda":
-        raise UsageError(
-            "--cpu-offload moves FSDP's shards from the GPU to the CPU; "
-            "without a GPU they are on the CPU already"
-        )
-    if cfg.sync_bn and device.type != "cuda":
-        raise UsageError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on the CPU")
-    if cfg.cuda_graphs and (why := cuda_graphs.refusal(cfg, device)):
-        raise UsageError(f"--cuda-graphs: {why}")
 
 
 def shared_gpus(owners: list[str]) -> str | None:

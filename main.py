@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import stopping
-from config import LAUNCHER_OPTION, Config, add_options, check_world, validate
+from config import LAUNCHER_OPTION, Config, add_options, validate
 from utils import (
     EXIT_MEANING,
     EXIT_STATUS,
@@ -119,6 +119,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import checkpoint
     import data
     import distributed_utils
+    import feasibility
     import memory_model
     from model import build_model, count_parameters
 
@@ -127,10 +128,8 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     spec = data.DATASETS[cfg.dataset]
     with torch.device("meta"):  # the model's code runs (a ResNet loads torchvision); no memory
         model = build_model(cfg.model, spec.num_classes, spec.image_shape)
-    for world_size in world_sizes:
-        check_world(cfg, world_size, train_size)
-    device, where = distributed_utils.check_device(cfg)
-    distributed_utils.check_device_options(cfg, device)
+    device, where = distributed_utils.check_device(cfg.device)
+    feasibility.check(cfg, world_sizes, train_size, device)
     step = describe_step(cfg, device, world_sizes)
     state = memory_model.describe(cfg, model, world_sizes, distributed_utils.num_nodes())
     if cfg.resume:  # the checkpoint's meta.pt: does it fit this run, as session.run asks

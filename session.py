@@ -16,11 +16,12 @@ import checkpoint
 import cuda_graphs
 import data
 import distributed_utils
+import feasibility
 import mfu
 import peer_failures
 import stopping
 from comm_bench import run_comm_benchmark
-from config import LAYER_SPLIT, STAGED, Config, check_world, data_world, microbatches
+from config import LAYER_SPLIT, STAGED, Config, data_world, microbatches
 from fsdp_utils import effective_sharding
 from measure import ComputeCalibration, MemoryMeter
 from model import build_model, count_parameters
@@ -53,8 +54,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     train_set, val_set = data.load_splits(
         cfg.dataset, cfg.data_dir, cfg.seed, cfg.train_samples, cfg.val_samples, cfg.download
     )
-    check_world(cfg, env.world_size, len(train_set))
-    distributed_utils.check_device_options(cfg, env.device)
+    feasibility.check(cfg, [env.world_size], len(train_set), env.device)
     graphed, _ = cuda_graphs.decide(cfg, env.device, env.world_size)
     cfg = replace(cfg, cuda_graphs=graphed)  # the default, resolved
     precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)

@@ -1,9 +1,8 @@
 """How each `--strategy` runs: the wrapper that makes one rank's model data-parallel (DDP or
 DataParallel from ddp_utils.py, FSDP1 or FSDP2 from fsdp_utils.py, or none) or cuts it into
 parts (a pipeline stage from pipeline_utils.py, or model_parallel.py's parts on consecutive
-GPUs). How a step of it runs at a `--precision` is precision.py's to say; what its options
-need of the device is distributed_utils.py's to check (`check_device_options`): `main.py
---check` asks that without loading the wrappers.
+GPUs). How a step of it runs at a `--precision` is precision.py's to say; whether it can run
+here is feasibility.py's: `main.py --check` asks that without loading the wrappers.
 
 The names of the strategies are config.py's; this module only maps them to the code that runs
 them, so that adding a strategy touches config.py (its name) and this file.

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-import distributed_utils
 import main
 from conftest import (
     LONG_RUN,
@@ -319,21 +318,30 @@ def test_unwritable_checkpoint_folder_is_one_line(tmp_path):
     assert_one_line_error(result, "is not writable", "choose another with --checkpoint-dir")
 
 
-def test_precision_the_device_cannot_do_is_refused(monkeypatch):
+def test_what_cannot_run_here_is_refused_for_its_first_reason(monkeypatch):
+    """feasibility.refusal, which --check and every rank ask: the world's reasons (at each world
+    size, in the order asked) before the device's, the device's precision before its options,
+    and those before --cuda-graphs."""
     import torch
 
     from config import Config
-    from utils import UsageError
+    from feasibility import refusal
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
-    with pytest.raises(UsageError, match="bf16 is not supported on Tesla V100"):
-        distributed_utils.check_device_options(Config(precision="bf16"), torch.device("cuda", 0))
-    with pytest.raises(UsageError, match="--cpu-offload"):
-        distributed_utils.check_device_options(
-            Config(strategy="fsdp", cpu_offload=True), torch.device("cpu")
-        )
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    bf16 = Config(precision="bf16", batch_size=64)
+    assert refusal(bf16, [1, 2], 64, gpu) == (
+        "bf16 is not supported on Tesla V100; use --precision fp16 or fp32"
+    )
+    assert refusal(bf16, [1, 3], 32, gpu) == "32 training images make no full global batch of 64"
+    assert refusal(bf16, [3, 1], 32, gpu).startswith("global batch size 64 must be a multiple")
+    offload = Config(strategy="fsdp", cpu_offload=True, cuda_graphs=True, batch_size=64)
+    assert refusal(offload, [2], 64, cpu).startswith("--cpu-offload moves FSDP's shards")
+    graphs = Config(cuda_graphs=True, batch_size=64)
+    assert refusal(graphs, [2], 64, cpu).startswith("--cuda-graphs: a CUDA graph records")
+    assert refusal(Config(batch_size=64), [1, 2, 4], 64, cpu) is None
 
 
 def test_offline_first_run_says_how_to_run_without_the_download(tmp_path):
