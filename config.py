@@ -23,6 +23,20 @@ LAYER_SPLIT = ("pipeline", "model")  # strategies that split the model's layers 
 ONE_PROCESS = ("model", "dp", "single")  # baselines that drive every device from one process
 SCHEDULES = ("gpipe", "1f1b")
 STRATEGY_OPTIONS = {"microbatches": "pipeline", "sync_bn": "ddp"}  # options one strategy takes
+# FSDP1: each rank's gradients are flat shards of its units, which a loss scaler must see on
+# every rank at once to find an inf (precision.make_precision: ShardedGradScaler).
+FLAT_SHARDS = ("fsdp",)
+# fully_shard's parameters are DTensors, for which torch has fused Adam but no fused SGD
+# (optim.make_optimizer: foreach), which reads its rate and a scaler's inf check on the host.
+DTENSOR_PARAMETERS = ("fsdp2",)
+# The strategies whose step a CUDA graph can capture (cuda_graphs.refusal), and the torch from
+# which it can where that is newer than the oldest the project runs on. FSDP2 (fully_shard)
+# gathers and reshards each unit on streams of its own, from hooks that only queue work; its
+# all-gather's copy-in takes pinned host memory, which a capture may allocate since
+# pytorch#167507, and torch's own tests capture a sharded step since 2.11
+# (TestFullyShardCudaGraph, pytorch#171835).
+CAPTURABLE = ("single", "ddp", "fsdp2")
+CAPTURED_SINCE = {"fsdp2": (2, 11)}
 # The units each model is cut at (len(model.shard_units()), which tests/test_units.py checks):
 # here, without torch, so that --check and the sweep know which world sizes a pipeline takes.
 MODEL_UNITS = {"cnn": 4, "cnn-wide": 4, "resnet18": 4, "resnet50": 4}

@@ -27,7 +27,7 @@ against 0.45-0.53 s eager (docs/performance.md). So on a GPU it is the default w
 applies and a GPU run has shown it (`decide`: one rank, not yet two or more; --no-cuda-graphs
 turns it off); elsewhere the run is eager and its [CONFIG] note says why. Where an explicit
 --cuda-graphs cannot apply, `refusal` says why, and `main.py --check` and every rank refuse the
-run (distributed_utils.check_device_options).
+run (feasibility.py).
 """
 
 import contextlib
@@ -37,17 +37,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from config import Config, scheduled
+from config import CAPTURABLE, CAPTURED_SINCE, DTENSOR_PARAMETERS, Config, scheduled
+from precision import needs_scaler
 from utils import release
 
 # torch's notes: DDP needs at least 11 eager iterations before its backward can be captured.
 WARMUP_STEPS = 11
-CAPTURABLE = ("single", "ddp", "fsdp2")
-# FSDP2 (fully_shard) gathers and reshards each unit on streams of its own, from hooks that
-# only queue work; its all-gather's copy-in takes pinned host memory, which a capture may
-# allocate since pytorch#167507, and torch's own tests capture a sharded step since 2.11
-# (TestFullyShardCudaGraph, pytorch#171835): the release this project asks for.
-FSDP2_SINCE = (2, 11)
 
 
 def refusal(cfg: Config, device: torch.device) -> str | None:
@@ -66,23 +61,29 @@ def refusal(cfg: Config, device: torch.device) -> str | None:
         )
     if cfg.cpu_offload:
         return "--cpu-offload copies the parameters between host and GPU around every step"
-    if cfg.strategy == "fsdp2" and release(torch.__version__) < FSDP2_SINCE:
-        since = ".".join(map(str, FSDP2_SINCE))
-        return f"torch captures FSDP2's step from {since} on (this is {torch.__version__})"
-    if cfg.strategy == "fsdp2" and cfg.optimizer == "sgd" and scheduled(cfg):
+    name = cfg.strategy.upper()
+    since = CAPTURED_SINCE.get(cfg.strategy, ())
+    if release(torch.__version__) < since:
+        return (
+            f"torch captures {name}'s step from {'.'.join(map(str, since))} on "
+            f"(this is {torch.__version__})"
+        )
+    foreach_sgd = cfg.strategy in DTENSOR_PARAMETERS and cfg.optimizer == "sgd"
+    if foreach_sgd and scheduled(cfg):
         # torch has no sharding rule for fused SGD on DTensors (optim.make_optimizer), and
         # foreach SGD takes a tensor rate as `alpha=-lr`: a host read (torch/optim/sgd.py).
         return (
-            "FSDP2's SGD (foreach: torch has no fused SGD for sharded parameters) reads a "
+            f"{name}'s SGD (foreach: torch has no fused SGD for sharded parameters) reads a "
             "scheduled rate on the host at every step: use --optimizer adam, or a constant rate"
         )
-    if cfg.precision == "fp16" and cfg.strategy == "fsdp2" and cfg.optimizer == "sgd":
+    if foreach_sgd and needs_scaler(cfg.precision):
         # GradScaler hands a fused optimizer its inf check as a device tensor; it steps any
         # other only after reading the check on the host (torch/amp/grad_scaler.py,
-        # _maybe_opt_step), and FSDP2's SGD is foreach (optim.make_optimizer).
+        # _maybe_opt_step).
         return (
-            "fp16's gradient scaler reads FSDP2's SGD's inf check on the host (foreach: torch "
-            "has no fused SGD for sharded parameters): use --optimizer adam, or --precision bf16"
+            f"{cfg.precision}'s gradient scaler reads {name}'s SGD's inf check on the host "
+            "(foreach: torch has no fused SGD for sharded parameters): use --optimizer adam, "
+            "or --precision bf16"
         )
     if cfg.compile:
         return "torch.compile makes CUDA graphs of its own (mode='reduce-overhead'): use one"
@@ -119,8 +120,8 @@ def not_yet_shown(cfg: Config, world_size: int) -> str | None:
         return f"{cfg.strategy.upper()}'s communication across {world_size} GPUs"
     if cfg.model not in SHOWN_MODELS:
         return f"--model {cfg.model}"
-    if cfg.precision == "fp16":
-        return "fp16's gradient scaler"
+    if needs_scaler(cfg.precision):
+        return f"{cfg.precision}'s gradient scaler"
     if scheduled(cfg):
         return "a learning-rate schedule"
     if cfg.loader == "classic":
@@ -137,8 +138,7 @@ def not_yet_shown(cfg: Config, world_size: int) -> str | None:
 def decide(cfg: Config, device: torch.device, world_size: int) -> tuple[bool, str | None]:
     """Whether the step of this run, at world_size ranks, is one CUDA graph and, where the
     default (on a GPU, graphed wherever it applies and has been shown to) leaves it eager, why.
-    An explicit --cuda-graphs that cannot apply is refused elsewhere
-    (distributed_utils.check_device_options)."""
+    An explicit --cuda-graphs that cannot apply is refused elsewhere (feasibility.py)."""
     if cfg.cuda_graphs is not None:
         return cfg.cuda_graphs, None
     if device.type != "cuda":

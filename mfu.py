@@ -28,7 +28,7 @@ def peaks(fp32: float, tf32: float, half: float) -> dict[str, float]:
 
 
 # Dense (no sparsity) peak TFLOP/s of one device, from NVIDIA's data sheets: IEEE fp32 on the
-# CUDA cores (what --precision fp32 runs: precision.set_fp32_math), TF32 and 16-bit on the
+# CUDA cores (what --precision fp32 runs: precision.set_process_precision), TF32 and 16-bit on the
 # tensor cores. Matched against torch.cuda.get_device_name() in this order, first match wins: GH200
 # before H200 before H100, the PCIe and NVL parts before the SXM part they name.
 PEAK_TFLOPS = (

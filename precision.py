@@ -1,8 +1,8 @@
 """What numbers a step computes with, for each `--precision`: the dtype table, the 16-bit dtype
 of autocast and FSDP's mixed precision, the loss scaler, what fp32 means on a GPU, which devices
 can compute in bf16, the device peak a precision runs at (mfu), and whether kernels must be
-deterministic. The wrappers, the trainer and the metrics ask this module; it asks only torch
-(and config.py for the strategies' names).
+deterministic. The wrappers, the trainer, the metrics and the checks ask this module; it asks
+only torch (and config.py for the strategies' traits).
 
 Mixed precision computes in bf16 or fp16 from fp32 parameters and reduces gradients in fp32:
 autocast for an unsharded model (DDP, DP, single), FSDP's own policy for a sharded one
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from config import SHARDED
+from config import FLAT_SHARDS, SHARDED
 
 # The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs).
 DTYPES = {
@@ -28,8 +28,8 @@ DTYPES = {
 }
 
 # The arithmetic each --precision runs on, which sets a device's peak (mfu.PEAK_TFLOPS): IEEE
-# fp32 on the CUDA cores (set_fp32_math), TF32 and 16-bit on the tensor cores, bf16 and fp16 at
-# the same rate. fp64 has none in the table.
+# fp32 on the CUDA cores (set_process_precision), TF32 and 16-bit on the tensor cores, bf16 and
+# fp16 at the same rate. fp64 has none in the table.
 PEAK_KEYS = {"fp32": "fp32", "tf32": "tf32", "bf16": "16-bit", "fp16": "16-bit"}
 
 
@@ -37,6 +37,12 @@ def low_precision(precision: str) -> torch.dtype | None:
     """The 16-bit dtype a step computes in (autocast, FSDP's mixed precision), or None."""
     dtype = DTYPES[precision]
     return dtype if dtype.itemsize < 4 else None
+
+
+def needs_scaler(precision: str) -> bool:
+    """Whether a step at this --precision scales its loss: fp16's narrow exponent range lets
+    small gradients underflow; bf16 has fp32's."""
+    return precision == "fp16"
 
 
 def storage_dtype(precision: str) -> torch.dtype:
@@ -76,21 +82,22 @@ class Precision:
 
 
 def make_precision(
-    precision: str, strategy: str, device: torch.device, cuda_graphs: bool = False
+    precision: str, device: torch.device, cuda_graphs: bool = False, strategy: str | None = None
 ) -> Precision:
-    """How a step of this strategy runs at this --precision: FSDP casts through its mixed
-    precision policy (fsdp_utils); every unsharded model (DDP, DP, single) needs autocast,
-    without its cache of cast weights where the step is a CUDA graph (torch's notes: the cache
-    would hold tensors of the capture)."""
-    fp16 = precision == "fp16"
-    if strategy == "fsdp":  # FSDP1's gradients are flat shards: its scaler sees them all
+    """How a step of this strategy runs at this --precision (None: of one process running the
+    whole model, as the compute calibration's copy does): a sharded model casts through its
+    wrapper's mixed precision policy (fsdp_utils); every unsharded one (DDP, DP, single) needs
+    autocast, without its cache of cast weights where the step is a CUDA graph (torch's notes:
+    the cache would hold tensors of the capture)."""
+    scaled = needs_scaler(precision)
+    if strategy in FLAT_SHARDS:
         # Imported here: FSDP's modules take seconds to import, which `main.py --check` (it
         # asks device_refusal) never needs.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        scaler = ShardedGradScaler(device.type, enabled=fp16)
+        scaler = ShardedGradScaler(device.type, enabled=scaled)
     else:
-        scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+        scaler = torch.amp.GradScaler(device.type, enabled=scaled)
     autocast = None if strategy in SHARDED else low_precision(precision)
     return Precision(autocast, scaler, cache=not cuda_graphs)
 
@@ -110,10 +117,13 @@ def device_refusal(precision: str, device: torch.device) -> str | None:
     return None
 
 
-def set_fp32_math(precision: str) -> str:
-    """GPUs compute fp32 convolutions in TF32 unless told otherwise (cuDNN's default): make
-    fp32 mean IEEE fp32, and tf32 ask for TF32 in convolutions and matrix products alike.
-    Returns what fp32 operations run as. (No effect on a CPU.)"""
+def set_process_precision(precision: str) -> str:
+    """This process computes at --precision from here on: every tensor made without a dtype
+    (the models, the batches, the sums) in the storage dtype, and fp32 math as asked. GPUs
+    compute fp32 convolutions in TF32 unless told otherwise (cuDNN's default): fp32 means IEEE
+    fp32, and tf32 asks for TF32 in convolutions and matrix products alike (no effect on a
+    CPU). Returns what fp32 operations run as."""
+    torch.set_default_dtype(storage_dtype(precision))
     math = "tf32" if precision == "tf32" else "ieee"
     # The legacy switches first, to the same answer: code that still reads them (torch.compile's
     # in some versions) raises where only the per-operation settings below were made.

@@ -26,7 +26,7 @@ from fsdp_utils import effective_sharding
 from measure import ComputeCalibration, MemoryMeter
 from model import build_model, count_parameters
 from optim import make_optimizer, make_scheduler
-from precision import make_precision, set_fp32_math, storage_dtype
+from precision import make_precision, set_process_precision
 from profiling import StepProfiler, profile_path, profile_report
 from strategies import STEP_COLLECTIVES, compiled, devices_per_rank, wrap_model
 from train import Diverged, Learner, Trainer
@@ -57,10 +57,8 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     feasibility.check(cfg, [env.world_size], len(train_set), env.device)
     graphed, _ = cuda_graphs.decide(cfg, env.device, env.world_size)
     cfg = replace(cfg, cuda_graphs=graphed)  # the default, resolved
-    precision = make_precision(cfg.precision, cfg.strategy, env.device, cfg.cuda_graphs)
-    fp32_math = set_fp32_math(cfg.precision)
-    # Every tensor made without a dtype from here on: the models, the batches, the sums.
-    torch.set_default_dtype(storage_dtype(cfg.precision))
+    precision = make_precision(cfg.precision, env.device, cfg.cuda_graphs, cfg.strategy)
+    fp32_math = set_process_precision(cfg.precision)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     shards = data_world(cfg.strategy, env.world_size)  # a pipeline's stages: one, the whole set
     loaders = data.build_loaders(
@@ -194,7 +192,7 @@ def calibrate_compute(
         learner = Learner(
             model=compiled(cfg, model),
             optimizer=make_optimizer(cfg, model),
-            precision=make_precision(cfg.precision, "single", env.device, cfg.cuda_graphs),
+            precision=make_precision(cfg.precision, env.device, cfg.cuda_graphs),
             env=env,
             grad_accum=cfg.grad_accum,
             clip_grad=cfg.clip_grad,

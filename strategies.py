@@ -4,8 +4,9 @@ parts (a pipeline stage from pipeline_utils.py, or model_parallel.py's parts on 
 GPUs). How a step of it runs at a `--precision` is precision.py's to say; whether it can run
 here is feasibility.py's: `main.py --check` asks that without loading the wrappers.
 
-The names of the strategies are config.py's; this module only maps them to the code that runs
-them, so that adding a strategy touches config.py (its name) and this file.
+The names of the strategies and their traits (which shard, which capture as a CUDA graph, ...)
+are config.py's; this module only maps them to the code that runs them, so that adding a
+strategy touches config.py (its name and traits) and this file.
 """
 
 import contextlib

@@ -64,7 +64,7 @@ def _ddp_logged_buckets(env, names: list[str], precision: str) -> dict:
     from ddp_utils import get_ddp_model
 
     torch.set_default_dtype(storage_dtype(precision))
-    steps = make_precision(precision, "ddp", env.device)
+    steps = make_precision(precision, env.device, strategy="ddp")
     found = {}
     for name in names:
         model = get_ddp_model(build_model(name), env.device)

@@ -88,7 +88,7 @@ def step_learner(env, case: Case):
     learner = Learner(
         model=model,
         optimizer=make_optimizer(cfg, model),
-        precision=make_precision(cfg.precision, cfg.strategy, env.device),
+        precision=make_precision(cfg.precision, env.device, strategy=cfg.strategy),
         env=env,
     )
     images = torch.randn(LOCAL_BATCH, 3, 32, 32)
