@@ -8,17 +8,16 @@ model too large for one GPU's memory.
 import torch
 import torch.nn as nn
 
-from config import MODEL_UNITS
 from model import cut
 from utils import log0
 
 
-def usable_devices(model_name: str, device: torch.device) -> list[torch.device]:
-    """The visible GPUs the model's units cut into equal parts over, the most there can be
+def usable_devices(units: int, device: torch.device) -> list[torch.device]:
+    """The visible GPUs a model's units cut into equal parts over, the most there can be
     (4 units: 4 GPUs of 8, 2 of 3); on a CPU, the one device."""
     if device.type != "cuda":
         return [device]
-    units, visible = MODEL_UNITS[model_name], torch.cuda.device_count()
+    visible = torch.cuda.device_count()
     count = max(n for n in range(1, min(units, visible) + 1) if units % n == 0)
     return [torch.device("cuda", i) for i in range(count)]
 
@@ -44,8 +43,8 @@ class ModelParallel(nn.Module):
         return x.to(source)
 
 
-def get_model_parallel(model: nn.Module, model_name: str, device: torch.device) -> ModelParallel:
-    devices = usable_devices(model_name, device)
+def get_model_parallel(model: nn.Module, device: torch.device) -> ModelParallel:
+    devices = usable_devices(len(model.shard_units()), device)
     if len(devices) == 1:
         log0(f"model: one device here ({device}): the model runs whole on it")
     else:

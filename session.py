@@ -88,7 +88,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     parameters = count_parameters(model)
     model = wrap_model(cfg, model, env.device, env.rank, env.world_size, nodes)
     optimizer = make_optimizer(cfg, model)
-    devices = env.world_size * devices_per_rank(cfg.strategy, cfg.model, env.device)
+    devices = env.world_size * devices_per_rank(model)
     flops = mfu.ModelFlops(
         per_image=mfu.training_flops_per_image(cfg.model, spec.num_classes, spec.image_shape),
         devices=devices,

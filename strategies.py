@@ -17,7 +17,7 @@ from config import Config
 from cuda_graphs import side_stream
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import get_fsdp2_model, get_fsdp_model
-from model_parallel import get_model_parallel, usable_devices
+from model_parallel import ModelParallel, get_model_parallel
 
 # What a training step of each strategy waits on its peers in: a rank's last words (say_where)
 # before it died or hung name it.
@@ -71,7 +71,7 @@ def wrap_model(
 
         model = get_stage_model(model, device, rank, world_size)
     elif cfg.strategy == "model":
-        model = get_model_parallel(model, cfg.model, device)
+        model = get_model_parallel(model, device)
     elif cfg.strategy == "dp":
         model = get_dp_model(model, device)
     else:  # single
@@ -84,12 +84,13 @@ def compiled(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(model) if cfg.compile else model
 
 
-def devices_per_rank(strategy: str, model_name: str, device: torch.device) -> int:
-    """The devices one rank computes on: DataParallel drives every visible GPU from its one
-    process, model parallelism those its model's parts go to; every other strategy one device
-    per rank."""
-    if strategy == "dp" and device.type == "cuda":
-        return torch.cuda.device_count()
-    if strategy == "model":
-        return len(usable_devices(model_name, device))
+def devices_per_rank(model: torch.nn.Module) -> int:
+    """The devices one rank computes on, as its wrapper drives them: DataParallel every visible
+    GPU from its one process (none listed on a CPU: the CPU), model parallelism those its parts
+    went to; every other wrapper one device per rank."""
+    root = getattr(model, "_orig_mod", model)  # under torch.compile
+    if isinstance(root, torch.nn.DataParallel):
+        return max(1, len(root.device_ids))
+    if isinstance(root, ModelParallel):
+        return len(root.devices)
     return 1

@@ -220,9 +220,10 @@ def test_naive_model_parallel_ends_where_one_process_ends(one_process):
 
 def test_model_parallel_places_consecutive_parts_and_computes_the_model():
     """Four 'devices' (the CPU four times: the placement logic without GPUs): four parts, one
-    unit each, in order, and the model's output."""
+    unit each, in order, and the model's output; the rank computes on all four (mfu's count)."""
     from model import build_model
     from model_parallel import ModelParallel
+    from strategies import devices_per_rank
 
     torch.manual_seed(0)
     model = build_model("cnn").eval()
@@ -232,6 +233,7 @@ def test_model_parallel_places_consecutive_parts_and_computes_the_model():
     assert [tuple(dict(part.named_children())) for part in parallel.parts] == STAGES[4]
     assert torch.equal(parallel(x), expected)
     assert parallel.state_dict().keys() == model.state_dict().keys()
+    assert devices_per_rank(torch.compile(parallel)) == 4
 
 
 @pytest.mark.parametrize("visible,used", [(1, 1), (2, 2), (3, 2), (4, 4), (8, 4)])
@@ -240,9 +242,9 @@ def test_model_parallel_takes_as_many_gpus_as_divide_the_units(monkeypatch, visi
     from model_parallel import usable_devices
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    devices = usable_devices("cnn", torch.device("cuda", 0))
+    devices = usable_devices(4, torch.device("cuda", 0))
     assert devices == [torch.device("cuda", i) for i in range(used)]
-    assert usable_devices("cnn", torch.device("cpu")) == [torch.device("cpu")]
+    assert usable_devices(4, torch.device("cpu")) == [torch.device("cpu")]
 
 
 def test_model_parallel_on_one_device_says_so():
