@@ -386,3 +386,50 @@ def pipeline_cut(model: str) -> str:
         f"--strategy pipeline cuts --model {model}'s {MODEL_UNITS[model]} units into one "
         f"stage per rank, the same number each: world size {sizes}"
     )
+
+
+def pipeline_refusal(cfg: Config, world_size: int) -> str | None:
+    """Why --strategy pipeline cannot run this way on world_size ranks, or None (the
+    precisions its stages compute in are precision.refusal's to say)."""
+    if world_size not in pipeline_world_sizes(cfg.model):
+        return f"{pipeline_cut(cfg.model)}, not {world_size}"
+    m = microbatches(cfg, world_size)
+    if cfg.batch_size % m:
+        return f"global batch size {cfg.batch_size} does not split into {m} equal micro-batches"
+    if cfg.schedule == "1f1b" and m < world_size:
+        return f"--schedule 1f1b needs at least one micro-batch per stage: {m} < {world_size}"
+    unsupported = {
+        "--grad-accum": cfg.grad_accum > 1 and "use --microbatches",
+        "--compile": cfg.compile and "not with pipeline stages",
+    }
+    return next((f"--strategy pipeline: {k}: {why}" for k, why in unsupported.items() if why), None)
+
+
+def world_refusal(cfg: Config, world_size: int, train_size: int) -> str | None:
+    """Why this configuration cannot run on world_size ranks with train_size training images,
+    or None: the checks that need the launcher's world size and the data, not torch, and the
+    options only one strategy takes (STRATEGY_OPTIONS). Asked by feasibility.refusal."""
+    if cfg.strategy in ONE_PROCESS and world_size > 1:
+        return (
+            f"--strategy {cfg.strategy} drives every device from one process; "
+            f"start one process (python main.py), not {world_size}"
+        )
+    if cfg.strategy in STAGED and (why := pipeline_refusal(cfg, world_size)):
+        return why
+    for name, strategy in STRATEGY_OPTIONS.items():
+        if getattr(cfg, name) and cfg.strategy != strategy:
+            return f"{option_flag(name)} is for --strategy {strategy}"
+    shards = data_world(cfg.strategy, world_size)
+    if cfg.batch_size < shards or cfg.batch_size % shards:
+        return (
+            f"global batch size {cfg.batch_size} must be a multiple of the world "
+            f"size {shards} (each rank gets an equal share)"
+        )
+    if (cfg.batch_size // shards) % cfg.grad_accum:
+        return (
+            f"each rank's {cfg.batch_size // shards} images per step do not "
+            f"split into --grad-accum {cfg.grad_accum} equal micro-batches"
+        )
+    if train_size < cfg.batch_size:
+        return f"{train_size} training images make no full global batch of {cfg.batch_size}"
+    return None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from config import FLAT_SHARDS, SHARDED
+from config import FLAT_SHARDS, SHARDED, STAGED
 
 # The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs).
 DTYPES = {
@@ -92,7 +92,7 @@ def make_precision(
     scaled = needs_scaler(precision)
     if strategy in FLAT_SHARDS:
         # Imported here: FSDP's modules take seconds to import, which `main.py --check` (it
-        # asks device_refusal) never needs.
+        # asks `refusal`) never needs.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler(device.type, enabled=scaled)
@@ -102,8 +102,11 @@ def make_precision(
     return Precision(autocast, scaler, cache=not cuda_graphs)
 
 
-def device_refusal(precision: str, device: torch.device) -> str | None:
-    """Why this device cannot compute at this --precision, or None."""
+def refusal(precision: str, strategy: str, device: torch.device) -> str | None:
+    """Why this strategy or this device cannot compute at this --precision, or None. A
+    pipeline's stages (pipeline_utils) run neither autocast nor a loss scaler."""
+    if strategy in STAGED and low_precision(precision) is not None:
+        return f"--strategy {strategy}: --precision: fp32 or tf32 only"
     if (
         precision == "bf16"
         and device.type == "cuda"
