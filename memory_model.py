@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from config import SHARDED, Config
+from config import FLAT_SHARDS, SHARDED, STAGED, Config
 from model import cut, own_units
 from precision import low_precision, storage_dtype
 
@@ -115,13 +115,13 @@ def fsdp1_units(model: nn.Module) -> list[list[nn.Parameter]]:
 
 def held(cfg: Config, model: nn.Module, world_size: int, nodes: int, rank: int) -> list[int | None]:
     """What rank `rank` keeps of each parameter: its elements, or None for no part of it."""
-    if cfg.strategy == "pipeline":
+    if cfg.strategy in STAGED:
         return [p.numel() for p in cut(model, world_size)[rank].parameters()]
     if cfg.strategy not in SHARDED:
         return [p.numel() for p in model.parameters()]
     ranks = shard_ranks(cfg.sharding, world_size, nodes)
     index = rank % ranks  # ranks laid out in blocks, a node's consecutive
-    if cfg.strategy == "fsdp2":
+    if cfg.strategy not in FLAT_SHARDS:  # fully_shard: each parameter on its first dimension
         return [fsdp2_held(tuple(p.shape), ranks, index) for p in model.parameters()]
     computes_in = low_precision(cfg.precision) or storage_dtype(cfg.precision)
     align = FSDP1_ALIGNMENT // computes_in.itemsize

@@ -9,8 +9,8 @@ import math
 
 import pandas as pd
 
+import config
 import utils
-from config import SHARDED
 from utils import COURSE_FIELDS, FSDP_ROOT_UNIT, TIME_PARTS
 
 # The columns that name a run, first in the CSV, then the course's; a run's rows are those of
@@ -166,9 +166,9 @@ def comm_model_time(strategy: str, steps: float, sharding, comm: pd.DataFrame) -
         return math.nan
     if strategy == "ddp":
         return steps * message_seconds(comm, "all_reduce", "bucket")
-    if strategy in SHARDED and str(sharding) == "no_shard":
+    if strategy in config.SHARDED and str(sharding) == "no_shard":
         return steps * message_seconds(comm, "all_reduce", "grad")  # FSDP at 1 rank: DDP-like
-    if strategy in SHARDED:
+    if strategy in config.SHARDED:
         # grad_op keeps each unit gathered from forward to backward; full and hybrid (full
         # within a node) gather again, all but the root, kept for backward under every
         # sharding; FSDP's default is full, for logs that do not say.
