@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from config import CAPTURABLE, CAPTURED_SINCE, DTENSOR_PARAMETERS, Config, scheduled
-from precision import needs_scaler
+from precision import LOSS_SCALED
 from utils import release
 
 # torch's notes: DDP needs at least 11 eager iterations before its backward can be captured.
@@ -76,7 +76,7 @@ def refusal(cfg: Config, device: torch.device) -> str | None:
             f"{name}'s SGD (foreach: torch has no fused SGD for sharded parameters) reads a "
             "scheduled rate on the host at every step: use --optimizer adam, or a constant rate"
         )
-    if foreach_sgd and needs_scaler(cfg.precision):
+    if foreach_sgd and cfg.precision in LOSS_SCALED:
         # GradScaler hands a fused optimizer its inf check as a device tensor; it steps any
         # other only after reading the check on the host (torch/amp/grad_scaler.py,
         # _maybe_opt_step).
@@ -120,7 +120,7 @@ def not_yet_shown(cfg: Config, world_size: int) -> str | None:
         return f"{cfg.strategy.upper()}'s communication across {world_size} GPUs"
     if cfg.model not in SHOWN_MODELS:
         return f"--model {cfg.model}"
-    if needs_scaler(cfg.precision):
+    if cfg.precision in LOSS_SCALED:
         return f"{cfg.precision}'s gradient scaler"
     if scheduled(cfg):
         return "a learning-rate schedule"

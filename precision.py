@@ -27,6 +27,10 @@ DTYPES = {
     "fp64": torch.float64,
 }
 
+# The precisions whose step scales its loss (a gradient scaler): fp16's narrow exponent range
+# lets small gradients underflow; bf16 has fp32's.
+LOSS_SCALED = ("fp16",)
+
 # The arithmetic each --precision runs on, which sets a device's peak (mfu.PEAK_TFLOPS): IEEE
 # fp32 on the CUDA cores (set_process_precision), TF32 and 16-bit on the tensor cores, bf16 and
 # fp16 at the same rate. fp64 has none in the table.
@@ -37,12 +41,6 @@ def low_precision(precision: str) -> torch.dtype | None:
     """The 16-bit dtype a step computes in (autocast, FSDP's mixed precision), or None."""
     dtype = DTYPES[precision]
     return dtype if dtype.itemsize < 4 else None
-
-
-def needs_scaler(precision: str) -> bool:
-    """Whether a step at this --precision scales its loss: fp16's narrow exponent range lets
-    small gradients underflow; bf16 has fp32's."""
-    return precision == "fp16"
 
 
 def storage_dtype(precision: str) -> torch.dtype:
@@ -89,7 +87,7 @@ def make_precision(
     wrapper's mixed precision policy (fsdp_utils); every unsharded one (DDP, DP, single) needs
     autocast, without its cache of cast weights where the step is a CUDA graph (torch's notes:
     the cache would hold tensors of the capture)."""
-    scaled = needs_scaler(precision)
+    scaled = precision in LOSS_SCALED
     if strategy in FLAT_SHARDS:
         # Imported here: FSDP's modules take seconds to import, which `main.py --check` (it
         # asks `refusal`) never needs.
