@@ -4,11 +4,12 @@
 
 A step of the walk is a call that hands a top-level function of another project module `cfg`,
 a field of it (`cfg.x`; `**d` for the keys of a `d = dict(...)` that are), or a name through
-which the calling function received one of those; the walk follows it into that function, each
-function once, in the order of the source. It prints the modules the walk passes through, the
-modules entered, the moves from one module to another, the returns among them, and the climbs
-back up: the returns that land in a module other than session.py (the walk goes back up to a
-module in between, not to build_trainer). With -v, the functions walked, as a tree.
+which the calling function received one of those (a parameter, `*args` and `**kwargs` too);
+the walk follows it into that function, each function once, in the order of the source. It
+prints the modules the walk passes through, the modules entered, the moves from one module to
+another, the returns among them, and the climbs back up: the returns that land in a module
+other than session.py (the walk goes back up to a module in between, not to build_trainer).
+With -v, the functions walked, as a tree.
 """
 
 import ast
@@ -76,13 +77,20 @@ def walk(trees: dict[str, ast.Module]) -> list[tuple[str, str, str]]:
             if not target or target in seen:
                 continue
             args = defs[target[0]][target[1]].args
-            params = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
-            taken = {p for p, a in zip(params, call.args) if carries(a, carriers)}
+            positional = [a.arg for a in (*args.posonlyargs, *args.args)]
+            params = {*positional, *(a.arg for a in args.kwonlyargs)}
+            rest = args.vararg.arg if args.vararg else None, args.kwarg.arg if args.kwarg else None
+            taken = {
+                positional[i] if i < len(positional) else rest[0]
+                for i, a in enumerate(call.args)
+                if carries(a, carriers)
+            }
             for k in call.keywords:
                 if k.arg and carries(k.value, carriers):
-                    taken.add(k.arg)
+                    taken.add(k.arg if k.arg in params else rest[1])
                 elif k.arg is None and isinstance(k.value, ast.Name):
-                    taken |= dicts.get(k.value.id, set()) & set(params)
+                    taken |= dicts.get(k.value.id, set()) & params
+            taken.discard(None)
             if taken:
                 seen.add(target)
                 path.append(("call", *target))
