@@ -1,6 +1,6 @@
 """The walk of `cfg` from session.build_trainer, read from the code (docs/development.md).
 
-    .venv/bin/python docs/cfg_walk.py [COMMIT] [-v]    # the working tree, or a commit's
+    .venv/bin/python .ci/cfg_walk.py [COMMIT] [-v]    # the working tree, or a commit's
 
 A step of the walk is a call that hands a top-level function of another project module `cfg`,
 a field of it (`cfg.x`; `**d` for the keys of a `d = dict(...)` that are), or a name through
