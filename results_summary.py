@@ -2,10 +2,13 @@
 strategy and GPU count, with medians over repeated runs, speedup and efficiency against one GPU,
 and the communication the runs' messages would take at the bandwidth they measured; its markdown,
 the pipeline's bubble table, and the warnings on how the runs ran. collect_results.py prints
-it, plot_results.py draws it, so the table and the figures agree.
+it, plot_results.py draws it, so the table and the figures agree. And the words around it:
+what ran (each figure's subtitle) and report.md, the table with the largest cost of each
+point, the pipeline's bubble and the figures plot_results.py wrote.
 """
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
@@ -326,3 +329,139 @@ def markdown_table(summary: pd.DataFrame) -> str:
     for _, row in summary.iterrows():
         lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in columns) + " |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ report.md
+
+
+def values(results: pd.DataFrame, column: str, fmt: str = "{}") -> str | None:
+    """A column's distinct values as text ('a / b' where runs differ), or None if absent."""
+    if column not in results or results[column].isna().all():
+        return None
+    return " / ".join(fmt.format(v) for v in sorted(results[column].dropna().unique()))
+
+
+def context(results: pd.DataFrame) -> str:
+    """What ran, as far as the CSV says: device, data set and size, batch, epochs, sweep."""
+    parts = []
+    if device := values(results, "device"):
+        parts.append(f"device {device}")
+    data = values(results, "dataset")
+    images = values(results, "train_images", "{:,.0f}")
+    if data or images:
+        parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
+    if study := scaling(results, brief=True):
+        parts.append(study)
+    elif batch := values(results, "global_batch", "{:.0f}"):
+        parts.append(f"global batch {batch}")
+    epochs = results.groupby(["strategy", "gpus"])["epoch"].max()
+    parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")
+    if sweep := values(results, "sweep"):
+        parts.append(f"sweep {sweep}")
+    if warning := cores_outnumbered(results):
+        parts.append(warning.removeprefix("warning: "))
+    parts += [warning.removeprefix("warning: ") for warning in mixed_steps(results)]
+    return " · ".join(parts)
+
+
+def gpu_busy_mark(share: float, sep: str = ", ") -> str:
+    """What a bar or a report line says of a point's gpu_busy (measure.gpu_busy): the share,
+    and host-bound below HOST_BOUND_BELOW."""
+    mark = f"GPU busy {100 * share:.0f}%"
+    return f"{mark}{sep}host-bound" if host_bound(share) else mark
+
+
+def largest_costs(summary: pd.DataFrame) -> list[str]:
+    """One sentence per strategy and GPU count: the largest of the parts of an epoch, what the
+    step's model does not explain where that is not the largest, and the modelled communication
+    beside the measured where the jobs measured their collectives and the point sends; and the
+    epochs whose breakdown was unreliable (their compute calibration could not tell compute
+    from the rest: left out of the parts, docs/metrics.md), where there were any; and on a GPU
+    the share of the epoch it ran kernels, host-bound where that is low (gpu_busy_mark), with
+    what that means."""
+    sentences, (one, many) = [], rank_unit(summary)
+    for _, row in summary.iterrows():
+        point = f"{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
+        unreliable = row.get("unreliable_epochs", 0)
+        left_out = (
+            f"{unreliable:.0f} epoch(s) left out, whose compute calibration could not tell "
+            "compute from the rest (breakdown=unreliable)"
+        )
+        busy = row.get("gpu_busy", math.nan)
+        busy = f"; {gpu_busy_mark(busy)}" if pd.notna(busy) else ""
+        if row[list(utils.TIME_PARTS)].isna().any():
+            if unreliable > 0:
+                sentences.append(f"- {point}: no reliable breakdown; {left_out}{busy}.")
+            continue
+        part = max(utils.TIME_PARTS, key=lambda p: row[p])
+        epoch = sum(row[p] for p in utils.TIME_PARTS)  # the epoch the parts are of
+        text = (
+            f"{point}: the largest cost is {utils.LABEL[part]}, {row[part]:.3f} s of "
+            f"{epoch:.2f} s per epoch ({100 * row[part] / epoch:.0f}%)"
+        )
+        if row.get("threads_per_core", 0) > 1:
+            text += "; but its ranks shared too few cores for this to be a finding"
+        if part != "t_other" and row["t_other"] > 0:
+            text += (
+                f"; {row['t_other']:.3f} s ({100 * row['t_other'] / epoch:.0f}%) the step's "
+                "model does not explain"
+            )
+        if pd.notna(row.get("comm_model")) and (row["comm_model"] > 0 or row["t_comm"] > 0):
+            text += (
+                f"; its messages would take {row['comm_model']:.3f} s at the measured "
+                f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden"
+            )
+        if unreliable > 0:
+            text += f"; {left_out}"
+        sentences.append(f"- {text}{busy}.")
+    sentences = sentences or [f"- The CSV has no {', '.join(utils.TIME_PARTS)}: no breakdown."]
+    if "gpu_busy" in summary and summary["gpu_busy"].notna().any():
+        sentences.append(HOST_BOUND_NOTE.format(100 * HOST_BOUND_BELOW))
+    return sentences
+
+
+HOST_BOUND_NOTE = (
+    "\nGPU busy: the share of the epoch the GPU ran the step's kernels (gpu_busy). Host-bound: "
+    "below {:.0f}%, the GPU idled longer than it worked, so the host (Python, kernel launches), "
+    "not the GPU, set the step's time, and more GPUs cannot shorten it (docs/metrics.md)."
+)
+
+
+def pipeline_section(results: pd.DataFrame) -> list[str]:
+    """The pipeline's bubble by stages and micro-batches, where the CSV has pipeline runs."""
+    table = bubble_table(results)
+    if table.empty:
+        return []
+    return ["## Pipeline bubble", "", bubble_markdown(table), ""]
+
+
+def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path]) -> str:
+    summary = summarize(results, comm)
+    return "\n".join(
+        [
+            "# Scaling report",
+            "",
+            context(results),
+            "",
+            markdown_table(summary),
+            "",
+            f"## Largest cost per strategy and {rank_unit(summary)[0]} count",
+            "",
+            *largest_costs(summary),
+            "",
+            *pipeline_section(results),
+            "## Figures",
+            "",
+            *(f"![{p.stem}]({p.name})\n" for p in written),
+            "",
+        ]
+    )
+
+
+def write_report(
+    results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path], out_dir: Path
+) -> Path:
+    path = out_dir / "report.md"
+    text = report_text(results, comm, written)
+    utils.write_atomically(path, lambda temp: temp.write_text(text))
+    return path

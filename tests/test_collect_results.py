@@ -401,10 +401,9 @@ def test_the_study_is_named_strong_or_weak_scaling():
     mixed = strong.assign(global_batch=[64, 256], local_batch=[64, 128])
     assert results_summary.scaling(mixed) is None
     assert results_summary.scaling(strong.drop(columns="local_batch")) is None
-    import plot_results
 
-    assert plot_results.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
-    assert plot_results.context(strong) == "strong scaling: global batch 256 · 1 epochs"
+    assert results_summary.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
+    assert results_summary.context(strong) == "strong scaling: global batch 256 · 1 epochs"
 
 
 def test_the_study_names_the_ranks_after_their_device():
@@ -560,7 +559,6 @@ def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(
     unreliable, t_compute and t_comm na) gives no parts: the point's parts come from its
     reliable epochs, all from the same ones, and report.md's sentence counts those left out; a
     point with none left says so."""
-    import plot_results
 
     ok = dict(t_compute=1.0, t_data=0.1, t_comm=0.3, t_wait=0.0, breakdown="ok")
     bad = dict(t_compute="na", t_data=0.1, t_comm="na", t_wait=0.0, breakdown="unreliable")
@@ -578,7 +576,7 @@ def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(
     one, two = summary.loc[1], summary.loc[2]
     assert (one["t_compute"], one["t_comm"], one["unreliable_epochs"]) == (1.2, 0.2, 1)
     assert pd.isna(two["t_compute"]) and two["unreliable_epochs"] == 1
-    sentences = plot_results.largest_costs(summary.reset_index())
+    sentences = results_summary.largest_costs(summary.reset_index())
     assert "1 epoch(s) left out" in sentences[0] and "compute, 1.200 s" in sentences[0]
     assert "no reliable breakdown" in sentences[1], sentences
 
@@ -587,7 +585,6 @@ def test_the_breakdown_is_one_epochs_the_reliable_one_of_median_time(tmp_path):
     """A point's parts are those of one epoch, so that they add up to its time (medians taken
     part by part, each from another epoch, would not): of the reliable epochs after the first,
     the one of median time; report.md's shares are of that epoch."""
-    import plot_results
 
     def epoch(time: float, compute: float, breakdown: str = "ok") -> dict:
         parts = dict(t_compute=compute, t_data=0.0, t_comm=time - compute, t_wait=0.0)
@@ -603,7 +600,7 @@ def test_the_breakdown_is_one_epochs_the_reliable_one_of_median_time(tmp_path):
     summary = results_summary.summarize(results)
     row = summary.iloc[0]
     assert (row["t_compute"], row["t_comm"], row["unreliable_epochs"]) == (2.0, 0.5, 1)
-    assert plot_results.largest_costs(summary)[0].startswith(
+    assert results_summary.largest_costs(summary)[0].startswith(
         "- ddp on 2 CPU ranks: the largest cost is compute, 2.000 s of 2.50 s per epoch (80%)"
     )
 
@@ -613,7 +610,6 @@ def test_a_one_rank_points_rest_is_unexplained_and_an_older_logs_still_adds_up(t
     model does not explain, with no word of communication beside its modelled messages (none).
     A log written before t_other (its rest in t_comm at every world size) keeps parts that add
     up to its epoch: t_other 0."""
-    import plot_results
 
     alone = dict(t_compute=1.5, t_data=0.25, t_comm=0.0, t_wait=0.0, t_other=0.75)
     older = dict(t_compute=1.5, t_data=0.25, t_comm=0.75, t_wait=0.0)
@@ -628,7 +624,7 @@ def test_a_one_rank_points_rest_is_unexplained_and_an_older_logs_still_adds_up(t
     assert (one["t_comm"], one["t_other"], two["t_comm"], two["t_other"]) == (0, 0.75, 0.75, 0)
     for row in (one, two):
         assert sum(row[t] for t in utils.TIME_PARTS) == row["time"]
-    sentences = plot_results.largest_costs(summary)
+    sentences = results_summary.largest_costs(summary)
     assert sentences[0] == (
         "- ddp on 1 CPU rank: the largest cost is compute, 1.500 s of 2.50 s per epoch (60%); "
         "0.750 s (30%) the step's model does not explain."

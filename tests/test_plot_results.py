@@ -330,7 +330,7 @@ def test_figures_say_what_ran_and_what_memory_was_measured():
         sweep="20261122-141500",
         state_mem=[8e6, 8e6, 4e6, 4e6],
     )
-    assert plot_results.context(results) == (
+    assert results_summary.context(results) == (
         "device cpu · synthetic (2,048 images/epoch) · global batch 256 · 2 epochs · "
         "sweep 20261122-141500"
     )
@@ -343,7 +343,7 @@ def test_figures_say_what_ran_and_what_memory_was_measured():
     course = results_summary.summarize(plot_results.read_results(course_csv))
     (ax,) = plot_results.plot_peak_memory(course).axes
     assert "as logged" in ax.get_ylabel()
-    assert plot_results.context(plot_results.read_results(course_csv)) == "10 epochs"
+    assert results_summary.context(plot_results.read_results(course_csv)) == "10 epochs"
 
 
 def test_quality_panels_show_their_values_and_both_have_legends():
@@ -389,7 +389,7 @@ def test_figures_and_report_name_the_ranks_and_their_device():
         (bars,) = plot_results.plot_time_breakdown(summary).axes
         ticks = [t.get_text() for t in bars.get_xticklabels()]
         assert ticks == [f"ddp\n1 {one}", f"ddp\n2 {many}"]
-        report = plot_results.report_text(ran, None, [])
+        report = results_summary.report_text(ran, None, [])
         assert f"- ddp on 1 {one}: " in report and f"| strategy | {many} |" in report
         assert device == "cuda" or "GPU" not in report, report
         plt.close("all")
@@ -453,7 +453,7 @@ def test_the_subtitle_fits_the_figure_above_the_panels(tmp_path):
         global_batch=256,
         sweep=["20261122-141500", "20261123-093000"] * 2,
     )
-    summary, subtitle = results_summary.summarize(results), plot_results.context(results)
+    summary, subtitle = results_summary.summarize(results), results_summary.context(results)
     for name in ("epoch_time.png", "throughput.png", "val_loss_acc.png"):
         fig = plot_results.FIGURES[name](summary)
         plot_results.save_png(fig, tmp_path / name, subtitle)
@@ -499,8 +499,8 @@ def test_figures_and_report_say_when_ranks_outnumbered_their_cores():
     results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 4): [6.0, 5.0]}))
     results["threads_per_core"] = results["gpus"] / 2
     warning = results_summary.cores_outnumbered(results).removeprefix("warning: ")
-    assert plot_results.context(results).endswith(warning)
-    report = plot_results.report_text(results, None, [])
+    assert results_summary.context(results).endswith(warning)
+    report = results_summary.report_text(results, None, [])
     costs = [line for line in report.splitlines() if line.startswith("- ddp on ")]
     assert [line.endswith("too few cores for this to be a finding.") for line in costs] == [
         False,
@@ -589,7 +589,7 @@ def test_a_point_whose_gpu_idled_more_than_it_worked_is_called_host_bound():
     gpu_busy is na, say nothing of it."""
     results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}))
     on_gpu = results.assign(device="cuda", gpu_busy=results["gpus"].map({1: 0.3, 2: 0.8}))
-    costs = plot_results.largest_costs(results_summary.summarize(on_gpu))
+    costs = results_summary.largest_costs(results_summary.summarize(on_gpu))
     assert costs[0].startswith("- ddp on 1 GPU: ") and costs[0].endswith(
         "; GPU busy 30%, host-bound."
     )
@@ -598,7 +598,7 @@ def test_a_point_whose_gpu_idled_more_than_it_worked_is_called_host_bound():
     (bars,) = plot_results.plot_time_breakdown(results_summary.summarize(on_gpu)).axes
     assert [t.get_text() for t in bars.texts] == ["GPU busy 30%\nhost-bound", "GPU busy 80%"]
     on_cpu = results.assign(device="cpu", gpu_busy=math.nan)
-    assert "busy" not in plot_results.report_text(on_cpu, None, [])
+    assert "busy" not in results_summary.report_text(on_cpu, None, [])
     (bars,) = plot_results.plot_time_breakdown(results_summary.summarize(on_cpu)).axes
     assert not bars.texts
     assert results_summary.host_bound(0.49) and not results_summary.host_bound(0.5)
