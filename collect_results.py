@@ -104,6 +104,16 @@ class Scan:
         return {"True": "graph", "False": "eager"}.get(str(graphed))
 
     @property
+    def trained(self) -> dict:
+        """What the run trained, from the [CONFIG] line: its model (results_summary.DEFAULT_MODEL
+        where the line does not say: the course's logs, and those older than the model axis),
+        the model's parameters, and its GPU's memory in bytes (nan where the line does not say)."""
+        return {
+            "model": self.config.get("model", results_summary.DEFAULT_MODEL),
+            **{c: self.config.get(c, math.nan) for c in ("parameters", "gpu_memory")},
+        }
+
+    @property
     def crash(self) -> str | None:
         """The line that says best why the run died, or None."""
         exceptions = [line for line in self.crash_lines if EXCEPTION_RE.search(line)]
@@ -122,6 +132,7 @@ class LoggedRun:
     comm: list[dict] = field(default_factory=list)  # the job's [COMM] lines
     threads_per_core: float = math.nan  # Scan.threads_per_core
     step: str | None = None  # Scan.step
+    trained: dict = field(default_factory=dict)  # Scan.trained
 
 
 def scan_log(text: str) -> Scan:
@@ -236,6 +247,8 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
             "(requeued?): kept the last"
         )
     identity, identity_notes = run_identity(epochs, path.name)
+    if "model" not in scan.config:
+        notes.append(f"no model in a [CONFIG] line: taken as {results_summary.DEFAULT_MODEL}")
     return LoggedRun(
         sweep_name(path.parent),
         path.name,
@@ -245,6 +258,7 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
         scan.comm,
         scan.threads_per_core,
         scan.step,
+        scan.trained,
     )
 
 
@@ -361,6 +375,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
                     **other,
                     "threads_per_core": run.threads_per_core,
                     "step": run.step,
+                    **run.trained,
                 }
             )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
@@ -377,6 +392,7 @@ def comm_frame(runs: list[LoggedRun]) -> pd.DataFrame:
         {
             "sweep": run.sweep,
             "log": run.log,
+            "model": run.trained["model"],
             **run.identity,
             **{k: v for k, v in fields.items() if k not in results_summary.IDENTITY},
         }

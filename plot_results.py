@@ -15,7 +15,6 @@ one per line.
 import argparse
 import math
 import sys
-import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -24,23 +23,26 @@ matplotlib.use("Agg")  # headless: batch nodes and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.font_manager import FontProperties  # noqa: E402
-from matplotlib.ticker import Formatter, NullLocator, ScalarFormatter  # noqa: E402
 
-import results_summary
-import utils
+import results_summary  # noqa: E402
+import utils  # noqa: E402
 from layout import COMM_CSV, DEFAULT_RESULTS, GPU_TIMELINE_CSV, side_path  # noqa: E402
+from plot_style import (  # noqa: E402
+    IDEAL_STYLE,
+    NotPlottable,
+    figure,
+    log2_axis,
+    log10_y_axis,
+    plot_ideal_scaling,
+    plot_lines,
+    save_png,
+)
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
 REQUIRED = ("strategy", "gpus", *results_summary.COURSE_COLUMNS)
 NUMERIC = ("gpus", *results_summary.COURSE_COLUMNS)
 # Numbers where known (the course's CSV has no throughput; `na` where a run has no such number).
 MAY_BE_EMPTY = ("throughput", *utils.MAY_BE_NA)
-IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
-
-
-class NotPlottable(Exception):
-    """The CSV lacks what one figure needs: that PNG is not written, the others are."""
 
 
 def read_results(path: Path) -> pd.DataFrame:
@@ -72,121 +74,6 @@ def read_results(path: Path) -> pd.DataFrame:
     if (results["gpus"] < 1).any():
         raise utils.UsageError(f"{path}: gpus must be at least 1")
     return results
-
-
-# Markers and line styles by strategy: strategies that compute the same (ddp and fsdp) draw
-# the same curve, and a line of one colour on top would hide the other. An open marker ("x",
-# "+") over a filled one, the gaps of a dotted line and some transparency keep both in sight.
-# Dashes ("--") are left to the ideal lines.
-MARKERS = ("o", "x", "s", "+", "^", "1")
-LINESTYLES = ("-", ":", "-.")
-LINE_ALPHA = 0.8
-
-
-def strategy_styles(summary: pd.DataFrame) -> dict[str, dict]:
-    """The same colour, marker and line style for a strategy in every figure."""
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {
-        s: {
-            "color": cycle[i % len(cycle)],
-            "marker": MARKERS[i % len(MARKERS)],
-            "linestyle": LINESTYLES[i % len(LINESTYLES)],
-        }
-        for i, s in enumerate(sorted(summary["strategy"].unique()))
-    }
-
-
-def log2_axis(ax, which: str, ticks) -> None:
-    """Log2 scale on the x or y axis, a tick at each count given, written as plain numbers."""
-    getattr(ax, f"set_{which}scale")("log", base=2)
-    axis = getattr(ax, f"{which}axis")
-    axis.set_ticks(sorted(set(ticks)))
-    axis.set_major_formatter(ScalarFormatter())
-    axis.set_minor_locator(NullLocator())
-
-
-class LogLabels(Formatter):
-    """A log axis' labels as plain numbers (0.5, not 5x10^-1), on the ticks whose leading digit
-    the axis' span leaves room for: every one across a decade or less, 1 2 3 5 7 up to two
-    decades, 1 2 5 beyond. Epoch times span about a decade with the one-rank points at its
-    top, which 2, 3 and 5 alone left unlabelled (none above 0.5 s)."""
-
-    def __call__(self, value, pos=None) -> str:
-        low, high = sorted(self.axis.get_view_interval())
-        decades = math.log10(high / low)
-        shown = range(1, 10) if decades <= 1 else (1, 2, 3, 5, 7) if decades <= 2 else (1, 2, 5)
-        return f"{value:g}" if leading_digit(value) in shown else ""
-
-
-def log10_y_axis(ax) -> None:
-    """Log y axis labelled 0.5, 0.7, 1, 2 rather than 10^0 alone (LogLabels)."""
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(LogLabels())
-    ax.yaxis.set_minor_formatter(LogLabels())
-
-
-def leading_digit(value: float) -> int:
-    return int(round(value / 10 ** math.floor(math.log10(value)), 6))
-
-
-def rank_axis(ax, rows: pd.DataFrame) -> None:
-    """The x axis of the rank counts, named after what ran: GPUs, or CPU ranks."""
-    log2_axis(ax, "x", rows["gpus"])
-    ax.set_xlabel(results_summary.rank_unit(rows)[1])
-    ax.grid(True, which="both", alpha=0.3)
-
-
-def step_mark(points: pd.DataFrame) -> str:
-    """How a curve's steps ran, for its legend: ` (CUDA graph)`, ` (eager)`, or both where its
-    points mix them; nothing where the logs do not say (the course's)."""
-    steps = points["step"].dropna().unique() if "step" in points else []
-    return f" ({'/'.join(sorted(steps)).replace('graph', 'CUDA graph')})" if len(steps) else ""
-
-
-def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFrame:
-    """One line per strategy; returns the rows drawn."""
-    rows = summary.dropna(subset=[column])
-    if rows.empty:
-        raise NotPlottable(f"no {column} values")
-    styles = strategy_styles(summary)
-    for strategy, points in rows.groupby("strategy"):
-        label = f"{strategy}{step_mark(points)}"
-        ax.plot(points["gpus"], points[column], alpha=LINE_ALPHA, label=label, **styles[strategy])
-        low, high = f"{column}_min", f"{column}_max"
-        if low in points and (points["runs"] > 1).any():  # min-max over repeated runs
-            spread = [points[column] - points[low], points[high] - points[column]]
-            ax.errorbar(
-                points["gpus"],
-                points[column],
-                yerr=spread,
-                fmt="none",
-                ecolor=styles[strategy]["color"],
-                capsize=3,
-            )
-    rank_axis(ax, rows)
-    ax.set_ylabel(ylabel)
-    return rows
-
-
-def plot_ideal_scaling(ax, summary: pd.DataFrame, column: str, exponent: int) -> None:
-    """Dashed ideal from each strategy's 1-GPU value: value * N**exponent (-1: time, 1: rate)."""
-    styles = strategy_styles(summary)
-    for strategy, points in summary.dropna(subset=[column]).groupby("strategy"):
-        base = points.loc[points["gpus"] == 1, column]
-        if not base.empty:
-            gpus = points["gpus"].sort_values()
-            ax.plot(
-                gpus,
-                base.iloc[0] * gpus.astype(float) ** exponent,
-                color=styles[strategy]["color"],
-                label=f"{strategy} ideal",
-                **IDEAL_STYLE,
-            )
-
-
-def figure(panels: int = 1) -> tuple[Figure, list]:
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
-    return fig, list(axes[0])
 
 
 def steady(summary: pd.DataFrame) -> str:
@@ -322,11 +209,11 @@ BAR_WIDTH = 0.7
 def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     """A stacked bar per strategy and GPU count of where the epoch went (the parts add up to the
     epoch time), and each strategy's ideal: its 1-GPU time / N."""
-    rows = summary.dropna(subset=list(utils.TIME_PARTS)).sort_values(["strategy", "gpus"])
+    rows = summary.dropna(subset=list(utils.TIME_PARTS)).sort_values(results_summary.POINT)
     if rows.empty:
         raise NotPlottable(f"no {', '.join(utils.TIME_PARTS)} values")
     fig, (ax,) = figure()
-    one, many = results_summary.rank_unit(rows)
+    one = results_summary.rank_unit(rows)[0]
     fig.set_figwidth(max(8.5, 0.9 * len(rows) + 4))  # room for the legend beside the bars
     x = range(len(rows))
     bottom = pd.Series(0.0, index=rows.index)
@@ -334,8 +221,10 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
         height = rows[part]
         ax.bar(x, height, bottom=bottom, label=utils.LABEL[part], width=BAR_WIDTH)
         bottom += height
-    one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
-    ideal = rows["strategy"].map(one_gpu) / rows["gpus"]
+    curve = results_summary.POINT[:-1]
+    one_gpu = rows[rows["gpus"] == 1].set_index(curve)["time"]
+    ideal = pd.Series(rows[curve].itertuples(index=False, name=None), index=rows.index)
+    ideal = ideal.map(one_gpu) / rows["gpus"]
     # A dash across each bar: a line, so that its legend entry is as small as the others'.
     ax.hlines(
         ideal,
@@ -349,7 +238,7 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     mark_gpu_busy(ax, rows["gpu_busy"] if "gpu_busy" in rows else [], bottom)
     ax.set_xticks(
         list(x),
-        [f"{s}\n{g:.0f} {one if g == 1 else many}" for s, g in zip(rows["strategy"], rows["gpus"])],
+        [results_summary.point_name(rows, r).replace(" on ", "\n") for _, r in rows.iterrows()],
     )
     ax.set_ylabel(f"seconds in one epoch ({steady(summary)})")  # steady_breakdown's epoch
     ax.set_title("Where an epoch's time goes")
@@ -516,32 +405,6 @@ BESIDE = {"comm_bandwidth.png": COMM_CSV, "gpu_timeline.png": GPU_TIMELINE_CSV}
 # Figures drawn from the results' rows: the summary's one row per strategy and GPU count merges
 # a pipeline's runs at different micro-batches.
 FROM_RESULTS = {"pipeline_bubble.png"}
-
-SUBTITLE_SIZE = "small"
-# Characters per inch are estimated from the widest characters a subtitle is made of, digits
-# (about 0.69 em as Agg draws DejaVu Sans at this size; lower case takes 0.6), so that a line
-# of sweep names does not run past the figure's edges either.
-EM_PER_CHARACTER = 0.7
-
-
-def add_subtitle(fig: Figure, subtitle: str) -> None:
-    """The subtitle on top, wrapped to the figure's width (one line on a 720-px figure would be
-    cut at both ends), and the panels laid out below all its lines."""
-    points = FontProperties(size=SUBTITLE_SIZE).get_size_in_points()
-    margin = 0.95  # of the width: the line's ends stay off the figure's edges
-    characters_per_line = int(margin * fig.get_figwidth() * 72 / (EM_PER_CHARACTER * points))
-    fig.suptitle(
-        textwrap.fill(subtitle, characters_per_line, break_on_hyphens=False),
-        fontsize=SUBTITLE_SIZE,
-        color="dimgray",
-    )
-    fig.tight_layout()  # leaves room for the suptitle, however many lines it has
-
-
-def save_png(fig: Figure, path: Path, subtitle: str) -> None:
-    add_subtitle(fig, subtitle)
-    utils.write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
-    plt.close(fig)
 
 
 def plot_all(

@@ -12,14 +12,20 @@ from pathlib import Path
 
 import pandas as pd
 
+import config
 import utils
 from utils import COURSE_FIELDS, FSDP_ROOT_UNIT, TIME_PARTS
 
 # The columns that name a run, first in the CSV, then the course's; a run's rows are those of
 # one log file.
 IDENTITY = ("strategy", "gpus", "nodes", "job_id")
-RUN_COLUMNS = ("sweep", "log", *IDENTITY)
+RUN_COLUMNS = ("sweep", "log", "model", *IDENTITY)
 COURSE_COLUMNS = tuple(f.name for f in COURSE_FIELDS)  # epoch, time, val_loss, acc, peak_mem
+# A run's model, from its [CONFIG] line; the course's logs and CSVs, and logs older than the
+# model axis, trained main.py's default, the course CNN.
+DEFAULT_MODEL = config.Config.model
+# What a point is: a model's strategy on a number of GPUs.
+POINT = ["model", "strategy", "gpus"]
 
 
 def rank_unit(table: pd.DataFrame) -> tuple[str, str]:
@@ -67,9 +73,11 @@ def mixed_steps(results: pd.DataFrame) -> list[str]:
 
 
 def with_run_columns(results: pd.DataFrame) -> pd.DataFrame:
-    """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown."""
+    """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown,
+    and the model where it does not say (DEFAULT_MODEL)."""
     missing = {c: pd.NA for c in RUN_COLUMNS if c not in results}
-    return results.assign(**missing) if missing else results
+    results = results.assign(**missing)
+    return results.assign(model=results["model"].fillna(DEFAULT_MODEL))
 
 
 def median_after_first(run: pd.DataFrame, column: str) -> float:
@@ -118,7 +126,7 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "time": median_after_first(run, "time"),
                 "throughput": median_after_first(run, "throughput"),
                 "peak_mem": run["peak_mem"].max(),
-                "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
+                **{m: run[m].max() if m in run else math.nan for m in MEMORY},
                 **steady_breakdown(run),
                 **{t: median_after_first(run, t) for t in (*UTILISATION, *BUBBLE)},
                 "microbatches": final.get("microbatches", math.nan),
@@ -127,10 +135,18 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "threads_per_core": final.get("threads_per_core", math.nan),
                 "step": final.get("step", pd.NA),
                 "device": final.get("device", pd.NA),
+                **{c: final.get(c, math.nan) for c in SIZES},
             }
         )
     return pd.DataFrame(rows)
 
+
+# Bytes a rank keeps between steps, measured and predicted (memory_model.py), and the training
+# peak above them per image of the rank's batch: the largest of each over a run's epochs.
+MEMORY = ("state_mem", "state_pred", "act_per_image")
+# What a run's memory scales with: its model's parameters ([CONFIG]), its rank's batch, and
+# the memory of its GPU where its log says.
+SIZES = ("parameters", "local_batch", "gpu_memory")
 
 # How close to the hardware (mfu.py): model TFLOP/s per device, MFU in percent (empty where
 # the run knew no peak for its device), and the share of the epoch the GPU ran the steps'
@@ -205,7 +221,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
     runs' [COMM] lines are given, the communication time their messages would take at the
     measured bandwidth (comm_model) beside the measured t_comm."""
     runs = with_comm_model(run_summaries(results), comm)
-    table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
+    table = runs.groupby(POINT, as_index=False).agg(
         nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
         runs=("epochs", "size"),
         epochs=("epochs", "max"),
@@ -220,20 +236,21 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         throughput_min=("throughput", "min"),
         throughput_max=("throughput", "max"),
         peak_mem=("peak_mem", "max"),
-        state_mem=("state_mem", "max"),
+        **{m: (m, "max") for m in MEMORY},
+        **{c: (c, "max") for c in SIZES},
         **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, *BUBBLE, "comm_model")},
         unreliable_epochs=("unreliable_epochs", "sum"),
         threads_per_core=("threads_per_core", "max"),
         step=("step", lambda s: "/".join(sorted(set(s.dropna()))) or pd.NA),
         device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
     )
-    one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
-    baseline = table["strategy"].map(one_gpu)
-    if "ddp" in one_gpu:
-        baseline = baseline.where(table["strategy"] != "pipeline", one_gpu["ddp"])
-    table["speedup"] = baseline / table["time"]
+    one_gpu = table[table["gpus"] == 1].set_index(["model", "strategy"])["time"]
+    # A pipeline has no 1-GPU run: against its model's DDP on one GPU.
+    against = table["strategy"].where(table["strategy"] != "pipeline", "ddp")
+    baseline = pd.Series(list(zip(table["model"], against))).map(one_gpu)
+    table["speedup"] = baseline.to_numpy() / table["time"]
     table["efficiency"] = 100 * table["speedup"] / table["gpus"]
-    return table.sort_values(["strategy", "gpus"], ignore_index=True)
+    return table.sort_values(POINT, ignore_index=True)
 
 
 def bubble_table(results: pd.DataFrame) -> pd.DataFrame:
@@ -278,6 +295,7 @@ def scaling(results: pd.DataFrame, brief: bool = False) -> str | None:
 # (column, header, format) of the printed table; {rank} and {ranks} in a header are what the
 # `gpus` column counts (rank_unit).
 TABLE_COLUMNS = (
+    ("model", "model", "{}"),  # where the runs trained more than one
     ("strategy", "strategy", "{}"),
     ("gpus", "{ranks}", "{:d}"),
     ("nodes", "nodes", "{}"),
@@ -317,9 +335,12 @@ def time_range(row) -> str:
 
 
 def markdown_table(summary: pd.DataFrame) -> str:
-    """TABLE_COLUMNS' columns, but gpu_busy where no row has it: a CPU's table names no GPU."""
+    """TABLE_COLUMNS' columns, but gpu_busy where no row has it (a CPU's table names no GPU),
+    and the model where one alone ran (the subtitle names it)."""
     summary = summary.assign(time_range=summary.apply(time_range, axis=1))
-    columns = [c for c in TABLE_COLUMNS if c[0] != "gpu_busy" or summary[c[0]].notna().any()]
+    left_out = {"gpu_busy"} if summary["gpu_busy"].isna().all() else set()
+    left_out |= {"model"} if summary["model"].nunique() == 1 else set()
+    columns = [c for c in TABLE_COLUMNS if c[0] not in left_out]
     rank, ranks = rank_unit(summary)
     headers = (header.format(rank=rank, ranks=ranks) for _, header, _ in columns)
     lines = [
@@ -344,6 +365,8 @@ def values(results: pd.DataFrame, column: str, fmt: str = "{}") -> str | None:
 def context(results: pd.DataFrame) -> str:
     """What ran, as far as the CSV says: device, data set and size, batch, epochs, sweep."""
     parts = []
+    if model := values(results, "model"):
+        parts.append(f"model {model}")
     if device := values(results, "device"):
         parts.append(f"device {device}")
     data = values(results, "dataset")
@@ -371,6 +394,13 @@ def gpu_busy_mark(share: float, sep: str = ", ") -> str:
     return f"{mark}{sep}host-bound" if host_bound(share) else mark
 
 
+def point_name(summary: pd.DataFrame, row) -> str:
+    """A row of the summary in words: `ddp on 4 GPUs`, with its model where several ran."""
+    one, many = rank_unit(summary)
+    model = f"{row['model']} " if summary["model"].nunique() > 1 else ""
+    return f"{model}{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
+
+
 def largest_costs(summary: pd.DataFrame) -> list[str]:
     """One sentence per strategy and GPU count: the largest of the parts of an epoch, what the
     step's model does not explain where that is not the largest, and the modelled communication
@@ -379,9 +409,9 @@ def largest_costs(summary: pd.DataFrame) -> list[str]:
     from the rest: left out of the parts, docs/metrics.md), where there were any; and on a GPU
     the share of the epoch it ran kernels, host-bound where that is low (gpu_busy_mark), with
     what that means."""
-    sentences, (one, many) = [], rank_unit(summary)
+    sentences = []
     for _, row in summary.iterrows():
-        point = f"{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
+        point = point_name(summary, row)
         unreliable = row.get("unreliable_epochs", 0)
         left_out = (
             f"{unreliable:.0f} epoch(s) left out, whose compute calibration could not tell "

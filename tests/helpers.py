@@ -53,8 +53,9 @@ def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **chan
 
 
 def log_text(metrics: list[dict], expected_epochs: int | None = None, **config) -> str:
-    """A log as main.py writes it: a [CONFIG] line (its epochs= and the fields given), progress
-    chatter, and one line per metric from utils.format_metric."""
+    """A log as main.py writes it: a [CONFIG] line (its epochs=, the CNN's model= and the fields
+    given), progress chatter, and one line per metric from utils.format_metric."""
+    config = {"model": "cnn", **config}
     lines = [
         " ".join(
             [

@@ -65,9 +65,10 @@ def test_project_log_keeps_every_field(tmp_path):
     write_log(tmp_path / "fsdp_4gpu_987.log", written)
     results, reports = collect(tmp_path)
     assert reports == []
-    assert list(results.columns[:11]) == [
+    assert list(results.columns[:12]) == [
         "sweep",
         "log",
+        "model",
         "strategy",
         "gpus",
         "nodes",
@@ -467,7 +468,7 @@ def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys
     code, table, _ = cli(capsys, "--logs", tmp_path, "--out", out)
     assert code == 0
     comm = pd.read_csv(out.with_name("comm.csv"))
-    assert list(comm.columns[:10]) == [
+    assert list(comm.columns[:11]) == [
         *results_summary.RUN_COLUMNS,
         "op",
         "label",
@@ -635,7 +636,7 @@ def test_a_one_rank_points_rest_is_unexplained_and_an_older_logs_still_adds_up(t
 def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp_path, capsys):
     """The [CONFIG] line's cuda_graphs: the table's step column per point, the figures' legend,
     and a warning where one strategy's points mix graphed and eager steps (two clocks)."""
-    import plot_results
+    import plot_style
 
     for gpus, graphed in ((1, True), (2, False)):
         metrics = [metric_fields(e, world_size=gpus, job_id=str(gpus)) for e in (1, 2)]
@@ -647,7 +648,7 @@ def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp
     assert "| step |" in header and "| graph |" in rows[0] and "| eager |" in rows[1], rows
     (warning,) = results_summary.mixed_steps(results)
     assert "ddp's points mix graphed and eager steps (eager at 2; graph at 1" in warning
-    assert plot_results.step_mark(summary.reset_index()) == " (eager/CUDA graph)"
+    assert plot_style.step_mark(summary.reset_index()) == " (eager/CUDA graph)"
 
 
 def test_gpu_busy_is_a_column_of_the_results_and_the_summary(tmp_path):
@@ -671,3 +672,36 @@ def test_gpu_busy_is_a_column_of_the_results_and_the_summary(tmp_path):
     header, _, one, two = results_summary.markdown_table(summary.reset_index()).splitlines()
     column = header.split(" | ").index("GPU busy")
     assert (one.split(" | ")[column], two.split(" | ")[column]) == ("0.25", "n/a")
+
+
+def test_a_runs_name_carries_its_model_and_still_its_job_id():
+    """layout.run_name names a model other than the default; the name still gives the job id
+    (SLURM's, or none for a local run's `local-<time>`, which is no model)."""
+    import layout
+
+    name = layout.run_name("ddp", 4, "cnn-wide")
+    assert name == "ddp_4gpu_cnn-wide" and layout.run_name("ddp", 4) == "ddp_4gpu"
+    said = layout.name_identity(layout.log_stem(name, "1234") + ".log")
+    assert said == {"strategy": "ddp", "gpus": 4, "model": "cnn-wide", "job_id": "1234"}
+    local = layout.name_identity(layout.log_stem(name, "local-20261127-100000") + ".log")
+    assert local == {"strategy": "ddp", "gpus": 4, "model": "cnn-wide"}
+    assert "model" not in layout.name_identity("ddp_4gpu_local-20261127-100000.log")
+
+
+def test_each_run_gets_its_model_from_its_config_line_and_the_summary_keeps_them_apart(tmp_path):
+    """Two models at the same strategy and GPU count: two rows, each its own speedup; a log
+    without model= in its [CONFIG] line (older than the model axis) is the CNN, said so."""
+    for model, gpus, time in (("cnn", 1, 4.0), ("cnn", 2, 2.0), ("cnn-wide", 1, 9.0)):
+        metrics = [metric_fields(e, world_size=gpus, time=time) for e in (1, 2)]
+        (tmp_path / f"ddp_{gpus}gpu_{model}.log").write_text(log_text(metrics, model=model))
+    metrics = [metric_fields(e, world_size=2, time=3.0) for e in (1, 2)]
+    old = log_text(metrics).replace(" model=cnn", "")
+    (tmp_path / "ddp_2gpu_old.log").write_text(old)
+    results, reports = collect(tmp_path)
+    assert any("ddp_2gpu_old.log: no model in a [CONFIG] line: taken as cnn" in r for r in reports)
+    summary = results_summary.summarize(results).set_index(["model", "gpus"])
+    assert set(summary.index) == {("cnn", 1), ("cnn", 2), ("cnn-wide", 1)}
+    assert summary.loc[("cnn", 2), "runs"] == 2  # the old log's run is the CNN's
+    assert summary.loc[("cnn-wide", 1), "speedup"] == 1.0
+    header = results_summary.markdown_table(summary.reset_index()).splitlines()[0]
+    assert header.startswith("| model | strategy |")

@@ -347,7 +347,8 @@ def test_dry_run_prints_one_script_per_configuration_and_writes_nothing(repo_cop
         assert option in eight
     # One launch recipe: every job submits run.sh, with main.py's arguments after it.
     assert re.search(
-        r"run\.sh --strategy fsdp --epochs \d+ --batch-size 256 .*--dataset synthetic", eight
+        r"run\.sh --strategy fsdp --model cnn --epochs \d+ --batch-size 256 .*--dataset synthetic",
+        eight,
     )
     assert "--nodes=1" in scripts["ddp_1gpu"] and "--ntasks-per-node=1" in scripts["ddp_1gpu"]
     assert f"LOGS=logs/{sweep} bash plot_results.sh" in scripts["collect"]
@@ -467,16 +468,25 @@ def test_a_sweep_runs_the_pipeline_where_the_model_cuts_and_says_so_once():
 
 
 def test_local_dry_run_lists_the_torchrun_sweep():
+    """The CNN alone by default; --models gives each model its own runs, one model after the
+    other."""
     done = benchmarks("--local", "--dry-run", "--gpus", "1", "2", "--strategies", "ddp")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[:2] == [
-        "NPROC=1 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32 "
-        "--comm-benchmark",
-        "NPROC=2 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32 "
-        "--comm-benchmark",
+        "NPROC=1 bash run.sh --strategy ddp --model cnn --epochs 5 --batch-size 256 "
+        "--precision fp32 --comm-benchmark",
+        "NPROC=2 bash run.sh --strategy ddp --model cnn --epochs 5 --batch-size 256 "
+        "--precision fp32 --comm-benchmark",
     ]
     assert re.fullmatch(r"LOGS=logs/sweep-[\d-]+ bash plot_results\.sh", lines[2]), lines
+    both = benchmarks("--local", "--dry-run", "--gpus", "1", "2", "--models", "cnn", "cnn-wide")
+    runs = re.findall(
+        r"^NPROC=(\d) bash run.sh --strategy (\w+) --model ([\w-]+)", both.stdout, re.M
+    )
+    assert runs == [
+        (g, s, m) for m in ("cnn", "cnn-wide") for g in ("1", "2") for s in ("ddp", "fsdp")
+    ]
 
 
 def test_weak_scaling_keeps_the_batch_per_gpu_and_repeats_repeat():
