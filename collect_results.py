@@ -107,10 +107,12 @@ class Scan:
     def trained(self) -> dict:
         """What the run trained, from the [CONFIG] line: its model (results_summary.DEFAULT_MODEL
         where the line does not say: the course's logs, and those older than the model axis),
-        the model's parameters, and its GPU's memory in bytes (nan where the line does not say)."""
+        the model's parameters, its GPU's memory in bytes and its optimizer (empty where the
+        line does not say)."""
         return {
             "model": self.config.get("model", results_summary.DEFAULT_MODEL),
             **{c: self.config.get(c, math.nan) for c in ("parameters", "gpu_memory")},
+            "optimizer": self.config.get("optimizer"),
         }
 
     @property

@@ -27,6 +27,7 @@ from matplotlib.figure import Figure  # noqa: E402
 import results_summary  # noqa: E402
 import utils  # noqa: E402
 from layout import COMM_CSV, DEFAULT_RESULTS, GPU_TIMELINE_CSV, side_path  # noqa: E402
+from memory_figures import plot_bytes_per_parameter, plot_largest_model, plot_peak_memory  # noqa: E402
 from plot_style import (  # noqa: E402
     IDEAL_STYLE,
     NotPlottable,
@@ -117,32 +118,6 @@ def plot_quality(summary: pd.DataFrame) -> Figure:
     for ax in (loss_ax, acc_ax):
         # The values themselves on the axis: an offset ("+1.918") makes 0.001 look like a lot.
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")
-        ax.legend()
-    return fig
-
-
-# What peak_mem measured, by the device the runs trained on (measure.MemoryMeter).
-# Two lines: one would be taller than a one-panel figure.
-PEAK_MEMORY_LABEL = {
-    "cuda": "CUDA allocator peak above baseline\n(MB, max over ranks)",
-    "cpu": "resident-set peak above baseline\n(MB, max over ranks)",
-}
-
-
-def plot_peak_memory(summary: pd.DataFrame) -> Figure:
-    """peak_mem as measured (not divided by the GPU count), and beside it state_mem, the
-    parameters, gradients and optimizer state one rank holds: what FSDP shards."""
-    has_state = summary["state_mem"].notna().any()
-    fig, axes = figure(2 if has_state else 1)
-    label = PEAK_MEMORY_LABEL.get(results_summary.values(summary, "device"))
-    plot_lines(axes[0], summary, "peak_mem", label or "peak memory (MB, max over ranks, as logged)")
-    axes[0].set_title("Peak training memory per rank")
-    if has_state:
-        state = summary.assign(state_mem=summary["state_mem"] / 2**20)
-        plot_lines(axes[1], state, "state_mem", "parameters + gradients + optimizer state (MB)")
-        axes[1].set_title("Model state held by one rank")
-    for ax in axes:
-        ax.set_ylim(bottom=0)
         ax.legend()
     return fig
 
@@ -392,6 +367,8 @@ FIGURES = {
     "epoch_time.png": plot_epoch_time,
     "val_loss_acc.png": plot_quality,
     "peak_memory.png": plot_peak_memory,
+    "bytes_per_parameter.png": plot_bytes_per_parameter,
+    "largest_model.png": plot_largest_model,
     "speedup_efficiency.png": plot_speedup,
     "throughput.png": plot_throughput,
     "time_breakdown.png": plot_time_breakdown,
@@ -405,12 +382,18 @@ BESIDE = {"comm_bandwidth.png": COMM_CSV, "gpu_timeline.png": GPU_TIMELINE_CSV}
 # Figures drawn from the results' rows: the summary's one row per strategy and GPU count merges
 # a pipeline's runs at different micro-batches.
 FROM_RESULTS = {"pipeline_bubble.png"}
+# Figures drawn for a GPU of --gpu-memory GB (projection.py).
+PROJECTED = {"largest_model.png"}
 
 
 def plot_all(
-    results: pd.DataFrame, out_dir: Path, beside: dict[str, pd.DataFrame | None] | None = None
+    results: pd.DataFrame,
+    out_dir: Path,
+    beside: dict[str, pd.DataFrame | None] | None = None,
+    gpu_memory: float | None = None,
 ) -> list[Path]:
-    """Every figure there is data for; `beside` holds the CSVs found beside the results."""
+    """Every figure there is data for; `beside` holds the CSVs found beside the results, and
+    gpu_memory the GB of the GPU the projection is for (None: projection.gpu_memory's)."""
     beside = beside or {}
     summary, subtitle = (
         results_summary.summarize(results, beside.get(COMM_CSV)),
@@ -421,6 +404,8 @@ def plot_all(
         try:
             if name in BESIDE:
                 fig = draw(beside.get(BESIDE[name]))
+            elif name in PROJECTED:
+                fig = draw(summary, gpu_memory)
             else:
                 fig = draw(results if name in FROM_RESULTS else summary)
         except NotPlottable as e:
@@ -449,7 +434,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--report",
         action="store_true",
-        help="also write report.md in the folder: table, figures, largest costs",
+        help="also write report.md in the folder: table, figures, largest costs, and the "
+        "largest model that fits a GPU",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GB",
+        help="the GPU the largest model is projected onto (GiB; default: the runs' own GPU "
+        "where their logs say, else 80)",
     )
     return p.parse_args(argv)
 
@@ -468,6 +461,8 @@ def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.gpu_memory is not None and not args.gpu_memory > 0:
+        utils.fail(f"--gpu-memory must be a positive number of GB, got {args.gpu_memory:g}")
     try:
         results = read_results(args.csv)
         beside = {name: read_beside(args.csv, name) for name in set(BESIDE.values())}
@@ -475,11 +470,12 @@ def main(argv=None) -> int:
     except utils.UsageError as e:
         utils.fail(str(e))
     try:
-        written = plot_all(results, args.out_dir, beside)
+        written = plot_all(results, args.out_dir, beside, args.gpu_memory)
         if args.report and written:
-            utils.note(
-                f"wrote {results_summary.write_report(results, comm, written, args.out_dir)}"
+            report = results_summary.write_report(
+                results, comm, written, args.out_dir, args.gpu_memory
             )
+            utils.note(f"wrote {report}")
     except OSError as e:
         utils.fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
     if not written:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 import config
+import projection
 import utils
 from utils import COURSE_FIELDS, FSDP_ROOT_UNIT, TIME_PARTS
 
@@ -136,6 +137,7 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "step": final.get("step", pd.NA),
                 "device": final.get("device", pd.NA),
                 **{c: final.get(c, math.nan) for c in SIZES},
+                **{c: final.get(c, pd.NA) for c in STATE_SETTING},
             }
         )
     return pd.DataFrame(rows)
@@ -147,6 +149,14 @@ MEMORY = ("state_mem", "state_pred", "act_per_image")
 # What a run's memory scales with: its model's parameters ([CONFIG]), its rank's batch, and
 # the memory of its GPU where its log says.
 SIZES = ("parameters", "local_batch", "gpu_memory")
+# What a parameter's state is made of: the optimizer's tensors, in the precision's dtype.
+STATE_SETTING = ("optimizer", "precision")
+
+
+def joined(values: pd.Series) -> str:
+    """A point's distinct values of a text column, as one: `cpu`, or `a/b` where runs differ."""
+    return "/".join(sorted(set(values.dropna())))
+
 
 # How close to the hardware (mfu.py): model TFLOP/s per device, MFU in percent (empty where
 # the run knew no peak for its device), and the share of the epoch the GPU ran the steps'
@@ -242,7 +252,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         unreliable_epochs=("unreliable_epochs", "sum"),
         threads_per_core=("threads_per_core", "max"),
         step=("step", lambda s: "/".join(sorted(set(s.dropna()))) or pd.NA),
-        device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
+        **{c: (c, joined) for c in ("device", *STATE_SETTING)},
     )
     one_gpu = table[table["gpus"] == 1].set_index(["model", "strategy"])["time"]
     # A pipeline has no 1-GPU run: against its model's DDP on one GPU.
@@ -465,7 +475,15 @@ def pipeline_section(results: pd.DataFrame) -> list[str]:
     return ["## Pipeline bubble", "", bubble_markdown(table), ""]
 
 
-def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path]) -> str:
+def report_text(
+    results: pd.DataFrame,
+    comm: pd.DataFrame | None,
+    written: list[Path],
+    gpu_memory: float | None = None,
+) -> str:
+    """report.md: what ran, the table, the largest costs, the pipeline's bubble, the largest
+    model that fits a GPU of gpu_memory GB (projection.py: None, the runs' own or 80 GB), and
+    the figures."""
     summary = summarize(results, comm)
     return "\n".join(
         [
@@ -480,6 +498,7 @@ def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[
             *largest_costs(summary),
             "",
             *pipeline_section(results),
+            *projection.projection_section(summary, gpu_memory, rank_unit(summary)[0]),
             "## Figures",
             "",
             *(f"![{p.stem}]({p.name})\n" for p in written),
@@ -489,9 +508,13 @@ def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[
 
 
 def write_report(
-    results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path], out_dir: Path
+    results: pd.DataFrame,
+    comm: pd.DataFrame | None,
+    written: list[Path],
+    out_dir: Path,
+    gpu_memory: float | None = None,
 ) -> Path:
     path = out_dir / "report.md"
-    text = report_text(results, comm, written)
+    text = report_text(results, comm, written, gpu_memory)
     utils.write_atomically(path, lambda temp: temp.write_text(text))
     return path
