@@ -352,12 +352,12 @@ def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
     """A warning for each configuration whose runs come from more than one sweep."""
     sweeps_of = {}
     for run in runs:
-        key = (run.identity["strategy"], run.identity["gpus"])
+        key = (run.trained["model"], run.identity["strategy"], run.identity["gpus"])
         sweeps_of.setdefault(key, set()).add(run.sweep)
     return [
-        f"warning: {strategy} on {gpus} GPU(s) has runs from {len(sweeps)} sweeps "
+        f"warning: {model} {strategy} on {gpus} GPU(s) has runs from {len(sweeps)} sweeps "
         f"({', '.join(sorted(sweeps))}): the summary takes the median over them all"
-        for (strategy, gpus), sweeps in sweeps_of.items()
+        for (model, strategy, gpus), sweeps in sweeps_of.items()
         if len(sweeps) > 1
     ]
 

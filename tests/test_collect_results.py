@@ -327,7 +327,8 @@ def test_the_newest_sweep_is_read_unless_all_are_asked_for(tmp_path, capsys):
     assert code == 0, err
     assert "merging 2 folders" in err
     assert (
-        "warning: ddp on 1 GPU(s) has runs from 2 sweeps (20261122-100000, 20261122-120000)" in err
+        "warning: cnn ddp on 1 GPU(s) has runs from 2 sweeps (20261122-100000, 20261122-120000)"
+        in err
     )
     results = pd.read_csv(out_csv, dtype={"sweep": str})
     assert sorted(set(results["sweep"])) == ["20261122-100000", "20261122-120000"]
