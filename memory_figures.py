@@ -58,7 +58,12 @@ def plot_ideal_state(ax, summary: pd.DataFrame) -> list[float]:
     rank's bytes per parameter (memory_model.bytes_per_parameter: 16 with Adam in fp32) at every
     GPU count, and that over N, a rank of N holding an N-th (full sharding). Returns their
     values: the y axis' ticks."""
-    import memory_model  # loads torch: only where a figure of state is drawn
+    try:
+        import memory_model  # loads torch: only where a figure of state is drawn
+    except ImportError as e:  # plot_results.sh needs pandas and matplotlib alone
+        raise NotPlottable(
+            f"its ideal lines are memory_model.py's, which needs torch ({e})"
+        ) from None
 
     gpus, ticks = sorted(summary["gpus"].unique()), []
     for optimizer, precision in state_settings(summary):

@@ -4,6 +4,7 @@ CSV is one line of error; the shell script runs collect then plot from any direc
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -709,3 +710,12 @@ def test_memory_per_rank_is_drawn_on_log_axes_one_line_per_model_and_strategy():
 def test_a_gpu_memory_that_is_no_size_is_one_line(tmp_path, capsys):
     code, _, err = cli(capsys, "--csv", tmp_path / "results.csv", "--gpu-memory", "0")
     assert code == 2 and err.strip() == "error: --gpu-memory must be a positive number of GB, got 0"
+
+
+def test_without_torch_the_state_per_parameter_is_left_out_in_one_line(monkeypatch):
+    """plot_results.sh asks for pandas and matplotlib alone: where memory_model (torch) cannot
+    load, that figure is not written, and the others are."""
+    monkeypatch.setitem(sys.modules, "memory_model", None)  # import memory_model: ImportError
+    summary = results_summary.summarize(two_models())
+    with pytest.raises(plot_results.NotPlottable, match="memory_model.py's, which needs torch"):
+        memory_figures.plot_bytes_per_parameter(summary)
