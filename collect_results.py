@@ -104,6 +104,18 @@ class Scan:
         return {"True": "graph", "False": "eager"}.get(str(graphed))
 
     @property
+    def trained(self) -> dict:
+        """What the run trained, from the [CONFIG] line: its model (results_summary.DEFAULT_MODEL
+        where the line does not say: the course's logs, and those older than the model axis),
+        the model's parameters, its GPU's memory in bytes and its optimizer (empty where the
+        line does not say)."""
+        return {
+            "model": self.config.get("model", results_summary.DEFAULT_MODEL),
+            **{c: self.config.get(c, math.nan) for c in ("parameters", "gpu_memory")},
+            "optimizer": self.config.get("optimizer"),
+        }
+
+    @property
     def crash(self) -> str | None:
         """The line that says best why the run died, or None."""
         exceptions = [line for line in self.crash_lines if EXCEPTION_RE.search(line)]
@@ -122,6 +134,7 @@ class LoggedRun:
     comm: list[dict] = field(default_factory=list)  # the job's [COMM] lines
     threads_per_core: float = math.nan  # Scan.threads_per_core
     step: str | None = None  # Scan.step
+    trained: dict = field(default_factory=dict)  # Scan.trained
 
 
 def scan_log(text: str) -> Scan:
@@ -236,6 +249,8 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
             "(requeued?): kept the last"
         )
     identity, identity_notes = run_identity(epochs, path.name)
+    if "model" not in scan.config:
+        notes.append(f"no model in a [CONFIG] line: taken as {results_summary.DEFAULT_MODEL}")
     return LoggedRun(
         sweep_name(path.parent),
         path.name,
@@ -245,6 +260,7 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
         scan.comm,
         scan.threads_per_core,
         scan.step,
+        scan.trained,
     )
 
 
@@ -336,12 +352,12 @@ def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
     """A warning for each configuration whose runs come from more than one sweep."""
     sweeps_of = {}
     for run in runs:
-        key = (run.identity["strategy"], run.identity["gpus"])
+        key = (run.trained["model"], run.identity["strategy"], run.identity["gpus"])
         sweeps_of.setdefault(key, set()).add(run.sweep)
     return [
-        f"warning: {strategy} on {gpus} GPU(s) has runs from {len(sweeps)} sweeps "
+        f"warning: {model} {strategy} on {gpus} GPU(s) has runs from {len(sweeps)} sweeps "
         f"({', '.join(sorted(sweeps))}): the summary takes the median over them all"
-        for (strategy, gpus), sweeps in sweeps_of.items()
+        for (model, strategy, gpus), sweeps in sweeps_of.items()
         if len(sweeps) > 1
     ]
 
@@ -361,6 +377,7 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
                     **other,
                     "threads_per_core": run.threads_per_core,
                     "step": run.step,
+                    **run.trained,
                 }
             )
     frame = pd.DataFrame(rows)  # columns in order of first appearance
@@ -377,6 +394,7 @@ def comm_frame(runs: list[LoggedRun]) -> pd.DataFrame:
         {
             "sweep": run.sweep,
             "log": run.log,
+            "model": run.trained["model"],
             **run.identity,
             **{k: v for k, v in fields.items() if k not in results_summary.IDENTITY},
         }

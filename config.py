@@ -40,10 +40,10 @@ CAPTURED_SINCE = {"fsdp2": (2, 11)}
 # The units each model is cut at (len(model.shard_units()), which tests/test_units.py checks):
 # here, without torch, so that --check and the sweep know which world sizes a pipeline takes.
 MODEL_UNITS = {"cnn": 4, "cnn-wide": 4, "resnet18": 4, "resnet50": 4}
+MODELS = tuple(MODEL_UNITS)  # the models' names (model.MODELS builds them)
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp64")
 SHARDINGS = ("full", "grad_op", "hybrid")
 OPTIMIZERS = ("adam", "sgd")
-MODELS = ("cnn", "cnn-wide", "resnet18", "resnet50")
 DATASETS = ("cifar10", "fashionmnist", "tinyimagenet", "synthetic")
 LOADERS = ("tensor", "classic")
 LR_SCHEDULES = ("none", "step", "cosine")

@@ -23,12 +23,13 @@ SWEEP_PREFIX = "sweep-"
 # without --wait learns whether it gave results. The collector reads it as no log.
 SWEEP_OUTCOME = "collect_outcome.txt"
 
-# A run's log is named `{strategy}_{gpus}gpu_{job id}.log` (the job id of a run without SLURM is
-# `local-<date-time>`); the course's were `ddp_4gpu_15epochs.train.log` (where `_15epochs` is no
-# job id), and some name the nodes: `{strategy}_{gpus}gpu[_{nodes}node][_{jobid}].log`.
+# A run's log is named `{strategy}_{gpus}gpu[_{model}]_{job id}.log` (run_name; the job id of a
+# run without SLURM is `local-<date-time>`, never a model); the course's were
+# `ddp_4gpu_15epochs.train.log` (where `_15epochs` is no job id), and some name the nodes:
+# `{strategy}_{gpus}gpu[_{nodes}node][_{jobid}].log`.
 LOG_NAME_RE = re.compile(
-    r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpus?"
-    r"(?:_(?P<nodes>\d+)nodes?)?(?:_(?P<job_id>\d+))?(?=[._]|$)"
+    r"^(?P<strategy>[A-Za-z][A-Za-z0-9-]*)_(?P<gpus>\d+)gpus?(?:_(?P<nodes>\d+)nodes?)?"
+    r"(?:_(?!local-)(?P<model>[A-Za-z][A-Za-z0-9-]*))?(?:_(?P<job_id>\d+))?(?=[._]|$)"
 )
 
 VERIFY_PREFIX = "verify-"  # logs/verify-<job id>/: a verify job's runs and its report
@@ -73,9 +74,10 @@ def sweep_folders(logs: Path) -> list[Path]:
     return sorted(p for p in logs.iterdir() if p.is_dir() and p.name.startswith(SWEEP_PREFIX))
 
 
-def run_name(strategy: str, gpus: int) -> str:
-    """A configuration's name, its log's and its job script's: ddp_4gpu."""
-    return f"{strategy}_{gpus}gpu"
+def run_name(strategy: str, gpus: int, model: str = "") -> str:
+    """A configuration's name, its log's and its job script's: ddp_4gpu, or ddp_4gpu_resnet50
+    where a sweep names the model (all but main.py's default: run_benchmarks.py)."""
+    return f"{strategy}_{gpus}gpu" + (f"_{model}" if model else "")
 
 
 def log_stem(name: str, job_id: str) -> str:
@@ -84,7 +86,8 @@ def log_stem(name: str, job_id: str) -> str:
 
 
 def name_identity(log_name: str) -> dict:
-    """What a log's name says of its run: strategy, gpus, and nodes and job_id where given."""
+    """What a log's name says of its run: strategy, gpus, and nodes, model and job_id where
+    given."""
     match = LOG_NAME_RE.match(log_name)
     if not match:
         return {}

@@ -173,3 +173,11 @@ def describe(cfg: Config, model: nn.Module, world_sizes: list[int], nodes: int) 
         + ", ".join(said)
         + where
     )
+
+
+def bytes_per_parameter(optimizer: str, precision: str) -> int:
+    """What a replicated rank keeps of each parameter element: the element, its gradient and the
+    optimizer's tensors of its size, in the storage dtype (the ZeRO paper's 16 with Adam in
+    fp32; the optimizer's scalars, bytes a tensor rather than an element, left out)."""
+    tensors, _ = OPTIMIZER_STATE[optimizer]
+    return (2 + tensors) * storage_dtype(precision).itemsize

@@ -15,7 +15,6 @@ one per line.
 import argparse
 import math
 import sys
-import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -24,23 +23,27 @@ matplotlib.use("Agg")  # headless: batch nodes and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.font_manager import FontProperties  # noqa: E402
-from matplotlib.ticker import Formatter, NullLocator, ScalarFormatter  # noqa: E402
 
-import results_summary
-import utils
+import results_summary  # noqa: E402
+import utils  # noqa: E402
 from layout import COMM_CSV, DEFAULT_RESULTS, GPU_TIMELINE_CSV, side_path  # noqa: E402
+from memory_figures import plot_bytes_per_parameter, plot_largest_model, plot_peak_memory  # noqa: E402
+from plot_style import (  # noqa: E402
+    IDEAL_STYLE,
+    NotPlottable,
+    figure,
+    log2_axis,
+    log10_y_axis,
+    plot_ideal_scaling,
+    plot_lines,
+    save_png,
+)
 
 COURSE_NAMES = {"method": "strategy"}  # the course's CSV calls the strategy "method"
 REQUIRED = ("strategy", "gpus", *results_summary.COURSE_COLUMNS)
 NUMERIC = ("gpus", *results_summary.COURSE_COLUMNS)
 # Numbers where known (the course's CSV has no throughput; `na` where a run has no such number).
 MAY_BE_EMPTY = ("throughput", *utils.MAY_BE_NA)
-IDEAL_STYLE = dict(linestyle="--", linewidth=1, alpha=0.7)
-
-
-class NotPlottable(Exception):
-    """The CSV lacks what one figure needs: that PNG is not written, the others are."""
 
 
 def read_results(path: Path) -> pd.DataFrame:
@@ -72,151 +75,6 @@ def read_results(path: Path) -> pd.DataFrame:
     if (results["gpus"] < 1).any():
         raise utils.UsageError(f"{path}: gpus must be at least 1")
     return results
-
-
-# Markers and line styles by strategy: strategies that compute the same (ddp and fsdp) draw
-# the same curve, and a line of one colour on top would hide the other. An open marker ("x",
-# "+") over a filled one, the gaps of a dotted line and some transparency keep both in sight.
-# Dashes ("--") are left to the ideal lines.
-MARKERS = ("o", "x", "s", "+", "^", "1")
-LINESTYLES = ("-", ":", "-.")
-LINE_ALPHA = 0.8
-
-
-def strategy_styles(summary: pd.DataFrame) -> dict[str, dict]:
-    """The same colour, marker and line style for a strategy in every figure."""
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {
-        s: {
-            "color": cycle[i % len(cycle)],
-            "marker": MARKERS[i % len(MARKERS)],
-            "linestyle": LINESTYLES[i % len(LINESTYLES)],
-        }
-        for i, s in enumerate(sorted(summary["strategy"].unique()))
-    }
-
-
-def log2_axis(ax, which: str, ticks) -> None:
-    """Log2 scale on the x or y axis, a tick at each count given, written as plain numbers."""
-    getattr(ax, f"set_{which}scale")("log", base=2)
-    axis = getattr(ax, f"{which}axis")
-    axis.set_ticks(sorted(set(ticks)))
-    axis.set_major_formatter(ScalarFormatter())
-    axis.set_minor_locator(NullLocator())
-
-
-class LogLabels(Formatter):
-    """A log axis' labels as plain numbers (0.5, not 5x10^-1), on the ticks whose leading digit
-    the axis' span leaves room for: every one across a decade or less, 1 2 3 5 7 up to two
-    decades, 1 2 5 beyond. Epoch times span about a decade with the one-rank points at its
-    top, which 2, 3 and 5 alone left unlabelled (none above 0.5 s)."""
-
-    def __call__(self, value, pos=None) -> str:
-        low, high = sorted(self.axis.get_view_interval())
-        decades = math.log10(high / low)
-        shown = range(1, 10) if decades <= 1 else (1, 2, 3, 5, 7) if decades <= 2 else (1, 2, 5)
-        return f"{value:g}" if leading_digit(value) in shown else ""
-
-
-def log10_y_axis(ax) -> None:
-    """Log y axis labelled 0.5, 0.7, 1, 2 rather than 10^0 alone (LogLabels)."""
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(LogLabels())
-    ax.yaxis.set_minor_formatter(LogLabels())
-
-
-def leading_digit(value: float) -> int:
-    return int(round(value / 10 ** math.floor(math.log10(value)), 6))
-
-
-def rank_axis(ax, rows: pd.DataFrame) -> None:
-    """The x axis of the rank counts, named after what ran: GPUs, or CPU ranks."""
-    log2_axis(ax, "x", rows["gpus"])
-    ax.set_xlabel(results_summary.rank_unit(rows)[1])
-    ax.grid(True, which="both", alpha=0.3)
-
-
-def step_mark(points: pd.DataFrame) -> str:
-    """How a curve's steps ran, for its legend: ` (CUDA graph)`, ` (eager)`, or both where its
-    points mix them; nothing where the logs do not say (the course's)."""
-    steps = points["step"].dropna().unique() if "step" in points else []
-    return f" ({'/'.join(sorted(steps)).replace('graph', 'CUDA graph')})" if len(steps) else ""
-
-
-def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFrame:
-    """One line per strategy; returns the rows drawn."""
-    rows = summary.dropna(subset=[column])
-    if rows.empty:
-        raise NotPlottable(f"no {column} values")
-    styles = strategy_styles(summary)
-    for strategy, points in rows.groupby("strategy"):
-        label = f"{strategy}{step_mark(points)}"
-        ax.plot(points["gpus"], points[column], alpha=LINE_ALPHA, label=label, **styles[strategy])
-        low, high = f"{column}_min", f"{column}_max"
-        if low in points and (points["runs"] > 1).any():  # min-max over repeated runs
-            spread = [points[column] - points[low], points[high] - points[column]]
-            ax.errorbar(
-                points["gpus"],
-                points[column],
-                yerr=spread,
-                fmt="none",
-                ecolor=styles[strategy]["color"],
-                capsize=3,
-            )
-    rank_axis(ax, rows)
-    ax.set_ylabel(ylabel)
-    return rows
-
-
-def plot_ideal_scaling(ax, summary: pd.DataFrame, column: str, exponent: int) -> None:
-    """Dashed ideal from each strategy's 1-GPU value: value * N**exponent (-1: time, 1: rate)."""
-    styles = strategy_styles(summary)
-    for strategy, points in summary.dropna(subset=[column]).groupby("strategy"):
-        base = points.loc[points["gpus"] == 1, column]
-        if not base.empty:
-            gpus = points["gpus"].sort_values()
-            ax.plot(
-                gpus,
-                base.iloc[0] * gpus.astype(float) ** exponent,
-                color=styles[strategy]["color"],
-                label=f"{strategy} ideal",
-                **IDEAL_STYLE,
-            )
-
-
-def figure(panels: int = 1) -> tuple[Figure, list]:
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
-    return fig, list(axes[0])
-
-
-def values(results: pd.DataFrame, column: str, fmt: str = "{}") -> str | None:
-    """A column's distinct values as text ('a / b' where runs differ), or None if absent."""
-    if column not in results or results[column].isna().all():
-        return None
-    return " / ".join(fmt.format(v) for v in sorted(results[column].dropna().unique()))
-
-
-def context(results: pd.DataFrame) -> str:
-    """What ran, as far as the CSV says: device, data set and size, batch, epochs, sweep."""
-    parts = []
-    if device := values(results, "device"):
-        parts.append(f"device {device}")
-    data = values(results, "dataset")
-    images = values(results, "train_images", "{:,.0f}")
-    if data or images:
-        parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
-    if study := results_summary.scaling(results, brief=True):
-        parts.append(study)
-    elif batch := values(results, "global_batch", "{:.0f}"):
-        parts.append(f"global batch {batch}")
-    epochs = results.groupby(["strategy", "gpus"])["epoch"].max()
-    parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")
-    if sweep := values(results, "sweep"):
-        parts.append(f"sweep {sweep}")
-    if warning := results_summary.cores_outnumbered(results):
-        parts.append(warning.removeprefix("warning: "))
-    parts += [warning.removeprefix("warning: ") for warning in results_summary.mixed_steps(results)]
-    return " · ".join(parts)
 
 
 def steady(summary: pd.DataFrame) -> str:
@@ -260,32 +118,6 @@ def plot_quality(summary: pd.DataFrame) -> Figure:
     for ax in (loss_ax, acc_ax):
         # The values themselves on the axis: an offset ("+1.918") makes 0.001 look like a lot.
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")
-        ax.legend()
-    return fig
-
-
-# What peak_mem measured, by the device the runs trained on (measure.MemoryMeter).
-# Two lines: one would be taller than a one-panel figure.
-PEAK_MEMORY_LABEL = {
-    "cuda": "CUDA allocator peak above baseline\n(MB, max over ranks)",
-    "cpu": "resident-set peak above baseline\n(MB, max over ranks)",
-}
-
-
-def plot_peak_memory(summary: pd.DataFrame) -> Figure:
-    """peak_mem as measured (not divided by the GPU count), and beside it state_mem, the
-    parameters, gradients and optimizer state one rank holds: what FSDP shards."""
-    has_state = summary["state_mem"].notna().any()
-    fig, axes = figure(2 if has_state else 1)
-    label = PEAK_MEMORY_LABEL.get(values(summary, "device"))
-    plot_lines(axes[0], summary, "peak_mem", label or "peak memory (MB, max over ranks, as logged)")
-    axes[0].set_title("Peak training memory per rank")
-    if has_state:
-        state = summary.assign(state_mem=summary["state_mem"] / 2**20)
-        plot_lines(axes[1], state, "state_mem", "parameters + gradients + optimizer state (MB)")
-        axes[1].set_title("Model state held by one rank")
-    for ax in axes:
-        ax.set_ylim(bottom=0)
         ax.legend()
     return fig
 
@@ -352,11 +184,11 @@ BAR_WIDTH = 0.7
 def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     """A stacked bar per strategy and GPU count of where the epoch went (the parts add up to the
     epoch time), and each strategy's ideal: its 1-GPU time / N."""
-    rows = summary.dropna(subset=list(utils.TIME_PARTS)).sort_values(["strategy", "gpus"])
+    rows = summary.dropna(subset=list(utils.TIME_PARTS)).sort_values(results_summary.POINT)
     if rows.empty:
         raise NotPlottable(f"no {', '.join(utils.TIME_PARTS)} values")
     fig, (ax,) = figure()
-    one, many = results_summary.rank_unit(rows)
+    one = results_summary.rank_unit(rows)[0]
     fig.set_figwidth(max(8.5, 0.9 * len(rows) + 4))  # room for the legend beside the bars
     x = range(len(rows))
     bottom = pd.Series(0.0, index=rows.index)
@@ -364,8 +196,10 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
         height = rows[part]
         ax.bar(x, height, bottom=bottom, label=utils.LABEL[part], width=BAR_WIDTH)
         bottom += height
-    one_gpu = rows[rows["gpus"] == 1].set_index("strategy")["time"]
-    ideal = rows["strategy"].map(one_gpu) / rows["gpus"]
+    curve = results_summary.POINT[:-1]
+    one_gpu = rows[rows["gpus"] == 1].set_index(curve)["time"]
+    ideal = pd.Series(rows[curve].itertuples(index=False, name=None), index=rows.index)
+    ideal = ideal.map(one_gpu) / rows["gpus"]
     # A dash across each bar: a line, so that its legend entry is as small as the others'.
     ax.hlines(
         ideal,
@@ -379,19 +213,12 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     mark_gpu_busy(ax, rows["gpu_busy"] if "gpu_busy" in rows else [], bottom)
     ax.set_xticks(
         list(x),
-        [f"{s}\n{g:.0f} {one if g == 1 else many}" for s, g in zip(rows["strategy"], rows["gpus"])],
+        [results_summary.point_name(rows, r).replace(" on ", "\n") for _, r in rows.iterrows()],
     )
     ax.set_ylabel(f"seconds in one epoch ({steady(summary)})")  # steady_breakdown's epoch
     ax.set_title("Where an epoch's time goes")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
-
-
-def gpu_busy_mark(share: float, sep: str = ", ") -> str:
-    """What a bar or a report line says of a point's gpu_busy (measure.gpu_busy): the share,
-    and host-bound below results_summary.HOST_BOUND_BELOW."""
-    mark = f"GPU busy {100 * share:.0f}%"
-    return f"{mark}{sep}host-bound" if results_summary.host_bound(share) else mark
 
 
 def mark_gpu_busy(ax, shares, tops) -> None:
@@ -400,7 +227,7 @@ def mark_gpu_busy(ax, shares, tops) -> None:
     for i, (share, top) in enumerate(zip(shares, tops)):
         if pd.notna(share):
             ax.annotate(
-                gpu_busy_mark(share, "\n"),
+                results_summary.gpu_busy_mark(share, "\n"),
                 (i, top),
                 textcoords="offset points",
                 xytext=(0, 3),
@@ -540,6 +367,8 @@ FIGURES = {
     "epoch_time.png": plot_epoch_time,
     "val_loss_acc.png": plot_quality,
     "peak_memory.png": plot_peak_memory,
+    "bytes_per_parameter.png": plot_bytes_per_parameter,
+    "largest_model.png": plot_largest_model,
     "speedup_efficiency.png": plot_speedup,
     "throughput.png": plot_throughput,
     "time_breakdown.png": plot_time_breakdown,
@@ -553,45 +382,30 @@ BESIDE = {"comm_bandwidth.png": COMM_CSV, "gpu_timeline.png": GPU_TIMELINE_CSV}
 # Figures drawn from the results' rows: the summary's one row per strategy and GPU count merges
 # a pipeline's runs at different micro-batches.
 FROM_RESULTS = {"pipeline_bubble.png"}
-
-SUBTITLE_SIZE = "small"
-# Characters per inch are estimated from the widest characters a subtitle is made of, digits
-# (about 0.69 em as Agg draws DejaVu Sans at this size; lower case takes 0.6), so that a line
-# of sweep names does not run past the figure's edges either.
-EM_PER_CHARACTER = 0.7
-
-
-def add_subtitle(fig: Figure, subtitle: str) -> None:
-    """The subtitle on top, wrapped to the figure's width (one line on a 720-px figure would be
-    cut at both ends), and the panels laid out below all its lines."""
-    points = FontProperties(size=SUBTITLE_SIZE).get_size_in_points()
-    margin = 0.95  # of the width: the line's ends stay off the figure's edges
-    characters_per_line = int(margin * fig.get_figwidth() * 72 / (EM_PER_CHARACTER * points))
-    fig.suptitle(
-        textwrap.fill(subtitle, characters_per_line, break_on_hyphens=False),
-        fontsize=SUBTITLE_SIZE,
-        color="dimgray",
-    )
-    fig.tight_layout()  # leaves room for the suptitle, however many lines it has
-
-
-def save_png(fig: Figure, path: Path, subtitle: str) -> None:
-    add_subtitle(fig, subtitle)
-    utils.write_atomically(path, lambda temp: fig.savefig(temp, format="png", dpi=120))
-    plt.close(fig)
+# Figures drawn for a GPU of --gpu-memory GB (projection.py).
+PROJECTED = {"largest_model.png"}
 
 
 def plot_all(
-    results: pd.DataFrame, out_dir: Path, beside: dict[str, pd.DataFrame | None] | None = None
+    results: pd.DataFrame,
+    out_dir: Path,
+    beside: dict[str, pd.DataFrame | None] | None = None,
+    gpu_memory: float | None = None,
 ) -> list[Path]:
-    """Every figure there is data for; `beside` holds the CSVs found beside the results."""
+    """Every figure there is data for; `beside` holds the CSVs found beside the results, and
+    gpu_memory the GB of the GPU the projection is for (None: projection.gpu_memory's)."""
     beside = beside or {}
-    summary, subtitle = results_summary.summarize(results, beside.get(COMM_CSV)), context(results)
+    summary, subtitle = (
+        results_summary.summarize(results, beside.get(COMM_CSV)),
+        results_summary.context(results),
+    )
     written = []
     for name, draw in FIGURES.items():
         try:
             if name in BESIDE:
                 fig = draw(beside.get(BESIDE[name]))
+            elif name in PROJECTED:
+                fig = draw(summary, gpu_memory)
             else:
                 fig = draw(results if name in FROM_RESULTS else summary)
         except NotPlottable as e:
@@ -620,7 +434,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--report",
         action="store_true",
-        help="also write report.md in the folder: table, figures, largest costs",
+        help="also write report.md in the folder: table, figures, largest costs, and the "
+        "largest model that fits a GPU",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GB",
+        help="the GPU the largest model is projected onto (GiB; default: the runs' own GPU "
+        "where their logs say, else 80)",
     )
     return p.parse_args(argv)
 
@@ -637,104 +459,10 @@ def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
         raise utils.UsageError(f"{path} is not a CSV: {str(e).strip().splitlines()[0]}") from None
 
 
-def largest_costs(summary: pd.DataFrame) -> list[str]:
-    """One sentence per strategy and GPU count: the largest of the parts of an epoch, what the
-    step's model does not explain where that is not the largest, and the modelled communication
-    beside the measured where the jobs measured their collectives and the point sends; and the
-    epochs whose breakdown was unreliable (their compute calibration could not tell compute
-    from the rest: left out of the parts, docs/metrics.md), where there were any; and on a GPU
-    the share of the epoch it ran kernels, host-bound where that is low (gpu_busy_mark), with
-    what that means."""
-    sentences, (one, many) = [], results_summary.rank_unit(summary)
-    for _, row in summary.iterrows():
-        point = f"{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
-        unreliable = row.get("unreliable_epochs", 0)
-        left_out = (
-            f"{unreliable:.0f} epoch(s) left out, whose compute calibration could not tell "
-            "compute from the rest (breakdown=unreliable)"
-        )
-        busy = row.get("gpu_busy", math.nan)
-        busy = f"; {gpu_busy_mark(busy)}" if pd.notna(busy) else ""
-        if row[list(utils.TIME_PARTS)].isna().any():
-            if unreliable > 0:
-                sentences.append(f"- {point}: no reliable breakdown; {left_out}{busy}.")
-            continue
-        part = max(utils.TIME_PARTS, key=lambda p: row[p])
-        epoch = sum(row[p] for p in utils.TIME_PARTS)  # the epoch the parts are of
-        text = (
-            f"{point}: the largest cost is {utils.LABEL[part]}, {row[part]:.3f} s of "
-            f"{epoch:.2f} s per epoch ({100 * row[part] / epoch:.0f}%)"
-        )
-        if row.get("threads_per_core", 0) > 1:
-            text += "; but its ranks shared too few cores for this to be a finding"
-        if part != "t_other" and row["t_other"] > 0:
-            text += (
-                f"; {row['t_other']:.3f} s ({100 * row['t_other'] / epoch:.0f}%) the step's "
-                "model does not explain"
-            )
-        if pd.notna(row.get("comm_model")) and (row["comm_model"] > 0 or row["t_comm"] > 0):
-            text += (
-                f"; its messages would take {row['comm_model']:.3f} s at the measured "
-                f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden"
-            )
-        if unreliable > 0:
-            text += f"; {left_out}"
-        sentences.append(f"- {text}{busy}.")
-    sentences = sentences or [f"- The CSV has no {', '.join(utils.TIME_PARTS)}: no breakdown."]
-    if "gpu_busy" in summary and summary["gpu_busy"].notna().any():
-        sentences.append(HOST_BOUND_NOTE.format(100 * results_summary.HOST_BOUND_BELOW))
-    return sentences
-
-
-HOST_BOUND_NOTE = (
-    "\nGPU busy: the share of the epoch the GPU ran the step's kernels (gpu_busy). Host-bound: "
-    "below {:.0f}%, the GPU idled longer than it worked, so the host (Python, kernel launches), "
-    "not the GPU, set the step's time, and more GPUs cannot shorten it (docs/metrics.md)."
-)
-
-
-def pipeline_section(results: pd.DataFrame) -> list[str]:
-    """The pipeline's bubble by stages and micro-batches, where the CSV has pipeline runs."""
-    table = results_summary.bubble_table(results)
-    if table.empty:
-        return []
-    return ["## Pipeline bubble", "", results_summary.bubble_markdown(table), ""]
-
-
-def report_text(results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path]) -> str:
-    summary = results_summary.summarize(results, comm)
-    return "\n".join(
-        [
-            "# Scaling report",
-            "",
-            context(results),
-            "",
-            results_summary.markdown_table(summary),
-            "",
-            f"## Largest cost per strategy and {results_summary.rank_unit(summary)[0]} count",
-            "",
-            *largest_costs(summary),
-            "",
-            *pipeline_section(results),
-            "## Figures",
-            "",
-            *(f"![{p.stem}]({p.name})\n" for p in written),
-            "",
-        ]
-    )
-
-
-def write_report(
-    results: pd.DataFrame, comm: pd.DataFrame | None, written: list[Path], out_dir: Path
-) -> Path:
-    path = out_dir / "report.md"
-    text = report_text(results, comm, written)
-    utils.write_atomically(path, lambda temp: temp.write_text(text))
-    return path
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.gpu_memory is not None and not args.gpu_memory > 0:
+        utils.fail(f"--gpu-memory must be a positive number of GB, got {args.gpu_memory:g}")
     try:
         results = read_results(args.csv)
         beside = {name: read_beside(args.csv, name) for name in set(BESIDE.values())}
@@ -742,9 +470,12 @@ def main(argv=None) -> int:
     except utils.UsageError as e:
         utils.fail(str(e))
     try:
-        written = plot_all(results, args.out_dir, beside)
+        written = plot_all(results, args.out_dir, beside, args.gpu_memory)
         if args.report and written:
-            utils.note(f"wrote {write_report(results, comm, written, args.out_dir)}")
+            report = results_summary.write_report(
+                results, comm, written, args.out_dir, args.gpu_memory
+            )
+            utils.note(f"wrote {report}")
     except OSError as e:
         utils.fail(f"cannot write into {args.out_dir}: {e.strerror or e}")
     if not written:

@@ -2,22 +2,31 @@
 strategy and GPU count, with medians over repeated runs, speedup and efficiency against one GPU,
 and the communication the runs' messages would take at the bandwidth they measured; its markdown,
 the pipeline's bubble table, and the warnings on how the runs ran. collect_results.py prints
-it, plot_results.py draws it, so the table and the figures agree.
+it, plot_results.py draws it, so the table and the figures agree. And the words around it:
+what ran (each figure's subtitle) and report.md, the table with the largest cost of each
+point, the pipeline's bubble and the figures plot_results.py wrote.
 """
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
 import config
+import projection
 import utils
 from utils import COURSE_FIELDS, FSDP_ROOT_UNIT, TIME_PARTS
 
 # The columns that name a run, first in the CSV, then the course's; a run's rows are those of
 # one log file.
 IDENTITY = ("strategy", "gpus", "nodes", "job_id")
-RUN_COLUMNS = ("sweep", "log", *IDENTITY)
+RUN_COLUMNS = ("sweep", "log", "model", *IDENTITY)
 COURSE_COLUMNS = tuple(f.name for f in COURSE_FIELDS)  # epoch, time, val_loss, acc, peak_mem
+# A run's model, from its [CONFIG] line; the course's logs and CSVs, and logs older than the
+# model axis, trained main.py's default, the course CNN.
+DEFAULT_MODEL = config.Config.model
+# What a point is: a model's strategy on a number of GPUs.
+POINT = ["model", "strategy", "gpus"]
 
 
 def rank_unit(table: pd.DataFrame) -> tuple[str, str]:
@@ -65,9 +74,11 @@ def mixed_steps(results: pd.DataFrame) -> list[str]:
 
 
 def with_run_columns(results: pd.DataFrame) -> pd.DataFrame:
-    """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown."""
+    """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown,
+    and the model where it does not say (DEFAULT_MODEL)."""
     missing = {c: pd.NA for c in RUN_COLUMNS if c not in results}
-    return results.assign(**missing) if missing else results
+    results = results.assign(**missing)
+    return results.assign(model=results["model"].fillna(DEFAULT_MODEL))
 
 
 def median_after_first(run: pd.DataFrame, column: str) -> float:
@@ -116,7 +127,7 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "time": median_after_first(run, "time"),
                 "throughput": median_after_first(run, "throughput"),
                 "peak_mem": run["peak_mem"].max(),
-                "state_mem": run["state_mem"].max() if "state_mem" in run else math.nan,
+                **{m: run[m].max() if m in run else math.nan for m in MEMORY},
                 **steady_breakdown(run),
                 **{t: median_after_first(run, t) for t in (*UTILISATION, *BUBBLE)},
                 "microbatches": final.get("microbatches", math.nan),
@@ -125,9 +136,26 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 "threads_per_core": final.get("threads_per_core", math.nan),
                 "step": final.get("step", pd.NA),
                 "device": final.get("device", pd.NA),
+                **{c: final.get(c, math.nan) for c in SIZES},
+                **{c: final.get(c, pd.NA) for c in STATE_SETTING},
             }
         )
     return pd.DataFrame(rows)
+
+
+# Bytes a rank keeps between steps, measured and predicted (memory_model.py), and the training
+# peak above them per image of the rank's batch: the largest of each over a run's epochs.
+MEMORY = ("state_mem", "state_pred", "act_per_image")
+# What a run's memory scales with: its model's parameters ([CONFIG]), its rank's batch, and
+# the memory of its GPU where its log says.
+SIZES = ("parameters", "local_batch", "gpu_memory")
+# What a parameter's state is made of: the optimizer's tensors, in the precision's dtype.
+STATE_SETTING = ("optimizer", "precision")
+
+
+def joined(values: pd.Series) -> str:
+    """A point's distinct values of a text column, as one: `cpu`, or `a/b` where runs differ."""
+    return "/".join(sorted(set(values.dropna())))
 
 
 # How close to the hardware (mfu.py): model TFLOP/s per device, MFU in percent (empty where
@@ -203,7 +231,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
     runs' [COMM] lines are given, the communication time their messages would take at the
     measured bandwidth (comm_model) beside the measured t_comm."""
     runs = with_comm_model(run_summaries(results), comm)
-    table = runs.groupby(["strategy", "gpus"], as_index=False).agg(
+    table = runs.groupby(POINT, as_index=False).agg(
         nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
         runs=("epochs", "size"),
         epochs=("epochs", "max"),
@@ -218,20 +246,21 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
         throughput_min=("throughput", "min"),
         throughput_max=("throughput", "max"),
         peak_mem=("peak_mem", "max"),
-        state_mem=("state_mem", "max"),
+        **{m: (m, "max") for m in MEMORY},
+        **{c: (c, "max") for c in SIZES},
         **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, *BUBBLE, "comm_model")},
         unreliable_epochs=("unreliable_epochs", "sum"),
         threads_per_core=("threads_per_core", "max"),
         step=("step", lambda s: "/".join(sorted(set(s.dropna()))) or pd.NA),
-        device=("device", lambda d: "/".join(sorted(set(d.dropna())))),
+        **{c: (c, joined) for c in ("device", *STATE_SETTING)},
     )
-    one_gpu = table[table["gpus"] == 1].set_index("strategy")["time"]
-    baseline = table["strategy"].map(one_gpu)
-    if "ddp" in one_gpu:
-        baseline = baseline.where(table["strategy"] != "pipeline", one_gpu["ddp"])
-    table["speedup"] = baseline / table["time"]
+    one_gpu = table[table["gpus"] == 1].set_index(["model", "strategy"])["time"]
+    # A pipeline has no 1-GPU run: against its model's DDP on one GPU.
+    against = table["strategy"].where(table["strategy"] != "pipeline", "ddp")
+    baseline = pd.Series(list(zip(table["model"], against))).map(one_gpu)
+    table["speedup"] = baseline.to_numpy() / table["time"]
     table["efficiency"] = 100 * table["speedup"] / table["gpus"]
-    return table.sort_values(["strategy", "gpus"], ignore_index=True)
+    return table.sort_values(POINT, ignore_index=True)
 
 
 def bubble_table(results: pd.DataFrame) -> pd.DataFrame:
@@ -276,6 +305,7 @@ def scaling(results: pd.DataFrame, brief: bool = False) -> str | None:
 # (column, header, format) of the printed table; {rank} and {ranks} in a header are what the
 # `gpus` column counts (rank_unit).
 TABLE_COLUMNS = (
+    ("model", "model", "{}"),  # where the runs trained more than one
     ("strategy", "strategy", "{}"),
     ("gpus", "{ranks}", "{:d}"),
     ("nodes", "nodes", "{}"),
@@ -315,9 +345,12 @@ def time_range(row) -> str:
 
 
 def markdown_table(summary: pd.DataFrame) -> str:
-    """TABLE_COLUMNS' columns, but gpu_busy where no row has it: a CPU's table names no GPU."""
+    """TABLE_COLUMNS' columns, but gpu_busy where no row has it (a CPU's table names no GPU),
+    and the model where one alone ran (the subtitle names it)."""
     summary = summary.assign(time_range=summary.apply(time_range, axis=1))
-    columns = [c for c in TABLE_COLUMNS if c[0] != "gpu_busy" or summary[c[0]].notna().any()]
+    left_out = {"gpu_busy"} if summary["gpu_busy"].isna().all() else set()
+    left_out |= {"model"} if summary["model"].nunique() == 1 else set()
+    columns = [c for c in TABLE_COLUMNS if c[0] not in left_out]
     rank, ranks = rank_unit(summary)
     headers = (header.format(rank=rank, ranks=ranks) for _, header, _ in columns)
     lines = [
@@ -327,3 +360,161 @@ def markdown_table(summary: pd.DataFrame) -> str:
     for _, row in summary.iterrows():
         lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in columns) + " |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ report.md
+
+
+def values(results: pd.DataFrame, column: str, fmt: str = "{}") -> str | None:
+    """A column's distinct values as text ('a / b' where runs differ), or None if absent."""
+    if column not in results or results[column].isna().all():
+        return None
+    return " / ".join(fmt.format(v) for v in sorted(results[column].dropna().unique()))
+
+
+def context(results: pd.DataFrame) -> str:
+    """What ran, as far as the CSV says: device, data set and size, batch, epochs, sweep."""
+    parts = []
+    if model := values(results, "model"):
+        parts.append(f"model {model}")
+    if device := values(results, "device"):
+        parts.append(f"device {device}")
+    data = values(results, "dataset")
+    images = values(results, "train_images", "{:,.0f}")
+    if data or images:
+        parts.append(" ".join(filter(None, [data, images and f"({images} images/epoch)"])))
+    if study := scaling(results, brief=True):
+        parts.append(study)
+    elif batch := values(results, "global_batch", "{:.0f}"):
+        parts.append(f"global batch {batch}")
+    epochs = results.groupby(["strategy", "gpus"])["epoch"].max()
+    parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")
+    if sweep := values(results, "sweep"):
+        parts.append(f"sweep {sweep}")
+    if warning := cores_outnumbered(results):
+        parts.append(warning.removeprefix("warning: "))
+    parts += [warning.removeprefix("warning: ") for warning in mixed_steps(results)]
+    return " · ".join(parts)
+
+
+def gpu_busy_mark(share: float, sep: str = ", ") -> str:
+    """What a bar or a report line says of a point's gpu_busy (measure.gpu_busy): the share,
+    and host-bound below HOST_BOUND_BELOW."""
+    mark = f"GPU busy {100 * share:.0f}%"
+    return f"{mark}{sep}host-bound" if host_bound(share) else mark
+
+
+def point_name(summary: pd.DataFrame, row) -> str:
+    """A row of the summary in words: `ddp on 4 GPUs`, with its model where several ran."""
+    one, many = rank_unit(summary)
+    model = f"{row['model']} " if summary["model"].nunique() > 1 else ""
+    return f"{model}{row['strategy']} on {row['gpus']:.0f} {one if row['gpus'] == 1 else many}"
+
+
+def largest_costs(summary: pd.DataFrame) -> list[str]:
+    """One sentence per strategy and GPU count: the largest of the parts of an epoch, what the
+    step's model does not explain where that is not the largest, and the modelled communication
+    beside the measured where the jobs measured their collectives and the point sends; and the
+    epochs whose breakdown was unreliable (their compute calibration could not tell compute
+    from the rest: left out of the parts, docs/metrics.md), where there were any; and on a GPU
+    the share of the epoch it ran kernels, host-bound where that is low (gpu_busy_mark), with
+    what that means."""
+    sentences = []
+    for _, row in summary.iterrows():
+        point = point_name(summary, row)
+        unreliable = row.get("unreliable_epochs", 0)
+        left_out = (
+            f"{unreliable:.0f} epoch(s) left out, whose compute calibration could not tell "
+            "compute from the rest (breakdown=unreliable)"
+        )
+        busy = row.get("gpu_busy", math.nan)
+        busy = f"; {gpu_busy_mark(busy)}" if pd.notna(busy) else ""
+        if row[list(utils.TIME_PARTS)].isna().any():
+            if unreliable > 0:
+                sentences.append(f"- {point}: no reliable breakdown; {left_out}{busy}.")
+            continue
+        part = max(utils.TIME_PARTS, key=lambda p: row[p])
+        epoch = sum(row[p] for p in utils.TIME_PARTS)  # the epoch the parts are of
+        text = (
+            f"{point}: the largest cost is {utils.LABEL[part]}, {row[part]:.3f} s of "
+            f"{epoch:.2f} s per epoch ({100 * row[part] / epoch:.0f}%)"
+        )
+        if row.get("threads_per_core", 0) > 1:
+            text += "; but its ranks shared too few cores for this to be a finding"
+        if part != "t_other" and row["t_other"] > 0:
+            text += (
+                f"; {row['t_other']:.3f} s ({100 * row['t_other'] / epoch:.0f}%) the step's "
+                "model does not explain"
+            )
+        if pd.notna(row.get("comm_model")) and (row["comm_model"] > 0 or row["t_comm"] > 0):
+            text += (
+                f"; its messages would take {row['comm_model']:.3f} s at the measured "
+                f"bandwidth, against {row['t_comm']:.3f} s of communication not hidden"
+            )
+        if unreliable > 0:
+            text += f"; {left_out}"
+        sentences.append(f"- {text}{busy}.")
+    sentences = sentences or [f"- The CSV has no {', '.join(utils.TIME_PARTS)}: no breakdown."]
+    if "gpu_busy" in summary and summary["gpu_busy"].notna().any():
+        sentences.append(HOST_BOUND_NOTE.format(100 * HOST_BOUND_BELOW))
+    return sentences
+
+
+HOST_BOUND_NOTE = (
+    "\nGPU busy: the share of the epoch the GPU ran the step's kernels (gpu_busy). Host-bound: "
+    "below {:.0f}%, the GPU idled longer than it worked, so the host (Python, kernel launches), "
+    "not the GPU, set the step's time, and more GPUs cannot shorten it (docs/metrics.md)."
+)
+
+
+def pipeline_section(results: pd.DataFrame) -> list[str]:
+    """The pipeline's bubble by stages and micro-batches, where the CSV has pipeline runs."""
+    table = bubble_table(results)
+    if table.empty:
+        return []
+    return ["## Pipeline bubble", "", bubble_markdown(table), ""]
+
+
+def report_text(
+    results: pd.DataFrame,
+    comm: pd.DataFrame | None,
+    written: list[Path],
+    gpu_memory: float | None = None,
+) -> str:
+    """report.md: what ran, the table, the largest costs, the pipeline's bubble, the largest
+    model that fits a GPU of gpu_memory GB (projection.py: None, the runs' own or 80 GB), and
+    the figures."""
+    summary = summarize(results, comm)
+    return "\n".join(
+        [
+            "# Scaling report",
+            "",
+            context(results),
+            "",
+            markdown_table(summary),
+            "",
+            f"## Largest cost per strategy and {rank_unit(summary)[0]} count",
+            "",
+            *largest_costs(summary),
+            "",
+            *pipeline_section(results),
+            *projection.projection_section(summary, gpu_memory, rank_unit(summary)[0]),
+            "## Figures",
+            "",
+            *(f"![{p.stem}]({p.name})\n" for p in written),
+            "",
+        ]
+    )
+
+
+def write_report(
+    results: pd.DataFrame,
+    comm: pd.DataFrame | None,
+    written: list[Path],
+    out_dir: Path,
+    gpu_memory: float | None = None,
+) -> Path:
+    path = out_dir / "report.md"
+    text = report_text(results, comm, written, gpu_memory)
+    utils.write_atomically(path, lambda temp: temp.write_text(text))
+    return path

@@ -5,25 +5,26 @@
     python run_benchmarks.py --dry-run                 # print the job scripts, submit nothing
     python run_benchmarks.py --wait                    # block until the sweep ends, report failures
     python run_benchmarks.py --local --gpus 1 2        # no SLURM: torchrun on this machine
+    python run_benchmarks.py --models cnn resnet50     # each model its own runs (default: cnn)
     python run_benchmarks.py --verify --wait           # first, on a new cluster: verify.py
 
 Each sweep has a folder of its own, logs/sweep-<date-time>/, so two sweeps never mix. First
 sbatch is looked for (unless --local or --dry-run), then every configuration is checked
-(`main.py --check`, one process per strategy, no training): one bad configuration and nothing
-is written or submitted. Then every configuration gets a script
-in jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one task per GPU,
+(`main.py --check`, one process per model and strategy, no training): one bad configuration and
+nothing is written or submitted. Then every configuration gets a script in
+jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one task per GPU,
 ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script again to
 resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job
-id>.log (and .err). A last job, started once all the others have ended, runs plot_results.sh on
-the sweep's folder: results.csv and plots/ appear by themselves (its own log stays in jobs/),
-and its outcome, one line and its log's last error, goes to the sweep's collect_outcome.txt;
-without --wait the sweep says so when it has submitted, with the sacct command for its jobs.
-Strong scaling (the default) keeps the global batch size the same for every GPU count, so the
-runs do the same steps and their times compare; --scaling weak keeps the batch per GPU instead
-(the global batch grows with the GPUs, the steps per epoch shrink). Jobs that share nodes or
-cores measure each other: --one-at-a-time runs them in turn, --exclusive asks SLURM for whole
-nodes. Clusters are noisy: --repeats R runs every configuration R times (the summary gives the
-median and the spread).
+id>.log and .err (layout.run_name: the model before the job id where it is not the CNN). A last
+job, started once all the others have ended, runs plot_results.sh on the sweep's folder:
+results.csv and plots/ appear by themselves (its own log stays in jobs/), and its outcome, one
+line and its log's last error, goes to the sweep's collect_outcome.txt; without --wait the sweep
+says so when it has submitted, with the sacct command for its jobs. Strong scaling (the default)
+keeps the global batch size the same for every GPU count, so the runs do the same steps and
+their times compare; --scaling weak keeps the batch per GPU instead (the global batch grows with
+the GPUs, the steps per epoch shrink). Jobs that share nodes or cores measure each other:
+--one-at-a-time runs them in turn, --exclusive asks SLURM for whole nodes. Clusters are noisy:
+--repeats R runs every configuration R times (the summary gives the median and the spread).
 
 --verify submits one short job instead, the cluster's acceptance test (verify.py): by default 2
 nodes with --gpus-per-node GPUs each, or --gpus N; its report goes to logs/verify-<job id>/.
@@ -43,26 +44,30 @@ import config
 import layout
 import slurm_jobs
 from config import ONE_PROCESS, PRECISIONS, STRATEGIES
-from utils import count, fail, rank_unit
-from verify_job import run_verify
+from utils import count, fail, note, rank_unit
+from verify_job import run_verify, verify_gpus
 
 # The course's sweep; config.STRATEGIES has more (fsdp2, pipeline, and the one-process model,
 # dp and single).
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
+DEFAULT_MODEL = config.Config.model  # main.py's, the course CNN
 
 
 @dataclass(frozen=True)
 class Configuration:
-    """One point of the sweep: a strategy on a number of GPUs, with its global batch."""
+    """One point of the sweep: a model's strategy on a number of GPUs, with its global batch."""
 
     strategy: str
     gpus: int
     nodes: int
     global_batch: int
+    model: str = DEFAULT_MODEL
 
     @property
-    def name(self) -> str:
-        return layout.run_name(self.strategy, self.gpus)
+    def name(self) -> str:  # the CNN's runs named as before there was a model axis
+        return layout.run_name(
+            self.strategy, self.gpus, "" if self.model == DEFAULT_MODEL else self.model
+        )
 
     @property
     def tasks_per_node(self) -> int:
@@ -89,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_STRATEGIES),
         help="default: ddp fsdp (model, dp and single run one process: --gpus 1 only; "
         "pipeline runs only at the GPU counts the model cuts into, the others skipped)",
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=config.MODELS,
+        default=[DEFAULT_MODEL],
+        help="each model its own runs, at every GPU count and strategy (default: %(default)s)",
     )
     p.add_argument("--gpus-per-node", type=int, default=4, help="default: %(default)s")
     p.add_argument("--epochs", type=int, default=5, help="default: %(default)s")
@@ -169,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ddp_1gpu would train FSDP, silently.
 SWEEP_OPTION = {
     "strategy": "--strategies",
+    "model": "--models",
     "epochs": "--epochs",
     "batch_size": "--batch-size",
     "precision": "--precision",
@@ -247,32 +260,28 @@ def plan(args) -> list[Configuration]:
         return args.batch_size * gpus if args.scaling == "weak" else args.batch_size
 
     return [
-        Configuration(s, g, nodes[g], global_batch(g))
+        Configuration(s, g, nodes[g], global_batch(g), m)
+        for m in dict.fromkeys(args.models)
         for g in gpu_counts
         for s in dict.fromkeys(args.strategies)
     ]
 
 
-def model_of(extra: list[str]) -> str:
-    """The --model that main.py's arguments choose (a bad one is main.py's check to refuse)."""
-    return slurm_jobs.main_value(extra, "model")
-
-
-def without_uncuttable(runs: list[Configuration], model: str) -> list[Configuration]:
-    """The runs without the pipeline's at GPU counts the model does not cut into (said once):
-    those counts are no failure of the sweep, the other strategies still run there."""
-    fits = config.pipeline_world_sizes(model)
-    skipped = sorted({r.gpus for r in runs if r.strategy == "pipeline" and r.gpus not in fits})
-    if skipped:
-        print(
-            f"note: pipeline skipped at GPU counts {', '.join(map(str, skipped))}: "
-            f"{config.pipeline_cut(model)}",
-            file=sys.stderr,
-            flush=True,
-        )
-    kept = [r for r in runs if r.strategy != "pipeline" or r.gpus in fits]
+def without_uncuttable(runs: list[Configuration]) -> list[Configuration]:
+    """The runs without the pipeline's at GPU counts its model does not cut into (said once a
+    model): those counts are no failure of the sweep, the other strategies still run there."""
+    kept, cuts = [], []
+    for model in dict.fromkeys(r.model for r in runs):
+        fits = config.pipeline_world_sizes(model)
+        own = [r for r in runs if r.model == model]
+        skipped = sorted({r.gpus for r in own if r.strategy == "pipeline" and r.gpus not in fits})
+        if skipped:
+            counts = ", ".join(map(str, skipped))
+            note(f"note: pipeline skipped at GPU counts {counts}: {config.pipeline_cut(model)}")
+        kept += [r for r in own if r.strategy != "pipeline" or r.gpus in fits]
+        cuts.append(config.pipeline_cut(model))
     if not kept:
-        fail(f"nothing to run: {config.pipeline_cut(model)}")
+        fail(f"nothing to run: {'; '.join(cuts)}")
     return kept
 
 
@@ -280,6 +289,7 @@ def sweep_choices(run: Configuration, args) -> dict:
     """What the sweep decides for each job, by Config field (the keys of SWEEP_OPTION)."""
     return {
         "strategy": run.strategy,
+        "model": run.model,
         "epochs": args.epochs,
         "batch_size": run.global_batch,
         "precision": args.precision,
@@ -312,7 +322,7 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
     if args.environment:
         env["EDF"] = slurm_jobs.edf_value(args.environment)
     comment = (
-        f"# {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
+        f"# {run.model} {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
         f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
         f"# Submit again with: bash {jobs}/{run.name}.sh [more sbatch options]\n"
         "# run.sh is the launch recipe; these options size the job and name its logs.\n"
@@ -448,17 +458,22 @@ def dry_run(runs: list[Configuration], args, extra: list[str]) -> None:
 
 
 def check_configurations(runs: list[Configuration], args, extra: list[str]) -> set[str]:
-    """main.py --check for each strategy at every GPU count of the sweep, before anything is
-    written or submitted: a typo fails here, in seconds, not in the queue. Returns the devices
-    the checks found ({"unknown"} where none ran)."""
+    """main.py --check for each model and strategy at every GPU count of the sweep, before
+    anything is written or submitted: a typo fails here, in seconds, not in the queue. Returns
+    the devices the checks found ({"unknown"} where none ran)."""
     python = slurm_jobs.checking_python(args)
     if not python:
         return {"unknown"}
-    # One check per strategy and global batch (weak scaling has one per GPU count).
+    # One check per model, strategy and global batch (weak scaling has one per GPU count).
     devices = set()
-    for strategy, batch in dict.fromkeys((r.strategy, r.global_batch) for r in runs):
-        same = [r for r in runs if (r.strategy, r.global_batch) == (strategy, batch)]
+    for model, strategy, batch in dict.fromkeys(
+        (r.model, r.strategy, r.global_batch) for r in runs
+    ):
+        same = [
+            r for r in runs if (r.model, r.strategy, r.global_batch) == (model, strategy, batch)
+        ]
         first, sizes = same[0], [str(r.gpus) for r in same]
+        which = f"--strategy {strategy}" + (f" --model {model}" if len(args.models) > 1 else "")
         devices.add(
             slurm_jobs.check_main(
                 python,
@@ -468,7 +483,7 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> s
                     "--check",
                     *sizes,
                 ],
-                f"--strategy {strategy}",
+                which,
             )
         )
     return devices
@@ -490,7 +505,8 @@ def run_locally(runs: list[Configuration], args, extra: list[str], devices: set[
     one = rank_unit(devices)[0]
 
     def in_words(run: Configuration) -> str:  # its name, ddp_1gpu, counts GPUs: a CPU has none
-        return f"{run.strategy} on {count(run.gpus, one)}"
+        model = f"{run.model} " if len(args.models) > 1 else ""
+        return f"{model}{run.strategy} on {count(run.gpus, one)}"
 
     failed = []
     for run, name in repeated(runs, args.repeats, in_words):
@@ -531,7 +547,7 @@ def run_locally(runs: list[Configuration], args, extra: list[str], devices: set[
 # ----------------------------------------------------------------------------- --verify
 
 # The sweep's options that choose its runs: --verify chooses its own (verify.py).
-SWEEP_ONLY = "strategies repeats scaling one_at_a_time epochs batch_size precision".split()
+SWEEP_ONLY = "strategies models repeats scaling one_at_a_time epochs batch_size precision".split()
 
 
 def refuse_sweep_only(ours: list[str]) -> None:
@@ -542,15 +558,6 @@ def refuse_sweep_only(ours: list[str]) -> None:
                 f"{token.split('=', 1)[0]} is the sweep's; --verify runs the checks' own "
                 "configurations (docs/verify.md): leave it out"
             )
-
-
-def verify_gpus(args) -> list[int]:
-    """The verify job's GPU count, as a list like the sweep's: --gpus N, or 2 nodes' worth."""
-    if args.gpus and len(args.gpus) > 1:
-        fail(f"--verify runs one job: give one --gpus count, not {' '.join(map(str, args.gpus))}")
-    if args.gpus == [1]:  # nothing to compare one process with, no peer to kill
-        fail("--verify needs at least 2 GPUs: its checks are between ranks")
-    return args.gpus or [2 * args.gpus_per_node]
 
 
 def main(argv=None) -> int:
@@ -566,7 +573,7 @@ def main(argv=None) -> int:
     args.gpus = args.gpus or [1, 2, 4, 8]
     refuse_sweep_options(extra, "after --")
     check_args(args)
-    runs = without_uncuttable(plan(args), model_of(extra))
+    runs = without_uncuttable(plan(args))
     if not (args.local or args.dry_run):  # before the checks: without SLURM they are in vain
         slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
     devices = check_configurations(runs, args, extra)

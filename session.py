@@ -132,6 +132,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **sizes,
         "steps_per_epoch": len(loaders.train),
         "parameters": parameters,
+        **gpu_memory(env.device),
         **built,  # as [METRIC] reads them: the sharding that ran, not --sharding's default
         "flops_per_image": flops.per_image,
         "peak_tflops": flops.peak_tflops or mfu.UNKNOWN,
@@ -158,6 +159,14 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         step_collectives=STEP_COLLECTIVES[cfg.strategy],
     )
     return trainer, resolved
+
+
+def gpu_memory(device: torch.device) -> dict:
+    """The [CONFIG] line's gpu_memory, the GPU's bytes, which report.md's projection of the
+    largest model fits into (projection.py); none on a CPU, whose memory is no GPU's."""
+    if device.type != "cuda":
+        return {}
+    return {"gpu_memory": torch.cuda.get_device_properties(device).total_memory}
 
 
 def validation_note(cfg: Config, train_size: int, val_size: int) -> str | None:

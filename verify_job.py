@@ -40,6 +40,15 @@ def refuse_verify_options(extra: list[str]) -> None:
             )
 
 
+def verify_gpus(args) -> list[int]:
+    """The verify job's GPU count, as a list like the sweep's: --gpus N, or 2 nodes' worth."""
+    if args.gpus and len(args.gpus) > 1:
+        fail(f"--verify runs one job: give one --gpus count, not {' '.join(map(str, args.gpus))}")
+    if args.gpus == [1]:  # nothing to compare one process with, no peer to kill
+        fail("--verify needs at least 2 GPUs: its checks are between ranks")
+    return args.gpus or [2 * args.gpus_per_node]
+
+
 @dataclass
 class Row:
     """One check's outcome: a row of report.md."""

@@ -25,6 +25,9 @@ COURSE_LOGS = REPO / "tests" / "fixtures" / "alps-course-logs"  # the course's r
 # ----------------------------------------------------------------------------- logs and CSVs
 
 
+CNN_PARAMETERS = 553_514  # the course CNN's, on CIFAR-10 (model.count_parameters)
+
+
 def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **changes) -> dict:
     """The fields main.py logs, with values the line's formats keep exactly."""
     fields = {
@@ -53,8 +56,10 @@ def metric_fields(epoch: int, strategy: str = "ddp", world_size: int = 1, **chan
 
 
 def log_text(metrics: list[dict], expected_epochs: int | None = None, **config) -> str:
-    """A log as main.py writes it: a [CONFIG] line (its epochs= and the fields given), progress
-    chatter, and one line per metric from utils.format_metric."""
+    """A log as main.py writes it: a [CONFIG] line (its epochs=, the CNN's model= and
+    parameters=, and the fields given), progress chatter, and one line per metric from
+    utils.format_metric."""
+    config = {"model": "cnn", "parameters": CNN_PARAMETERS, "optimizer": "adam", **config}
     lines = [
         " ".join(
             [

@@ -138,6 +138,7 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     config = config_in(result.stdout)
     assert config["rendezvous"].startswith(("127.0.0.1:", "localhost:"))
     assert config["threads"] >= 1
+    assert "gpu_memory" not in config  # a CPU's memory is no GPU's to project onto
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

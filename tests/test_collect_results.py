@@ -65,9 +65,10 @@ def test_project_log_keeps_every_field(tmp_path):
     write_log(tmp_path / "fsdp_4gpu_987.log", written)
     results, reports = collect(tmp_path)
     assert reports == []
-    assert list(results.columns[:11]) == [
+    assert list(results.columns[:12]) == [
         "sweep",
         "log",
+        "model",
         "strategy",
         "gpus",
         "nodes",
@@ -326,7 +327,8 @@ def test_the_newest_sweep_is_read_unless_all_are_asked_for(tmp_path, capsys):
     assert code == 0, err
     assert "merging 2 folders" in err
     assert (
-        "warning: ddp on 1 GPU(s) has runs from 2 sweeps (20261122-100000, 20261122-120000)" in err
+        "warning: cnn ddp on 1 GPU(s) has runs from 2 sweeps (20261122-100000, 20261122-120000)"
+        in err
     )
     results = pd.read_csv(out_csv, dtype={"sweep": str})
     assert sorted(set(results["sweep"])) == ["20261122-100000", "20261122-120000"]
@@ -401,10 +403,9 @@ def test_the_study_is_named_strong_or_weak_scaling():
     mixed = strong.assign(global_batch=[64, 256], local_batch=[64, 128])
     assert results_summary.scaling(mixed) is None
     assert results_summary.scaling(strong.drop(columns="local_batch")) is None
-    import plot_results
 
-    assert plot_results.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
-    assert plot_results.context(strong) == "strong scaling: global batch 256 · 1 epochs"
+    assert results_summary.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
+    assert results_summary.context(strong) == "strong scaling: global batch 256 · 1 epochs"
 
 
 def test_the_study_names_the_ranks_after_their_device():
@@ -468,7 +469,7 @@ def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys
     code, table, _ = cli(capsys, "--logs", tmp_path, "--out", out)
     assert code == 0
     comm = pd.read_csv(out.with_name("comm.csv"))
-    assert list(comm.columns[:10]) == [
+    assert list(comm.columns[:11]) == [
         *results_summary.RUN_COLUMNS,
         "op",
         "label",
@@ -560,7 +561,6 @@ def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(
     unreliable, t_compute and t_comm na) gives no parts: the point's parts come from its
     reliable epochs, all from the same ones, and report.md's sentence counts those left out; a
     point with none left says so."""
-    import plot_results
 
     ok = dict(t_compute=1.0, t_data=0.1, t_comm=0.3, t_wait=0.0, breakdown="ok")
     bad = dict(t_compute="na", t_data=0.1, t_comm="na", t_wait=0.0, breakdown="unreliable")
@@ -578,7 +578,7 @@ def test_unreliable_epochs_are_left_out_of_the_breakdown_and_said_in_the_report(
     one, two = summary.loc[1], summary.loc[2]
     assert (one["t_compute"], one["t_comm"], one["unreliable_epochs"]) == (1.2, 0.2, 1)
     assert pd.isna(two["t_compute"]) and two["unreliable_epochs"] == 1
-    sentences = plot_results.largest_costs(summary.reset_index())
+    sentences = results_summary.largest_costs(summary.reset_index())
     assert "1 epoch(s) left out" in sentences[0] and "compute, 1.200 s" in sentences[0]
     assert "no reliable breakdown" in sentences[1], sentences
 
@@ -587,7 +587,6 @@ def test_the_breakdown_is_one_epochs_the_reliable_one_of_median_time(tmp_path):
     """A point's parts are those of one epoch, so that they add up to its time (medians taken
     part by part, each from another epoch, would not): of the reliable epochs after the first,
     the one of median time; report.md's shares are of that epoch."""
-    import plot_results
 
     def epoch(time: float, compute: float, breakdown: str = "ok") -> dict:
         parts = dict(t_compute=compute, t_data=0.0, t_comm=time - compute, t_wait=0.0)
@@ -603,7 +602,7 @@ def test_the_breakdown_is_one_epochs_the_reliable_one_of_median_time(tmp_path):
     summary = results_summary.summarize(results)
     row = summary.iloc[0]
     assert (row["t_compute"], row["t_comm"], row["unreliable_epochs"]) == (2.0, 0.5, 1)
-    assert plot_results.largest_costs(summary)[0].startswith(
+    assert results_summary.largest_costs(summary)[0].startswith(
         "- ddp on 2 CPU ranks: the largest cost is compute, 2.000 s of 2.50 s per epoch (80%)"
     )
 
@@ -613,7 +612,6 @@ def test_a_one_rank_points_rest_is_unexplained_and_an_older_logs_still_adds_up(t
     model does not explain, with no word of communication beside its modelled messages (none).
     A log written before t_other (its rest in t_comm at every world size) keeps parts that add
     up to its epoch: t_other 0."""
-    import plot_results
 
     alone = dict(t_compute=1.5, t_data=0.25, t_comm=0.0, t_wait=0.0, t_other=0.75)
     older = dict(t_compute=1.5, t_data=0.25, t_comm=0.75, t_wait=0.0)
@@ -628,7 +626,7 @@ def test_a_one_rank_points_rest_is_unexplained_and_an_older_logs_still_adds_up(t
     assert (one["t_comm"], one["t_other"], two["t_comm"], two["t_other"]) == (0, 0.75, 0.75, 0)
     for row in (one, two):
         assert sum(row[t] for t in utils.TIME_PARTS) == row["time"]
-    sentences = plot_results.largest_costs(summary)
+    sentences = results_summary.largest_costs(summary)
     assert sentences[0] == (
         "- ddp on 1 CPU rank: the largest cost is compute, 1.500 s of 2.50 s per epoch (60%); "
         "0.750 s (30%) the step's model does not explain."
@@ -639,7 +637,7 @@ def test_a_one_rank_points_rest_is_unexplained_and_an_older_logs_still_adds_up(t
 def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp_path, capsys):
     """The [CONFIG] line's cuda_graphs: the table's step column per point, the figures' legend,
     and a warning where one strategy's points mix graphed and eager steps (two clocks)."""
-    import plot_results
+    import plot_style
 
     for gpus, graphed in ((1, True), (2, False)):
         metrics = [metric_fields(e, world_size=gpus, job_id=str(gpus)) for e in (1, 2)]
@@ -651,7 +649,7 @@ def test_each_point_says_whether_its_step_was_one_cuda_graph_and_a_mix_warns(tmp
     assert "| step |" in header and "| graph |" in rows[0] and "| eager |" in rows[1], rows
     (warning,) = results_summary.mixed_steps(results)
     assert "ddp's points mix graphed and eager steps (eager at 2; graph at 1" in warning
-    assert plot_results.step_mark(summary.reset_index()) == " (eager/CUDA graph)"
+    assert plot_style.step_mark(summary.reset_index()) == " (eager/CUDA graph)"
 
 
 def test_gpu_busy_is_a_column_of_the_results_and_the_summary(tmp_path):
@@ -675,3 +673,36 @@ def test_gpu_busy_is_a_column_of_the_results_and_the_summary(tmp_path):
     header, _, one, two = results_summary.markdown_table(summary.reset_index()).splitlines()
     column = header.split(" | ").index("GPU busy")
     assert (one.split(" | ")[column], two.split(" | ")[column]) == ("0.25", "n/a")
+
+
+def test_a_runs_name_carries_its_model_and_still_its_job_id():
+    """layout.run_name names a model other than the default; the name still gives the job id
+    (SLURM's, or none for a local run's `local-<time>`, which is no model)."""
+    import layout
+
+    name = layout.run_name("ddp", 4, "cnn-wide")
+    assert name == "ddp_4gpu_cnn-wide" and layout.run_name("ddp", 4) == "ddp_4gpu"
+    said = layout.name_identity(layout.log_stem(name, "1234") + ".log")
+    assert said == {"strategy": "ddp", "gpus": 4, "model": "cnn-wide", "job_id": "1234"}
+    local = layout.name_identity(layout.log_stem(name, "local-20261127-100000") + ".log")
+    assert local == {"strategy": "ddp", "gpus": 4, "model": "cnn-wide"}
+    assert "model" not in layout.name_identity("ddp_4gpu_local-20261127-100000.log")
+
+
+def test_each_run_gets_its_model_from_its_config_line_and_the_summary_keeps_them_apart(tmp_path):
+    """Two models at the same strategy and GPU count: two rows, each its own speedup; a log
+    without model= in its [CONFIG] line (older than the model axis) is the CNN, said so."""
+    for model, gpus, time in (("cnn", 1, 4.0), ("cnn", 2, 2.0), ("cnn-wide", 1, 9.0)):
+        metrics = [metric_fields(e, world_size=gpus, time=time) for e in (1, 2)]
+        (tmp_path / f"ddp_{gpus}gpu_{model}.log").write_text(log_text(metrics, model=model))
+    metrics = [metric_fields(e, world_size=2, time=3.0) for e in (1, 2)]
+    old = log_text(metrics).replace(" model=cnn", "")
+    (tmp_path / "ddp_2gpu_old.log").write_text(old)
+    results, reports = collect(tmp_path)
+    assert any("ddp_2gpu_old.log: no model in a [CONFIG] line: taken as cnn" in r for r in reports)
+    summary = results_summary.summarize(results).set_index(["model", "gpus"])
+    assert set(summary.index) == {("cnn", 1), ("cnn", 2), ("cnn-wide", 1)}
+    assert summary.loc[("cnn", 2), "runs"] == 2  # the old log's run is the CNN's
+    assert summary.loc[("cnn-wide", 1), "speedup"] == 1.0
+    header = results_summary.markdown_table(summary.reset_index()).splitlines()[0]
+    assert header.startswith("| model | strategy |")

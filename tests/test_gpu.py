@@ -55,6 +55,7 @@ def test_one_gpu_trains_at_every_precision(strategy, precision):
         ]
     )
     assert config["backend"] == "nccl" and metrics[-1]["device"] == "cuda"
+    assert config["gpu_memory"] == torch.cuda.get_device_properties(0).total_memory
     assert config["fp32_math"] == ("tf32" if precision == "tf32" else "ieee")
     assert metrics[-1]["acc"] > 30, "synthetic data is learnable: far above 10% chance"
     assert metrics[-1]["sharding"] == ("no_shard" if strategy == "fsdp" else "replicate")

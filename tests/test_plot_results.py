@@ -4,6 +4,7 @@ CSV is one line of error; the shell script runs collect then plot from any direc
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -13,11 +14,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
 
 import collect_results
+import memory_figures
 import plot_results
 import results_summary
 import utils
 from conftest import REPO, call_main, clean_environment
-from helpers import COURSE_LOGS, GPU_CSV, run_log, runs_frame
+from helpers import CNN_PARAMETERS, COURSE_LOGS, GPU_CSV, run_log, runs_frame
 from utils import format_comm
 
 pytestmark = pytest.mark.fast  # make test-fast
@@ -87,21 +89,31 @@ def append_comm_lines(log: Path) -> None:
         f.writelines(format_comm(row) + "\n" for row in rows)
 
 
+def with_memory(results: pd.DataFrame) -> pd.DataFrame:
+    """The state one rank keeps (16 bytes a parameter of the CNN, an N-th of it under FSDP),
+    predicted as measured, and 64 KiB of activations per image of a rank's batch of 32."""
+    state = 16 * CNN_PARAMETERS / results["gpus"].where(results["strategy"] == "fsdp", 1)
+    return results.assign(
+        state_mem=state,
+        state_pred=state,
+        parameters=CNN_PARAMETERS,
+        act_per_image=2**16,
+        local_batch=32,
+        optimizer="adam",
+        precision="fp32",
+    )
+
+
 def test_every_png_from_a_small_csv(tmp_path, capsys):
     csv = tmp_path / "results.csv"
-    with_bubble(
-        with_breakdown(
-            runs_frame(
-                {
-                    ("ddp", 1): [9.0, 8.0],
-                    ("ddp", 2): [5.0, 4.0],
-                    ("fsdp", 1): [10.0, 9.0],
-                    ("fsdp", 2): [6.0, 5.0],
-                    ("pipeline", 2): [7.0, 6.0],
-                }
-            )
-        )
-    ).to_csv(csv, index=False)
+    times = {
+        ("ddp", 1): [9.0, 8.0],
+        ("ddp", 2): [5.0, 4.0],
+        ("fsdp", 1): [10.0, 9.0],
+        ("fsdp", 2): [6.0, 5.0],
+        ("pipeline", 2): [7.0, 6.0],
+    }
+    with_memory(with_bubble(with_breakdown(runs_frame(times)))).to_csv(csv, index=False)
     comm_frame().to_csv(tmp_path / "comm.csv", index=False)
     pd.DataFrame(
         {
@@ -182,8 +194,12 @@ def test_course_results_csv(tmp_path, capsys):
             "comm_bandwidth.png",
             "gpu_timeline.png",
             "pipeline_bubble.png",
+            "bytes_per_parameter.png",
+            "largest_model.png",
         },
     )
+    assert "not written bytes_per_parameter.png: no parameters ([CONFIG] lines)" in err
+    assert "not written largest_model.png: no state_mem, parameters, act_per_image" in err
     assert "not written gpu_timeline.png: no GPU samples" in err
     assert "not written pipeline_bubble.png: no pipeline runs (bubble)" in err
     assert "not written throughput.png" in err
@@ -265,6 +281,7 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     breakdown = dict(t_compute=1.5, t_data=0.25, t_comm=0.5, t_wait=0.25, train_images=512)
+    breakdown.update(state_pred=8856264, act_per_image=2**16)  # [METRIC]'s memory fields
     run_log(logs, "ddp_1gpu_1.log", world_size=1, job_id="1", **breakdown)
     run_log(logs, "ddp_2gpu_2.log", world_size=2, job_id="2", **breakdown)
     pipeline = dict(strategy="pipeline", bubble=0.375, bubble_ideal=0.2, microbatches=4)
@@ -330,20 +347,20 @@ def test_figures_say_what_ran_and_what_memory_was_measured():
         sweep="20261122-141500",
         state_mem=[8e6, 8e6, 4e6, 4e6],
     )
-    assert plot_results.context(results) == (
+    assert results_summary.context(results) == (
         "device cpu · synthetic (2,048 images/epoch) · global batch 256 · 2 epochs · "
         "sweep 20261122-141500"
     )
-    fig = plot_results.plot_peak_memory(results_summary.summarize(results))
+    fig = memory_figures.plot_peak_memory(results_summary.summarize(results))
     memory, state = fig.axes
-    assert memory.get_ylabel() == plot_results.PEAK_MEMORY_LABEL["cpu"]
+    assert memory.get_ylabel() == memory_figures.PEAK_MEMORY_LABEL["cpu"]
     assert "optimizer state" in state.get_ylabel()
     assert [line.get_ydata()[0] for line in state.get_lines()] == [8e6 / 2**20, 4e6 / 2**20]
     # The course's CSV says nothing of device or state: one panel, labelled as logged.
     course = results_summary.summarize(plot_results.read_results(course_csv))
-    (ax,) = plot_results.plot_peak_memory(course).axes
+    (ax,) = memory_figures.plot_peak_memory(course).axes
     assert "as logged" in ax.get_ylabel()
-    assert plot_results.context(plot_results.read_results(course_csv)) == "10 epochs"
+    assert results_summary.context(plot_results.read_results(course_csv)) == "10 epochs"
 
 
 def test_quality_panels_show_their_values_and_both_have_legends():
@@ -389,7 +406,7 @@ def test_figures_and_report_name_the_ranks_and_their_device():
         (bars,) = plot_results.plot_time_breakdown(summary).axes
         ticks = [t.get_text() for t in bars.get_xticklabels()]
         assert ticks == [f"ddp\n1 {one}", f"ddp\n2 {many}"]
-        report = plot_results.report_text(ran, None, [])
+        report = results_summary.report_text(ran, None, [])
         assert f"- ddp on 1 {one}: " in report and f"| strategy | {many} |" in report
         assert device == "cuda" or "GPU" not in report, report
         plt.close("all")
@@ -453,7 +470,7 @@ def test_the_subtitle_fits_the_figure_above_the_panels(tmp_path):
         global_batch=256,
         sweep=["20261122-141500", "20261123-093000"] * 2,
     )
-    summary, subtitle = results_summary.summarize(results), plot_results.context(results)
+    summary, subtitle = results_summary.summarize(results), results_summary.context(results)
     for name in ("epoch_time.png", "throughput.png", "val_loss_acc.png"):
         fig = plot_results.FIGURES[name](summary)
         plot_results.save_png(fig, tmp_path / name, subtitle)
@@ -499,8 +516,8 @@ def test_figures_and_report_say_when_ranks_outnumbered_their_cores():
     results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 4): [6.0, 5.0]}))
     results["threads_per_core"] = results["gpus"] / 2
     warning = results_summary.cores_outnumbered(results).removeprefix("warning: ")
-    assert plot_results.context(results).endswith(warning)
-    report = plot_results.report_text(results, None, [])
+    assert results_summary.context(results).endswith(warning)
+    report = results_summary.report_text(results, None, [])
     costs = [line for line in report.splitlines() if line.startswith("- ddp on ")]
     assert [line.endswith("too few cores for this to be a finding.") for line in costs] == [
         False,
@@ -589,7 +606,7 @@ def test_a_point_whose_gpu_idled_more_than_it_worked_is_called_host_bound():
     gpu_busy is na, say nothing of it."""
     results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}))
     on_gpu = results.assign(device="cuda", gpu_busy=results["gpus"].map({1: 0.3, 2: 0.8}))
-    costs = plot_results.largest_costs(results_summary.summarize(on_gpu))
+    costs = results_summary.largest_costs(results_summary.summarize(on_gpu))
     assert costs[0].startswith("- ddp on 1 GPU: ") and costs[0].endswith(
         "; GPU busy 30%, host-bound."
     )
@@ -598,8 +615,107 @@ def test_a_point_whose_gpu_idled_more_than_it_worked_is_called_host_bound():
     (bars,) = plot_results.plot_time_breakdown(results_summary.summarize(on_gpu)).axes
     assert [t.get_text() for t in bars.texts] == ["GPU busy 30%\nhost-bound", "GPU busy 80%"]
     on_cpu = results.assign(device="cpu", gpu_busy=math.nan)
-    assert "busy" not in plot_results.report_text(on_cpu, None, [])
+    assert "busy" not in results_summary.report_text(on_cpu, None, [])
     (bars,) = plot_results.plot_time_breakdown(results_summary.summarize(on_cpu)).axes
     assert not bars.texts
     assert results_summary.host_bound(0.49) and not results_summary.host_bound(0.5)
     plt.close("all")
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def two_models() -> pd.DataFrame:
+    """ddp and fsdp on 1, 2, 4 ranks of two models (the second 4x the CNN's parameters and 2x
+    its activations per image), each rank's batch 32 of a global 32 x N."""
+    frames = []
+    for model, scale in (("cnn", 1), ("cnn-wide", 4)):
+        runs = runs_frame({(s, g): [2.0, 1.0] for s in ("ddp", "fsdp") for g in (1, 2, 4)})
+        memory = with_memory(runs.assign(model=model, device="cpu"))
+        frames.append(
+            memory.assign(
+                log=memory["log"] + model,
+                state_mem=memory["state_mem"] * scale,
+                state_pred=memory["state_pred"] * scale,
+                parameters=CNN_PARAMETERS * scale,
+                act_per_image=2**16 * (1 + (scale > 1)),
+            )
+        )
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_the_projection_is_the_gpu_less_the_activations_over_the_state_per_parameter():
+    """report.md's largest model, re-derived by hand: fsdp on 4 ranks keeps 16 / 4 bytes a
+    parameter and 64 KiB x 32 images of activations; onto 80 GB on CPU runs (said so), or
+    --gpu-memory's."""
+    results = two_models()
+    report = results_summary.report_text(results, None, [])
+    section = report.split("## The largest model that fits")[1].split("## Figures")[0]
+    assert "Onto a GPU of 80 GB (the runs trained on CPU ranks;" in section
+    largest = (80 * 2**30 - 2**16 * 32) / (16 / 4)
+    row = (
+        f"| cnn | 553,514 | fsdp | 4 | 32 | 4.00 | 4.00 | 2.0 | {largest / 1e6:,.1f} M | "
+        f"{largest / CNN_PARAMETERS:,.0f} |"
+    )
+    assert row in section, section
+    wide = (80 * 2**30 - 2**17 * 32) / 16  # ddp keeps all 16 at any rank count
+    assert (
+        f"| cnn-wide | 2,214,056 | ddp | 2 | 32 | 16.00 | 16.00 | 4.0 | {wide / 1e6:,.1f} M"
+        in section
+    )
+    assert "grows with the largest unit, not with the shard" in section
+    assert "reserved_mem" in section  # the allocator's caveat
+    smaller = results_summary.report_text(results, None, [], gpu_memory=40)
+    assert "Onto a GPU of 40 GB (--gpu-memory)" in smaller
+    assert f"{(40 * 2**30 - 2**16 * 32) / 4 / 1e6:,.1f} M" in smaller
+
+
+def test_without_act_per_image_the_projection_says_it_cannot_be_made(tmp_path, capsys):
+    """Logs older than the [METRIC] line's act_per_image: no guess, in report.md or a figure."""
+    results = two_models().drop(columns=["act_per_image"])
+    report = results_summary.report_text(results, None, [])
+    assert "Cannot be made: the logs have no act_per_image" in report
+    assert "| cnn | 553,514 |" not in report
+    csv = tmp_path / "results.csv"
+    results.to_csv(csv, index=False)
+    code, _, err = cli(capsys, "--csv", csv, "--out-dir", tmp_path / "plots")
+    assert code == 0 and "not written largest_model.png: no act_per_image" in err
+    assert (tmp_path / "plots" / "bytes_per_parameter.png").exists()
+
+
+def test_state_per_parameter_has_the_zero_papers_lines_from_the_memory_model():
+    """16 bytes a parameter replicated and 16 / N sharded, for Adam in fp32 (memory_model's
+    count, named on the line); one line per model and strategy, one colour per strategy."""
+    fig = memory_figures.plot_bytes_per_parameter(results_summary.summarize(two_models()))
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    whole = lines["replicated: 16 B (adam, fp32 state)"]
+    assert list(whole.get_ydata()) == [16, 16, 16]
+    assert list(lines["sharded: 16 B / N"].get_ydata()) == [16, 8, 4]
+    assert list(lines["fsdp, cnn-wide"].get_ydata()) == [16, 8, 4]
+    assert list(lines["ddp, cnn"].get_ydata()) == [16, 16, 16]
+    color = lines["fsdp, cnn"].get_color()
+    assert lines["fsdp, cnn-wide"].get_color() == color != lines["ddp, cnn"].get_color()
+    assert lines["fsdp, cnn"].get_marker() != lines["fsdp, cnn-wide"].get_marker()
+
+
+def test_memory_per_rank_is_drawn_on_log_axes_one_line_per_model_and_strategy():
+    fig = memory_figures.plot_peak_memory(results_summary.summarize(two_models()))
+    for ax in fig.axes:
+        assert ax.get_yscale() == "log"
+        labels = {line.get_label() for line in ax.get_lines()}
+        assert labels == {f"{s}, {m}" for s in ("ddp", "fsdp") for m in ("cnn", "cnn-wide")}
+
+
+def test_a_gpu_memory_that_is_no_size_is_one_line(tmp_path, capsys):
+    code, _, err = cli(capsys, "--csv", tmp_path / "results.csv", "--gpu-memory", "0")
+    assert code == 2 and err.strip() == "error: --gpu-memory must be a positive number of GB, got 0"
+
+
+def test_without_torch_the_state_per_parameter_is_left_out_in_one_line(monkeypatch):
+    """plot_results.sh asks for pandas and matplotlib alone: where memory_model (torch) cannot
+    load, that figure is not written, and the others are."""
+    monkeypatch.setitem(sys.modules, "memory_model", None)  # import memory_model: ImportError
+    summary = results_summary.summarize(two_models())
+    with pytest.raises(plot_results.NotPlottable, match="memory_model.py's, which needs torch"):
+        memory_figures.plot_bytes_per_parameter(summary)

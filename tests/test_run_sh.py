@@ -347,7 +347,8 @@ def test_dry_run_prints_one_script_per_configuration_and_writes_nothing(repo_cop
         assert option in eight
     # One launch recipe: every job submits run.sh, with main.py's arguments after it.
     assert re.search(
-        r"run\.sh --strategy fsdp --epochs \d+ --batch-size 256 .*--dataset synthetic", eight
+        r"run\.sh --strategy fsdp --model cnn --epochs \d+ --batch-size 256 .*--dataset synthetic",
+        eight,
     )
     assert "--nodes=1" in scripts["ddp_1gpu"] and "--ntasks-per-node=1" in scripts["ddp_1gpu"]
     assert f"LOGS=logs/{sweep} bash plot_results.sh" in scripts["collect"]
@@ -467,16 +468,25 @@ def test_a_sweep_runs_the_pipeline_where_the_model_cuts_and_says_so_once():
 
 
 def test_local_dry_run_lists_the_torchrun_sweep():
+    """The CNN alone by default; --models gives each model its own runs, one model after the
+    other."""
     done = benchmarks("--local", "--dry-run", "--gpus", "1", "2", "--strategies", "ddp")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[:2] == [
-        "NPROC=1 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32 "
-        "--comm-benchmark",
-        "NPROC=2 bash run.sh --strategy ddp --epochs 5 --batch-size 256 --precision fp32 "
-        "--comm-benchmark",
+        "NPROC=1 bash run.sh --strategy ddp --model cnn --epochs 5 --batch-size 256 "
+        "--precision fp32 --comm-benchmark",
+        "NPROC=2 bash run.sh --strategy ddp --model cnn --epochs 5 --batch-size 256 "
+        "--precision fp32 --comm-benchmark",
     ]
     assert re.fullmatch(r"LOGS=logs/sweep-[\d-]+ bash plot_results\.sh", lines[2]), lines
+    both = benchmarks(
+        *("--local", "--dry-run", "--gpus", "1", "2", "--strategies", "ddp"),
+        *("--models", "cnn", "cnn-wide"),
+        timeout=120,  # a check per model: on a loaded machine, seconds each
+    )
+    runs = re.findall(r"^NPROC=(\d) bash run.sh --strategy ddp --model ([\w-]+)", both.stdout, re.M)
+    assert runs == [("1", "cnn"), ("2", "cnn"), ("1", "cnn-wide"), ("2", "cnn-wide")], both.stderr
 
 
 def test_weak_scaling_keeps_the_batch_per_gpu_and_repeats_repeat():
@@ -653,42 +663,105 @@ def test_a_sweep_started_by_a_python_without_torch_checks_with_the_jobs_python(r
     assert_one_line_error(done, "each rank's 128 images per step do not split into --grad-accum 3")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_local_sweep_trains_collects_and_plots(repo_copy):
+# One tiny local sweep, shared by the tests below (each run costs seconds of torchrun): the
+# issue's two models x ddp, fsdp x 1, 2, 4 CPU ranks, one epoch each.
+MODEL_SWEEP = [
+    "--models",
+    "cnn",
+    "cnn-wide",
+    "--gpus",
+    "1",
+    "2",
+    "4",
+    "--strategies",
+    "ddp",
+    "fsdp",
+]
+
+
+@pytest.fixture(scope="module")
+def model_sweep(tmp_path_factory) -> SimpleNamespace:
+    repo = copy_repo(tmp_path_factory.mktemp("model_sweep"))
     done = benchmarks(
         "--local",
-        "--gpus",
-        "1",
-        "2",
-        "--strategies",
-        "ddp",
+        *MODEL_SWEEP,
         "--epochs",
         "1",
         "--batch-size",
         "32",
         "--",
         *TINY,
-        cwd=repo_copy,
-        timeout=290,
+        "--no-checkpoint",
+        cwd=repo,
+        timeout=850,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (sweep,) = (repo / "logs").glob("sweep-*")  # the sweep's own folder
+    return SimpleNamespace(
+        repo=repo,
+        done=done,
+        sweep=sweep,
+        results=pd.read_csv(repo / "results.csv"),
+        report=(repo / "plots" / "report.md").read_text(),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_local_sweep_trains_collects_and_plots(model_sweep):
+    done, repo, sweep = model_sweep.done, model_sweep.repo, model_sweep.sweep
     # The ranks named after the device main.py --check found, as the tables name them.
     said = [line.split(" here: ")[0] for line in done.stdout.splitlines() if " here: log " in line]
-    assert said == ["ddp on 1 CPU rank", "ddp on 2 CPU ranks"], done.stdout
+    assert said[:3] == ["cnn ddp on 1 CPU rank", "cnn fsdp on 1 CPU rank", "cnn ddp on 2 CPU ranks"]
     assert "strong scaling: global batch 32 at every CPU rank count" in done.stderr
-    assert "| strategy | CPU ranks |" in done.stdout
-    (sweep,) = (repo_copy / "logs").glob("sweep-*")  # the sweep's own folder
-    logs = sorted(p.name for p in sweep.glob("*.log"))
-    assert [re.sub(r"_local-[\d-]+", "", name) for name in logs] == ["ddp_1gpu.log", "ddp_2gpu.log"]
-    assert (repo_copy / "results.csv").exists()
-    assert list((repo_copy / "plots").glob("*.png"))
+    assert "| model | strategy | CPU ranks |" in done.stdout
+    logs = sorted(re.sub(r"_local-[\d-]+", "", p.name) for p in sweep.glob("*.log"))
+    assert logs == sorted(
+        f"{s}_{g}gpu{m}.log" for m in ("", "_cnn-wide") for s in ("ddp", "fsdp") for g in (1, 2, 4)
+    )
+    assert list((repo / "plots").glob("*.png"))
     # Every job measured its collectives first (--comm-benchmark): comm.csv, both new figures
-    # (the bandwidth one from the 2-rank job) and the report.
+    # (the bandwidth one from the multi-rank jobs) and the report.
     for log in sweep.glob("*.log"):
         assert any(parse_comm(line) for line in log.read_text().splitlines()), log.name
-    comm = pd.read_csv(repo_copy / "comm.csv")
-    assert set(comm["world_size"]) == {1, 2} and set(comm["strategy"]) == {"ddp"}
+    comm = pd.read_csv(repo / "comm.csv")
+    assert set(comm["world_size"]) == {1, 2, 4} and set(comm["strategy"]) == {"ddp", "fsdp"}
     for name in ("time_breakdown.png", "comm_bandwidth.png", "report.md"):
-        assert (repo_copy / "plots" / name).stat().st_size > 0, name
-    assert "comm at measured bw s" in (repo_copy / "plots" / "report.md").read_text()
+        assert (repo / "plots" / name).stat().st_size > 0, name
+    assert "comm at measured bw s" in model_sweep.report
+
+
+def one_runs_lines(log: Path) -> tuple[dict, list[dict]]:
+    """A run's [CONFIG] line and its epochs' [METRIC] lines, as the log holds them."""
+    text = log.read_text()
+    return config_in(text), metrics_in(text)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_sweep_of_two_models_gives_each_its_rows_figures_and_projection(model_sweep):
+    """Both models' rows (each model's own parameter count, from its [CONFIG] line), the memory
+    figures, and report.md's projection: re-derived by hand from one run's epoch lines, or,
+    where the lines have no act_per_image, said to be impossible."""
+    from model import build_model, count_parameters
+
+    results = model_sweep.results
+    points = results.groupby("model")[["strategy", "gpus"]].apply(
+        lambda r: len(r.drop_duplicates())
+    )
+    assert points.to_dict() == {"cnn": 6, "cnn-wide": 6}
+    for model, parameters in results.groupby("model")["parameters"].unique().items():
+        assert list(parameters) == [count_parameters(build_model(model))], model
+    for name in ("peak_memory.png", "bytes_per_parameter.png"):
+        assert (model_sweep.repo / "plots" / name).stat().st_size > 0, name
+    section = model_sweep.report.split("## The largest model that fits")[1]
+    (log,) = model_sweep.sweep.glob("fsdp_4gpu_cnn-wide_*.log")
+    config, epochs = one_runs_lines(log)
+    if "act_per_image" not in epochs[-1]:  # before the [METRIC] line carried it
+        assert "Cannot be made: the logs have no act_per_image" in section
+        return
+    state = max(e["state_mem"] for e in epochs)
+    activations = max(e["act_per_image"] for e in epochs) * epochs[-1]["local_batch"]
+    largest = (80 * 2**30 - activations) / (state / config["parameters"])
+    assert f"| cnn-wide | {config['parameters']:,} | fsdp | 4 |" in section
+    assert f"| {largest / 1e6:,.1f} M |" in section, section
