@@ -29,7 +29,7 @@ import torch.distributed as dist
 import cuda_graphs
 import peer_failures
 from config import Config
-from layout import LOGS_DIR, time_stamp
+from layout import LOGS_DIR, job_id
 from precision import device_refusal
 from utils import UsageError, env_int, is_rank_zero, read_ranks, release
 
@@ -416,14 +416,3 @@ def num_nodes(env=os.environ) -> int:
         return int(env.get("SLURM_STEP_NUM_NODES", env["SLURM_JOB_NUM_NODES"]))
     world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", 0) or 0)
     return max(1, world // local) if local else 1
-
-
-def job_id(env=os.environ) -> str:
-    return env.get("SLURM_JOB_ID", "local")
-
-
-def run_name(env=os.environ) -> str:
-    """A name for this run's files: the SLURM job id (a requeued job keeps it, and so finds its
-    own files), else local-<start time>. Ask on one rank (on_rank0) so that all use the same."""
-    job = job_id(env)
-    return job if job != "local" else "local-" + time_stamp()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import DeviceType
 
-from checkpoint import Position
+from checkpoint_files import Position
 from cuda_graphs import GraphedStep
 from distributed_utils import barrier
 from mfu import UNKNOWN

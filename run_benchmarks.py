@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import config
 import layout
 import slurm_jobs
-from config import ONE_PROCESS, PRECISIONS, STRATEGIES
+from config import ONE_PROCESS, PRECISIONS, STRATEGIES, SWEEP_GPUS
 from utils import count, fail, rank_unit
 from verify_job import run_verify
 
@@ -62,7 +62,7 @@ class Configuration:
 
     @property
     def name(self) -> str:
-        return layout.run_name(self.strategy, self.gpus)
+        return layout.configuration_name(self.strategy, self.gpus)
 
     @property
     def tasks_per_node(self) -> int:
@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus",
         type=int,
         nargs="+",
-        help="GPU counts, one task each (default: 1 2 4 8; --verify: one count, default 2 "
-        "nodes' worth)",
+        help=f"GPU counts, one task each (default: {' '.join(map(str, SWEEP_GPUS))}; --verify: "
+        "one count, default 2 nodes' worth)",
     )
     p.add_argument(
         "--strategies",
@@ -494,8 +494,8 @@ def run_locally(runs: list[Configuration], args, extra: list[str], devices: set[
 
     failed = []
     for run, name in repeated(runs, args.repeats, in_words):
-        # <sweep>/<name>_local-<time>.log: the place of a job id, never an earlier run's file.
-        log = layout.time_stamped(logs, layout.log_stem(run.name, "local-"), ".log")
+        # <sweep>/<name>_local-<time>.log: never an earlier run's file.
+        log = layout.free_path(logs, layout.log_stem(run.name, layout.local_id()), ".log")
         print(f"{name} here: log {layout.relative(log)}", flush=True)
         with open(log, "w") as out, open(log.with_suffix(layout.ERR_SUFFIX), "w") as err:
             status = subprocess.run(
@@ -563,7 +563,7 @@ def main(argv=None) -> int:
         if not (args.local or args.dry_run):
             slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
         return run_verify(args, extra)
-    args.gpus = args.gpus or [1, 2, 4, 8]
+    args.gpus = args.gpus or list(SWEEP_GPUS)
     refuse_sweep_options(extra, "after --")
     check_args(args)
     runs = without_uncuttable(plan(args), model_of(extra))

@@ -16,6 +16,7 @@ import checkpoint
 import cuda_graphs
 import data
 import distributed_utils
+import layout
 import mfu
 import peer_failures
 import stopping
@@ -111,7 +112,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         "device": env.device.type,
         "dataset": cfg.dataset,
         "seed": cfg.seed,
-        "job_id": distributed_utils.job_id(),
+        "job_id": layout.job_id(),
     }
     built = {
         # Model parallelism on one device (a CPU) runs the model whole, as `single` does.
@@ -298,5 +299,5 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
         env.device,
         cfg.precision,
         cfg.strategy,
-        extra={"job_id": distributed_utils.job_id()},
+        extra={"job_id": layout.job_id()},
     )

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from checkpoint import Position
+from checkpoint_files import Position
 from cuda_graphs import GraphedStep
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv
