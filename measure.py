@@ -215,10 +215,14 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def every_rank(value: float, device: torch.device) -> list[float]:
-    """Each rank's value, in rank order, on every rank (one all-reduce of a vector)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return all_reduce([value if r == rank else 0.0 for r in range(world_size())], device)
+def every_rank(values: list[float], device: torch.device) -> list[list[float]]:
+    """Each rank's values, in rank order, on every rank: one all-reduce (a sum) of a vector in
+    which each rank fills its own slots and leaves the others' zero, so each value arrives
+    exactly as its rank had it."""
+    rank, count = (dist.get_rank() if dist.is_initialized() else 0), len(values)
+    mine = [v if r == rank else 0.0 for r in range(world_size()) for v in values]
+    flat = all_reduce(mine, device)
+    return [flat[r * count : (r + 1) * count] for r in range(world_size())]
 
 
 @dataclass
@@ -266,24 +270,25 @@ def time_breakdown(segment: Segment, step: StepCompute, device: torch.device, se
     the rest is unknown: both are `na`, with breakdown=unreliable (never a negative time;
     breakdown_warning says why).
     Also the straggler: which rank was the busiest (slowest_rank), and by how many seconds the
-    busiest and the least busy differ (rank_time_spread).
+    busiest and the least busy differ (rank_time_spread). Every rank's compute, data and
+    spread come in one all-reduce (every_rank), from which each rank takes the same sums,
+    means and largest.
     """
     steps, data = segment.steps, segment.data
     room = segment.elapsed - data  # the most compute this rank's part of the epoch can hold
     compute = min(step.median * steps, room)
-    busy = every_rank(compute + data, device)
-    slowest = max(busy)
-    rest = segment.elapsed - slowest
     own_spread = step.slowest * steps - min(step.fastest * steps, room)
-    (spread,) = all_reduce([own_spread], device, dist.ReduceOp.MAX)
-    means = [v / len(busy) for v in all_reduce([compute, data, slowest - (compute + data)], device)]
+    computes, datas, spreads = zip(*every_rank([compute, data, own_spread], device))
+    busy = [c + d for c, d in zip(computes, datas)]
+    slowest, spread = max(busy), max(spreads)
+    rest = segment.elapsed - slowest
     reliable = spread <= SPREAD_LIMIT * segment.elapsed
     rest = rest if reliable else UNKNOWN
     return {
-        "t_compute": means[0] if reliable else UNKNOWN,
-        "t_data": means[1],
+        "t_compute": sum(computes) / len(busy) if reliable else UNKNOWN,
+        "t_data": sum(datas) / len(busy),
         "t_comm": rest if sends else 0.0,
-        "t_wait": means[2],
+        "t_wait": sum(slowest - b for b in busy) / len(busy),
         "t_other": 0.0 if sends else rest,
         "compute_spread": spread,
         "breakdown": "ok" if reliable else "unreliable",

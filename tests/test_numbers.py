@@ -611,6 +611,22 @@ def test_gpu_busy_is_na_above_one_rank_and_its_trace_never_runs_there(world_size
         assert busy == "na" and traces == [], (busy, traces)
 
 
+def test_the_breakdown_takes_every_ranks_numbers_in_one_all_reduce(monkeypatch):
+    """time_breakdown's sums, means and largest over the ranks all come from one collective:
+    here rank 0 of two, whose peer (an all-reduce that adds nothing) was idle."""
+    reduced = []
+    monkeypatch.setattr(measure.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(measure.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(measure.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(measure.dist, "all_reduce", lambda t, op: reduced.append(op))
+    m = breakdown((0.05, 0.04, 0.06), sends=True)
+    assert reduced == [measure.dist.ReduceOp.SUM]
+    busy = 9 * 0.05 + 0.1  # rank 0's compute and data; rank 1's: 0
+    assert (m["slowest_rank"], m["rank_time_spread"]) == (0, pytest.approx(busy))
+    assert m["t_compute"] == pytest.approx(9 * 0.05 / 2) and m["t_data"] == pytest.approx(0.05)
+    assert m["t_wait"] == pytest.approx(busy / 2) and m["compute_spread"] == pytest.approx(0.18)
+
+
 def breakdown(compute: tuple[float, float, float], sends: bool, elapsed: float = 1.0) -> dict:
     """time_breakdown's fields of one rank's epoch of 9 steps and 0.1 s of data; compute: a
     step's median, fastest and slowest round. With the epoch's `time` and number, as a line."""
