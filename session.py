@@ -23,7 +23,7 @@ import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, STAGED, Config, check_world, data_world, microbatches
 from fsdp_utils import effective_sharding
-from measure import ComputeCalibration, MemoryMeter
+from measure import ComputeCalibration, EpochMeters, MemoryMeter
 from model import build_model, count_parameters
 from optim import make_optimizer, make_scheduler
 from precision import make_precision, set_fp32_math, storage_dtype
@@ -149,14 +149,16 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         precision=precision,
         env=env,
         loaders=loaders,
-        labels={**run_labels, **setting, **built},
+        meters=EpochMeters(
+            memory=memory,
+            flops=flops,
+            labels={**run_labels, **setting, **built},
+            calibration=calibration,
+        ),
         print_every=cfg.print_every,
-        memory=memory,
         scheduler=make_scheduler(cfg, optimizer, len(loaders.train)),
         grad_accum=cfg.grad_accum,
         clip_grad=cfg.clip_grad,
-        calibration=calibration,
-        flops=flops,
         cuda_graphs=cfg.cuda_graphs,
         step_collectives=STEP_COLLECTIVES[cfg.strategy],
     )
@@ -226,7 +228,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     chosen = checkpoint.chosen(cfg.resume) if cfg.resume not in (None, "auto") else None
     trainer, resolved = build_trainer(cfg, env)
     if cfg.profile:
-        trainer.profiler = StepProfiler(profile_path(env), env.device, trainer.cuda_graphs)
+        trainer.meters.profiler = StepProfiler(profile_path(env), env.device, trainer.cuda_graphs)
     folder = (
         distributed_utils.on_rank0(checkpoint.prepare_folder, cfg.checkpoint_dir, cfg.resume)
         if cfg.checkpoint
@@ -275,8 +277,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
                 folder,
                 f"{e}: training diverged (try a lower --lr); {last_good_checkpoint(folder)}",
             )
-    if trainer.profiler:
-        log0(profile_report(trainer.profiler))
+    if trainer.meters.profiler:
+        log0(profile_report(trainer.meters.profiler))
     return Outcome(trainer, history, stopped_at, folder)
 
 

@@ -364,7 +364,7 @@ def test_a_trainer_is_built_with_keywords():
 
     with pytest.raises(TypeError):
         Learner(None, None, None, None)
-    with pytest.raises(TypeError):  # a trainer has loaders, a memory meter and the FLOPs
+    with pytest.raises(TypeError):  # a trainer has loaders and its meters
         Trainer(model=None, optimizer=None, precision=None, env=None)
     learner = Learner(model=None, optimizer=None, precision=None, env=None)
     assert learner.grad_accum == 1 and learner.clip_grad is None
