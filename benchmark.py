@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,16 +42,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cuda_graphs
 import data
 import distributed_utils
-from checkpoint import Position
+from checkpoint_files import Position
 from comm_bench import run_comm_benchmark
-from config import Config
+from config import SWEEP_GPUS, Config
+from layout import REPO
 from measure import synchronize
 from model import build_model
 from optim import make_optimizer
 from session import build_trainer
 from utils import last_line, parse_metric
 
-ROOT = Path(__file__).resolve().parent
 SPEC = data.DATASETS["cifar10"]  # CIFAR-10's statistics and its default augmentation
 
 
@@ -208,10 +207,6 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     }
 
 
-SWEEP_GPUS = (1, 2, 4, 8)  # run_benchmarks.py's default GPU counts
-EPOCH_IMAGES = 50_000  # a CIFAR-10 epoch
-
-
 def seconds_per_step(cfg: Config, env, rounds: int = 3) -> tuple[float, dict]:
     """One rank's training step at cfg's batch, alone (world size 1: what each rank of a sweep
     point computes, without the others): the median over `rounds` epochs after a warm-up
@@ -234,7 +229,7 @@ def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tup
     """Rows of the floor table: per GPU count N of the sweep, the local batch global_batch / N,
     its operations and step time, eager and (on a GPU) graphed, and the CIFAR-10 epoch time
     those steps imply."""
-    epoch_steps = EPOCH_IMAGES // global_batch  # strong scaling: the same at every N
+    epoch_steps = SPEC.train_size // global_batch  # strong scaling: the same at every N
     rows = [
         (
             "GPUs",
@@ -336,7 +331,7 @@ def scaling_run(
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={world_size}",
-        str(ROOT / "main.py"),
+        str(REPO / "main.py"),
         "--strategy",
         strategy,
         "--dataset",
@@ -358,7 +353,7 @@ def scaling_run(
     # One thread per rank at every world size, so efficiency compares like with like.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     metrics = [m for m in map(parse_metric, result.stdout.splitlines()) if m]
     if result.returncode or not metrics:
         sys.exit(f"error: {strategy} at world size {world_size} failed:\n{result.stderr[-2000:]}")
@@ -434,8 +429,8 @@ def main(argv=None) -> None:
 
     print(
         f"The sweep's floor: one rank's step at the local batch of each GPU count N (global "
-        f"batch {b}, strong scaling), and the epoch of {EPOCH_IMAGES:,} images "
-        f"({EPOCH_IMAGES // b} steps) it implies, before any communication:\n"
+        f"batch {b}, strong scaling), and the epoch of {SPEC.train_size:,} images "
+        f"({SPEC.train_size // b} steps) it implies, before any communication:\n"
     )
     print(table(floor), flush=True)
     smallest, largest = floor[-1], floor[1]

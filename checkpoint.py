@@ -4,12 +4,12 @@ DDP: every rank holds the same weights, so rank 0 alone writes one file (a full 
 FSDP: each rank writes its own shard through torch.distributed.checkpoint (DCP), which reshards
 on load, so a run may resume at another world size. A pipeline: each rank writes its stage's
 file, resumed by the same number of stages. All go through `get_state_dict` /
-`set_state_dict`, which understand every wrapper.
+`set_state_dict`, which understand every wrapper. What a checkpoint's folder holds, and how its
+files are found and read, is checkpoint_files.py's.
 
-A checkpoint is a folder `ckpt_e{epoch}_s{step}`: where training continues. Everything is
-written into `<name>.tmp/` first and rank 0 renames it once every rank has finished, so a crash
-mid-write leaves the previous checkpoint as the latest. Only `prune` deletes checkpoints: the
-oldest of a run beyond --keep-last, never the one resumed from.
+Everything is written into `<name>.tmp/` first and rank 0 renames it once every rank has
+finished, so a crash mid-write leaves the previous checkpoint as the latest. Only `prune`
+deletes checkpoints: the oldest of a run beyond --keep-last, never the one resumed from.
 A run's checkpoints share a folder (`folder_for`); a fresh run never writes into a folder that
 holds another run's checkpoints. When to save on a signal is stopping.py's to say.
 
@@ -21,10 +21,9 @@ a run goes on from an older one, it is renamed aside to `<name>.damaged`.
 
 import contextlib
 import os
-import re
 import shutil
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,57 +31,35 @@ import torch
 import torch.distributed as dist
 
 import safe_load
+from checkpoint_files import (
+    DAMAGED_SUFFIX,
+    DDP_FILE,
+    META_FILE,
+    NAME_RE,
+    RNG_FILE,
+    STAGE_FILE,
+    Identity,
+    Position,
+    Unreadable,
+    candidates,
+    finished,
+    latest,
+    misfit,
+    named_by,
+    one_line,
+    read_meta,
+    read_state,
+    read_streams,
+    unreadable,
+)
 from config import SHARDED, STAGED, Config
-from distributed_utils import run_name
+from layout import CHECKPOINTS_DIR, run_id
 from peer_failures import is_peer_failure
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
 
 # torch.distributed.checkpoint (DCP) is imported inside the functions that write or read a
 # checkpoint: it loads FSDP and DTensor (about a second), which `main.py --check`, run before
 # every launch to find the run's checkpoint folder, does without.
-
-NAME_RE = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
-DAMAGED_SUFFIX = ".damaged"  # an unreadable checkpoint set aside, never deleted by us
-META_FILE = "meta.pt"
-DDP_FILE = "state.pt"
-STAGE_FILE = "stage{rank}.pt"  # a pipeline stage's parameters and optimizer state
-
-
-@dataclass
-class Position:
-    """Where training continues: epoch `epoch` after `step` batches, with what those batches
-    already added to the epoch's (global) sums."""
-
-    epoch: int = 1
-    step: int = 0
-    loss_sum: float = 0.0
-    seen: int = 0
-    data_wait: float = 0.0
-    time: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return f"ckpt_e{self.epoch:04d}_s{self.step:06d}"
-
-    @property
-    def resumes(self) -> str:
-        """Where training goes on from here, in words: the name gives where it resumes, which
-        after epoch 1 reads as epoch 2 (ckpt_e0002_s000000)."""
-        if self.step:
-            return f"after step {self.step} of epoch {self.epoch}: resumes there"
-        if self.epoch == 1:
-            return "before any step: resumes at epoch 1"
-        return f"after epoch {self.epoch - 1}: resumes at epoch {self.epoch}"
-
-
-@dataclass
-class Identity:
-    """What a checkpoint fits: refused, with a clear message, by a run of another kind."""
-
-    strategy: str
-    model: str
-    parameters: int
-    global_batch: int  # a step count means this many images: mid-epoch positions need it
 
 
 def run_identity(cfg: Config, parameters: int) -> Identity:
@@ -150,7 +127,7 @@ def _set_rng_state(state: dict, generator: torch.Generator | None) -> bool:
     return True
 
 
-def _whole(identity: "Identity") -> bool:
+def _whole(identity: Identity) -> bool:
     """Whether every rank holds the whole model (one file from rank 0), or a part of it: a
     shard (DCP) or a pipeline stage (a file per rank)."""
     return identity.strategy not in (*SHARDED, *STAGED)
@@ -225,7 +202,7 @@ def _write(tmp: Path, position: Position, identity: Identity, resumable: Resumab
             torch.save({"model": model_state, "optim": optim_state}, _stage_file(tmp))
         else:
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    torch.save(_rng_state(generator), tmp / f"rng_rank{_rank()}.pt")
+    torch.save(_rng_state(generator), tmp / RNG_FILE.format(rank=_rank()))
     if is_rank_zero():
         torch.save(
             {
@@ -305,13 +282,7 @@ def _cause(error: BaseException) -> str:
         return "; ".join(
             f"rank {rank}: {_cause(wrapped[0])}" for rank, wrapped in sorted(error.failures.items())
         )
-    return _one_line(error)
-
-
-def _one_line(error: BaseException) -> str:
-    """An exception's type and first line (without loading DCP, as _cause does)."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    return one_line(error)
 
 
 def _together(fn, *args, alone: bool = False) -> tuple[object, str | None]:
@@ -359,13 +330,6 @@ def _intact(directory: Path) -> str:
     return f"the newest checkpoint, {newest}, is intact (--resume auto continues from it)"
 
 
-def named_by(resume: str) -> Path:
-    """The path `--resume PATH` names: a checkpoint, a folder of them, or one of a checkpoint's
-    files (its meta.pt, ...), which names that checkpoint."""
-    path = Path(resume)
-    return path.parent if path.is_file() and (path.parent / META_FILE).is_file() else path
-
-
 def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
     """Where a run's checkpoints go: the folder asked for; else beside the checkpoint resumed
     from; else one per SLURM job (a requeued job keeps its id, so it finds its own); else a new
@@ -375,7 +339,7 @@ def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
     if resume not in (None, "auto"):
         resumed = named_by(resume)
         return resumed.parent if (resumed / META_FILE).is_file() else resumed
-    return Path("checkpoints") / run_name()
+    return CHECKPOINTS_DIR / run_id()
 
 
 def refuse_overwrite(folder: Path, resume: str | None) -> None:
@@ -402,30 +366,6 @@ def prepare_folder(checkpoint_dir: str | None, resume: str | None) -> Path:
         ) from None
     refuse_overwrite(folder, resume)
     return folder
-
-
-def _named(directory: Path, holds) -> list[Path]:
-    """The paths in `directory` named as checkpoints for which holds(path), oldest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [
-        (tuple(map(int, m.groups())), p)
-        for p in directory.iterdir()
-        if (m := NAME_RE.match(p.name)) and holds(p)
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def finished(directory: Path) -> list[Path]:
-    """The finished checkpoints in `directory`, oldest first (a `.tmp` one is being written)."""
-    return _named(directory, lambda path: (path / META_FILE).is_file())
-
-
-def latest(directory: Path) -> Path | None:
-    """The newest finished checkpoint in `directory`, or None."""
-    found = finished(directory)
-    return found[-1] if found else None
 
 
 def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]:
@@ -461,54 +401,14 @@ def resolve(resume: str, directory: Path) -> Path | None:
     return latest(directory) if resume == "auto" else chosen(resume)
 
 
-class Unreadable(CheckpointError):
-    """A checkpoint whose files cannot be read (a disk fault, a file cut short)."""
-
-
 def _read(path: Path, fn, *args):
     """fn(*args), a read of checkpoint `path` on every rank, which then agree: what any rank
     cannot read is Unreadable on all of them, at the same step (rather than one rank failing
     while the others go on to a collective and wait for it)."""
     value, error = _together(fn, *args)
     if error:
-        raise _unreadable(path, error)
+        raise unreadable(path, error)
     return value
-
-
-def _unreadable(path: Path, cause: str) -> Unreadable:
-    return Unreadable(f"cannot read checkpoint {path} ({cause})")
-
-
-class _Meta(NamedTuple):
-    identity: Identity
-    position: Position
-    world_size: int
-    scheduler: dict | None
-
-
-def _load_meta(path: Path) -> _Meta:
-    """meta.pt, read weights-only and held to the fields save() writes: a file of another
-    shape is unreadable (raised inside _read), not a traceback further on."""
-    meta = safe_load.torch_file(path)
-    return _Meta(
-        Identity(**meta["identity"]),
-        Position(**meta["position"]),
-        int(meta["world_size"]),
-        meta.get("scheduler"),
-    )
-
-
-def _load_state(path: Path) -> dict:
-    """A whole-model file (state.pt, a stage's file): the model's and the optimizer's state."""
-    state = safe_load.torch_file(path)
-    if not (isinstance(state.get("model"), dict) and isinstance(state.get("optim"), dict)):
-        raise ValueError(f"{path.name} holds no model and optimizer state")
-    return state
-
-
-def _load_streams(path: Path) -> dict | None:
-    """This rank's random streams, if saved (at the same world size, every rank's are)."""
-    return safe_load.torch_file(path) if path.is_file() else None
 
 
 def _load_shards(path: Path, model, optimizer) -> dict:
@@ -531,55 +431,6 @@ def _load_shards(path: Path, model, optimizer) -> dict:
     return state
 
 
-def read_model(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model's state dict from checkpoint `path`, in one process (verify.py): from
-    state.pt, or gathered from FSDP's shards (only the model's tensors are read)."""
-    whole = path / DDP_FILE
-    if whole.is_file():
-        return _load_state(whole)["model"]
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    items = safe_load.dcp_metadata(path).state_dict_metadata.items()
-    model = {
-        key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
-        for key, item in items
-        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():  # that one process reads it is the point, not a slip
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        safe_load.dcp_load({"model": model}, path, no_dist=True)
-    return model
-
-
-def misfit(path: Path, meta: _Meta, identity: Identity, world_size: int) -> str | None:
-    """Why checkpoint `path` (its meta) cannot resume a run of `identity` on world_size ranks,
-    or None: what `load` refuses, and `--check` before it."""
-    theirs = meta.identity
-    if (theirs.strategy, theirs.model, theirs.parameters) != (
-        identity.strategy,
-        identity.model,
-        identity.parameters,
-    ):
-        return (
-            f"checkpoint {path} was written by strategy={theirs.strategy} "
-            f"model={theirs.model} ({theirs.parameters} parameters); this run is "
-            f"strategy={identity.strategy} model={identity.model} "
-            f"({identity.parameters} parameters)"
-        )
-    if meta.position.step and theirs.global_batch != identity.global_batch:
-        return (
-            f"checkpoint {path} stopped mid-epoch at global batch "
-            f"{theirs.global_batch}; resume it with --batch-size "
-            f"{theirs.global_batch}, or from an end-of-epoch checkpoint"
-        )
-    if identity.strategy in STAGED and meta.world_size != world_size:
-        return (
-            f"checkpoint {path} holds {meta.world_size} pipeline stages: resume it on "
-            f"{meta.world_size} ranks, not {world_size}"
-        )
-    return None
-
-
 def check_resume(resume: str, directory: Path, identity: Identity, world_sizes: list[int]) -> None:
     """`--check`'s word on `--resume`: the checkpoint the run would start from is there and
     fits the run at every world size, or the run's own error now. Its meta.pt alone is read,
@@ -589,11 +440,11 @@ def check_resume(resume: str, directory: Path, identity: Identity, world_sizes: 
     if path is None:
         return
     try:
-        meta = _load_meta(path / META_FILE)
+        meta = read_meta(path / META_FILE)
     except Exception as e:
         if resume == "auto":
             return
-        raise _unreadable(path, _one_line(e)) from None
+        raise unreadable(path, one_line(e)) from None
     for world_size in world_sizes:
         if why := misfit(path, meta, identity, world_size):
             raise UsageError(why)
@@ -604,7 +455,7 @@ def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
     every rank's random streams. A file that any rank cannot read raises the same Unreadable
     on every rank."""
     model, optimizer, generator, scheduler = resumable
-    meta = _read(path, _load_meta, path / META_FILE)
+    meta = _read(path, read_meta, path / META_FILE)
     if why := misfit(path, meta, identity, _world()):
         raise UsageError(why)
     position = meta.position
@@ -613,9 +464,9 @@ def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
     full = _whole(identity)
     with _quiet_fsdp1_state_dict():
         if full:
-            state = _read(path, _load_state, path / DDP_FILE)
+            state = _read(path, read_state, path / DDP_FILE)
         elif identity.strategy in STAGED:
-            state = _read(path, _load_state, _stage_file(path))
+            state = _read(path, read_state, _stage_file(path))
         else:
             state = _read(path, _load_shards, path, model, optimizer)
         set_state_dict(
@@ -633,7 +484,7 @@ def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
             f"[CHECKPOINT] written at world size {meta.world_size}, resumed at {_world()}: "
             "the random streams start afresh"
         )
-    elif streams := _read(path, _load_streams, path / f"rng_rank{_rank()}.pt"):
+    elif streams := _read(path, read_streams, path / RNG_FILE.format(rank=_rank())):
         if not _set_rng_state(streams, generator):
             log0("[CHECKPOINT] written on another device type: the random streams start afresh")
     return position
@@ -649,12 +500,6 @@ def load_chosen(path: Path, identity: Identity, resumable: Resumable) -> Positio
             f"{e}; nothing was written and every checkpoint is as it was: repair it, or go on "
             f"from the newest readable one with --resume auto --checkpoint-dir {path.parent}"
         ) from None
-
-
-def candidates(directory: Path) -> list[Path]:
-    """Every checkpoint in `directory`, oldest first: the finished ones and those named as one
-    but without their meta file (damaged: a finished checkpoint always has it)."""
-    return _named(directory, Path.is_dir)
 
 
 def load_newest_readable(

@@ -21,6 +21,7 @@ SHARDED = ("fsdp", "fsdp2")  # strategies whose ranks each hold a shard (checkpo
 STAGED = ("pipeline",)  # each rank holds consecutive layers: a stage (checkpoints per stage)
 LAYER_SPLIT = ("pipeline", "model")  # strategies that split the model's layers over devices
 ONE_PROCESS = ("model", "dp", "single")  # baselines that drive every device from one process
+SWEEP_GPUS = (1, 2, 4, 8)  # run_benchmarks.py's GPU counts by default (benchmark.py predicts them)
 SCHEDULES = ("gpipe", "1f1b")
 STRATEGY_OPTIONS = {"microbatches": "pipeline", "sync_bn": "ddp"}  # options one strategy takes
 # FSDP1: each rank's gradients are flat shards of its units, which a loss scaler must see on

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import peer_failures
-from layout import LOGS_DIR, time_stamp
+from layout import LOGS_DIR, job_id
 from utils import UsageError, env_int, is_rank_zero, read_ranks, release
 
 # The oldest torch this project runs on; requirements.txt's floor is the same (a test checks).
@@ -397,14 +397,3 @@ def num_nodes(env=os.environ) -> int:
         return int(env.get("SLURM_STEP_NUM_NODES", env["SLURM_JOB_NUM_NODES"]))
     world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", 0) or 0)
     return max(1, world // local) if local else 1
-
-
-def job_id(env=os.environ) -> str:
-    return env.get("SLURM_JOB_ID", "local")
-
-
-def run_name(env=os.environ) -> str:
-    """A name for this run's files: the SLURM job id (a requeued job keeps it, and so finds its
-    own files), else local-<start time>. Ask on one rank (on_rank0) so that all use the same."""
-    job = job_id(env)
-    return job if job != "local" else "local-" + time_stamp()

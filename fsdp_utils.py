@@ -36,8 +36,13 @@ NO_SHARD is deprecated upstream: for replicated training, use DDP (--strategy dd
 
 Mixed precision: compute in bf16/fp16, reduce gradients in fp32 (as DDP under autocast does;
 precision.py).
+
+What the training step does differently under each wrapper: `gradient_sync` (accumulating
+micro-batches without reducing: FSDP2's own switch, the `no_sync` that FSDP1 shares with DDP),
+`clip_gradients` (FSDP1's flat shards) and `reshard` (FSDP2's units left gathered).
 """
 
+import contextlib
 import socket
 import warnings
 
@@ -190,3 +195,37 @@ def effective_sharding(model: nn.Module, sharding: str) -> str:
     if isinstance(root, FSDPModule):
         return "no_shard" if torch.distributed.get_world_size() == 1 else sharding
     return "replicate"
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Reduce gradients over the ranks in this backward, or only accumulate them locally (all
+    micro-batches but the last): DDP's and FSDP1's `no_sync`, FSDP2's own switch."""
+    root = getattr(model, "_orig_mod", model)  # under torch.compile
+    if isinstance(root, FSDPModule):
+        root.set_requires_gradient_sync(enabled)
+        yield
+    elif not enabled and hasattr(root, "no_sync"):
+        with root.no_sync():
+            yield
+    else:
+        yield
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their norm over all ranks and shards is at most max_norm.
+    FSDP1's flat shards need its own method; DDP's gradients are whole and equal on every
+    rank, and FSDP2's are DTensors whose norm torch's function already takes over all shards."""
+    root = getattr(model, "_orig_mod", model)
+    if isinstance(root, FSDP):
+        return root.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the parameters every FSDP2 unit holds gathered, putting its shards back in the
+    module (FSDPModule.reshard, which is not recursive). Other wrappers hold nothing between
+    steps: nothing to do."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,12 +1,14 @@
 """Where the project's files go: the repository's logs/ and jobs/, a sweep's folder and each
-run's log name (written by run_benchmarks.py, read back by collect_results.py), verify's report
-folder, and the results CSV with the CSVs beside it.
+run's log name (written by run_benchmarks.py, read back by collect_results.py), a run's
+checkpoints folder and its job id in names, verify's report folder, and the results CSV with
+the CSVs beside it.
 
 The logs folder is the repository's logs/, wherever a tool is started from: run.sh and the job
 scripts run in the repository, and every tool and the training program ask LOGS_DIR. Paths a
 user gives are taken as given.
 """
 
+import os
 import re
 import time
 from pathlib import Path
@@ -15,6 +17,13 @@ REPO = Path(__file__).resolve().parent
 LOGS_DIR = REPO / "logs"
 JOBS_DIR = REPO / "jobs"  # the sweep's job scripts, and the collect and verify jobs' own logs
 ERR_SUFFIX = ".err"  # X.err beside X.log: that run's stderr
+# A run's checkpoints go to checkpoints/<run id>/ unless it is told where: relative, beside
+# where the run was started (run.sh starts it in the repository).
+CHECKPOINTS_DIR = Path("checkpoints")
+# A run without SLURM has no job id: its [CONFIG] and [METRIC] lines say job_id=local, and what
+# a job's id names (its log, checkpoints folder, traces, verify's folder) is named
+# local-<date-time> instead (local_id).
+LOCAL_JOB = "local"
 
 # A sweep's logs live in logs/sweep-<date-time>/, never mixed with another sweep's: the sweep
 # tool makes the folder, the collector reads the newest (or, when asked, several).
@@ -23,8 +32,8 @@ SWEEP_PREFIX = "sweep-"
 # without --wait learns whether it gave results. The collector reads it as no log.
 SWEEP_OUTCOME = "collect_outcome.txt"
 
-# A run's log is named `{strategy}_{gpus}gpu[_{model}]_{job id}.log` (run_name; the job id of a
-# run without SLURM is `local-<date-time>`, never a model); the course's were
+# A run's log is named `{strategy}_{gpus}gpu[_{model}]_{job id}.log` (configuration_name;
+# a run without SLURM has local_id() there, never a model); the course's were
 # `ddp_4gpu_15epochs.train.log` (where `_15epochs` is no job id), and some name the nodes:
 # `{strategy}_{gpus}gpu[_{nodes}node][_{jobid}].log`.
 LOG_NAME_RE = re.compile(
@@ -51,15 +60,37 @@ def time_stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
-def time_stamped(folder: Path, prefix: str, suffix: str = "") -> Path:
-    """folder/<prefix><date-time>[-n]<suffix>: named by the time now, and by n = 2, 3, ... where
-    that name is taken, so never an earlier file or folder (nothing is made here)."""
-    stem = prefix + time_stamp()
+def free_path(folder: Path, stem: str, suffix: str = "") -> Path:
+    """folder/<stem>[-n]<suffix>: with n = 2, 3, ... where that name is taken, so never an
+    earlier file or folder (nothing is made here)."""
     path, n = folder / f"{stem}{suffix}", 1
     while path.exists():
         n += 1
         path = folder / f"{stem}-{n}{suffix}"
     return path
+
+
+def time_stamped(folder: Path, prefix: str, suffix: str = "") -> Path:
+    """folder/<prefix><date-time>[-n]<suffix>: named by the time now (free_path)."""
+    return free_path(folder, prefix + time_stamp(), suffix)
+
+
+def job_id(env=os.environ) -> str:
+    """This run's SLURM job id, or LOCAL_JOB."""
+    return env.get("SLURM_JOB_ID", LOCAL_JOB)
+
+
+def local_id() -> str:
+    """Where a name holds a job id, a run without SLURM started now: local-<date-time>."""
+    return f"{LOCAL_JOB}-{time_stamp()}"
+
+
+def run_id(env=os.environ) -> str:
+    """This run in its own files' names (its checkpoints folder, its traces): the SLURM job id
+    (a requeued job keeps it, and so finds its own files), else local_id(). Ask on one rank
+    (distributed_utils.on_rank0) so that all use the same."""
+    job = job_id(env)
+    return job if job != LOCAL_JOB else local_id()
 
 
 def next_sweep_folder(logs: Path) -> Path:
@@ -74,14 +105,14 @@ def sweep_folders(logs: Path) -> list[Path]:
     return sorted(p for p in logs.iterdir() if p.is_dir() and p.name.startswith(SWEEP_PREFIX))
 
 
-def run_name(strategy: str, gpus: int, model: str = "") -> str:
-    """A configuration's name, its log's and its job script's: ddp_4gpu, or ddp_4gpu_resnet50
-    where a sweep names the model (all but main.py's default: run_benchmarks.py)."""
+def configuration_name(strategy: str, gpus: int, model: str = "") -> str:
+    """A sweep's configuration's name, its log's and its job script's: ddp_4gpu, or
+    ddp_4gpu_resnet50 where the sweep names the model (all but the default CNN)."""
     return f"{strategy}_{gpus}gpu" + (f"_{model}" if model else "")
 
 
 def log_stem(name: str, job_id: str) -> str:
-    """A run's log without its suffix: ddp_4gpu_1234 (sbatch's %j, or local-<date-time>)."""
+    """A run's log without its suffix: ddp_4gpu_1234 (sbatch's %j, or local_id())."""
     return f"{name}_{job_id}"
 
 
@@ -114,9 +145,12 @@ def collect_log(sweep: str, job_id: str) -> str:
     return f"{jobs_folder(sweep)}/collect_{job_id}.log"
 
 
-def verify_folder(job_id: str) -> Path:
-    """Where a verify job's report and logs go (run_benchmarks.py --wait reads it)."""
-    return LOGS_DIR / f"{VERIFY_PREFIX}{job_id}"
+def verify_folder(job: str) -> Path:
+    """Where a verify job's report and logs go (run_benchmarks.py --wait reads it): by its job
+    id, or for LOCAL_JOB a new folder named by local_id()."""
+    if job == LOCAL_JOB:
+        return free_path(LOGS_DIR, VERIFY_PREFIX + local_id())
+    return LOGS_DIR / f"{VERIFY_PREFIX}{job}"
 
 
 def side_path(results: Path, name: str) -> Path:

@@ -3,30 +3,32 @@ exact bytes), the time of a stage of every step (StageTimer), where the epoch's 
 (time_breakdown, with the compute calibration timed beside the epoch behind t_compute, and
 breakdown_warning where it cannot tell), the share of it the GPU ran kernels (gpu_busy, from a
 kernel trace of the calibration's step, at one rank only), and the `[METRIC]` fields they make,
-each reduced over the ranks (all_reduce: every number reported is a global one).
-docs/metrics.md says what each field means.
+each reduced over the ranks (all_reduce: every number reported is a global one). A trainer
+holds its meters as one `EpochMeters`. docs/metrics.md says what each field means.
 """
 
 import contextlib
 import ctypes
+import functools
 import math
 import re
 import resource
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import DeviceType
 
-from checkpoint import Position
+from checkpoint_files import Position
 from cuda_graphs import GraphedStep
 from distributed_utils import barrier
-from mfu import UNKNOWN
-from profiling import quiet_kineto
+from mfu import UNKNOWN, ModelFlops
+from peer_failures import say_where
+from profiling import StepProfiler, quiet_kineto
 
 
 def synchronize_device(device: torch.device) -> None:
@@ -215,10 +217,14 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def every_rank(value: float, device: torch.device) -> list[float]:
-    """Each rank's value, in rank order, on every rank (one all-reduce of a vector)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return all_reduce([value if r == rank else 0.0 for r in range(world_size())], device)
+def every_rank(values: list[float], device: torch.device) -> list[list[float]]:
+    """Each rank's values, in rank order, on every rank: one all-reduce (a sum) of a vector in
+    which each rank fills its own slots and leaves the others' zero, so each value arrives
+    exactly as its rank had it."""
+    rank, count = (dist.get_rank() if dist.is_initialized() else 0), len(values)
+    mine = [v if r == rank else 0.0 for r in range(world_size()) for v in values]
+    flat = all_reduce(mine, device)
+    return [flat[r * count : (r + 1) * count] for r in range(world_size())]
 
 
 @dataclass
@@ -266,24 +272,25 @@ def time_breakdown(segment: Segment, step: StepCompute, device: torch.device, se
     the rest is unknown: both are `na`, with breakdown=unreliable (never a negative time;
     breakdown_warning says why).
     Also the straggler: which rank was the busiest (slowest_rank), and by how many seconds the
-    busiest and the least busy differ (rank_time_spread).
+    busiest and the least busy differ (rank_time_spread). Every rank's compute, data and
+    spread come in one all-reduce (every_rank), from which each rank takes the same sums,
+    means and largest.
     """
     steps, data = segment.steps, segment.data
     room = segment.elapsed - data  # the most compute this rank's part of the epoch can hold
     compute = min(step.median * steps, room)
-    busy = every_rank(compute + data, device)
-    slowest = max(busy)
-    rest = segment.elapsed - slowest
     own_spread = step.slowest * steps - min(step.fastest * steps, room)
-    (spread,) = all_reduce([own_spread], device, dist.ReduceOp.MAX)
-    means = [v / len(busy) for v in all_reduce([compute, data, slowest - (compute + data)], device)]
+    computes, datas, spreads = zip(*every_rank([compute, data, own_spread], device))
+    busy = [c + d for c, d in zip(computes, datas)]
+    slowest, spread = max(busy), max(spreads)
+    rest = segment.elapsed - slowest
     reliable = spread <= SPREAD_LIMIT * segment.elapsed
     rest = rest if reliable else UNKNOWN
     return {
-        "t_compute": means[0] if reliable else UNKNOWN,
-        "t_data": means[1],
+        "t_compute": sum(computes) / len(busy) if reliable else UNKNOWN,
+        "t_data": sum(datas) / len(busy),
         "t_comm": rest if sends else 0.0,
-        "t_wait": means[2],
+        "t_wait": sum(slowest - b for b in busy) / len(busy),
         "t_other": 0.0 if sends else rest,
         "compute_spread": spread,
         "breakdown": "ok" if reliable else "unreliable",
@@ -340,7 +347,7 @@ def traced_busy_seconds(work: Callable[[], None], device: torch.device) -> float
 
 def gpu_busy(segment: Segment, kernel_seconds: float | None) -> dict:
     """gpu_busy: the share of the segment's training time the GPU spent running the steps'
-    kernels, kernel_seconds a step (train.Trainer.kernel_seconds_per_step) x the steps / the
+    kernels, kernel_seconds a step (EpochMeters.kernel_seconds_per_step) x the steps / the
     segment's time; UNKNOWN where no kernel time is known (a CPU, more than one rank, a trace
     that saw no kernel). Not clamped: above 1 the trace and the clock disagree."""
     if not kernel_seconds:
@@ -456,3 +463,62 @@ class ComputeCalibration:
             busy = traced_busy_seconds(self.run_round, self.device)
             self.kernel_seconds = busy / self.round_steps if busy else None
         return self.kernel_seconds
+
+
+@dataclass(kw_only=True)
+class EpochMeters:
+    """What a trainer measures its epochs with, one of each for the run (session.build_trainer
+    makes them): the memory meter, data_wait's timer, the compute calibration (None for a
+    pipeline's stages, which measure their own compute), --profile's profiler, the model's
+    FLOPs, and the `[METRIC]` line's fields that are not measured (labels)."""
+
+    memory: MemoryMeter
+    flops: ModelFlops  # for tflops and mfu
+    labels: dict = field(default_factory=dict)
+    calibration: ComputeCalibration | None = None
+    profiler: StepProfiler | None = None
+
+    @functools.cached_property
+    def data_wait(self) -> StageTimer:
+        """data_wait's timer: its CUDA events made once."""
+        return StageTimer(self.memory.device)
+
+    def tracing(self) -> bool:
+        """Whether --profile's trace is still to come: it holds the run's steps alone."""
+        return self.profiler is not None and not self.profiler.saved
+
+    def calibration_plan(self, first: int, total: int) -> list[int]:
+        """The steps of an epoch that trains steps first..total-1 before which the compute
+        calibration times a round (ComputeCalibration.plan): none without one; while
+        --profile's trace is still to come, after the steps it traces."""
+        if self.calibration is None:
+            return []
+        if self.tracing():
+            first = min(total, first + self.profiler.traced_steps[-1])
+        return self.calibration.plan(first, total)
+
+    def calibrate(self, planned: list[int], step: int) -> float:
+        """The compute calibration's rounds planned before `step` (total: after the last),
+        beside the epoch, their memory set aside; returns the seconds they held it up."""
+        held, count = 0.0, planned.count(step)
+        if count:
+            say_where(f"in the compute calibration's rounds before step {step}")
+        for _ in range(count):
+            with self.memory.set_aside():
+                held += self.calibration.timed_round()
+        return held
+
+    def step_compute(self) -> StepCompute:
+        """One step's compute on this rank this epoch, for t_compute (time_breakdown); 0
+        without a calibration."""
+        return self.calibration.step_compute() if self.calibration else StepCompute.measured(0.0)
+
+    def kernel_seconds_per_step(self, world_size: int) -> float | None:
+        """One step's GPU kernel time, for gpu_busy; None where unknown: no calibration (a
+        pipeline), or more than one rank, where the calibration's unwrapped step runs none of
+        the wrapper's collectives and copies that the run's step does (its share would not be
+        the run's). Not while --profile's own trace is still to come: the profiler runs one
+        trace at a time (the next epoch's calibration traces instead)."""
+        if self.calibration is None or world_size > 1 or self.tracing():
+            return None
+        return self.calibration.kernel_seconds_per_step()

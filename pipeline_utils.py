@@ -100,7 +100,6 @@ class PipelineTrainer(Trainer):
     def __post_init__(self):
         env = self.env
         self.first, self.last = env.rank == 0, env.rank == env.world_size - 1
-        self.reports_sums = self.last  # the loss and images are counted once, where the loss is
         self.stage = TimedStage(self.model, env.rank, env.world_size, env.device)
         self.schedule = SCHEDULES[self.schedule_name](
             self.stage, self.microbatches, loss_fn=_mean_loss
@@ -110,6 +109,10 @@ class PipelineTrainer(Trainer):
     @property
     def shows_progress(self) -> bool:
         return self.last  # the stage that computes the loss
+
+    @property
+    def reports_sums(self) -> bool:
+        return self.last  # the loss and images are counted once, where the loss is
 
     @property
     def data_ranks(self) -> tuple[int, int]:

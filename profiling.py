@@ -9,7 +9,7 @@ import torch
 
 import distributed_utils
 from cuda_graphs import WARMUP_STEPS
-from layout import LOGS_DIR, relative
+from layout import LOGS_DIR, relative, run_id
 
 # --profile traces these steps of the first epoch trained: the first is skipped (it carries
 # one-off work), the next warm the profiler up, the last are recorded. A graphed run's eager
@@ -66,7 +66,7 @@ PROFILE_DIR = LOGS_DIR / "profiles"
 
 def profile_path(env: distributed_utils.DistEnv) -> Path:
     """One trace per rank and run, named as rank 0 names the run."""
-    run = distributed_utils.on_rank0(distributed_utils.run_name)
+    run = distributed_utils.on_rank0(run_id)
     return PROFILE_DIR / f"{run}_rank{env.rank}.json"
 
 

@@ -15,7 +15,7 @@ nothing is written or submitted. Then every configuration gets a script in
 jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one task per GPU,
 ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script again to
 resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job
-id>.log and .err (layout.run_name: the model before the job id where it is not the CNN). A last
+id>.log and .err (layout.configuration_name: the model before the job id where it is not the CNN). A last
 job, started once all the others have ended, runs plot_results.sh on the sweep's folder:
 results.csv and plots/ appear by themselves (its own log stays in jobs/), and its outcome, one
 line and its log's last error, goes to the sweep's collect_outcome.txt; without --wait the sweep
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import config
 import layout
 import slurm_jobs
-from config import ONE_PROCESS, PRECISIONS, STRATEGIES
+from config import ONE_PROCESS, PRECISIONS, STRATEGIES, SWEEP_GPUS
 from utils import count, fail, note, rank_unit
 from verify_job import run_verify, verify_gpus
 
@@ -65,7 +65,7 @@ class Configuration:
 
     @property
     def name(self) -> str:  # the CNN's runs named as before there was a model axis
-        return layout.run_name(
+        return layout.configuration_name(
             self.strategy, self.gpus, "" if self.model == DEFAULT_MODEL else self.model
         )
 
@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus",
         type=int,
         nargs="+",
-        help="GPU counts, one task each (default: 1 2 4 8; --verify: one count, default 2 "
-        "nodes' worth)",
+        help=f"GPU counts, one task each (default: {' '.join(map(str, SWEEP_GPUS))}; --verify: "
+        "one count, default 2 nodes' worth)",
     )
     p.add_argument(
         "--strategies",
@@ -510,8 +510,8 @@ def run_locally(runs: list[Configuration], args, extra: list[str], devices: set[
 
     failed = []
     for run, name in repeated(runs, args.repeats, in_words):
-        # <sweep>/<name>_local-<time>.log: the place of a job id, never an earlier run's file.
-        log = layout.time_stamped(logs, layout.log_stem(run.name, "local-"), ".log")
+        # <sweep>/<name>_local-<time>.log: never an earlier run's file.
+        log = layout.free_path(logs, layout.log_stem(run.name, layout.local_id()), ".log")
         print(f"{name} here: log {layout.relative(log)}", flush=True)
         with open(log, "w") as out, open(log.with_suffix(layout.ERR_SUFFIX), "w") as err:
             status = subprocess.run(
@@ -570,7 +570,7 @@ def main(argv=None) -> int:
         if not (args.local or args.dry_run):
             slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
         return run_verify(args, extra)
-    args.gpus = args.gpus or [1, 2, 4, 8]
+    args.gpus = args.gpus or list(SWEEP_GPUS)
     refuse_sweep_options(extra, "after --")
     check_args(args)
     runs = without_uncuttable(plan(args))

@@ -17,13 +17,14 @@ import cuda_graphs
 import data
 import distributed_utils
 import feasibility
+import layout
 import mfu
 import peer_failures
 import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, STAGED, Config, data_world, microbatches
 from fsdp_utils import effective_sharding
-from measure import ComputeCalibration, MemoryMeter
+from measure import ComputeCalibration, EpochMeters, MemoryMeter
 from model import build_model, count_parameters
 from optim import make_optimizer, make_scheduler
 from precision import make_precision, set_process_precision
@@ -109,7 +110,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         "device": env.device.type,
         "dataset": cfg.dataset,
         "seed": cfg.seed,
-        "job_id": distributed_utils.job_id(),
+        "job_id": layout.job_id(),
     }
     built = {
         # Model parallelism on one device (a CPU) runs the model whole, as `single` does.
@@ -147,14 +148,16 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         precision=precision,
         env=env,
         loaders=loaders,
-        labels={**run_labels, **setting, **built},
+        meters=EpochMeters(
+            memory=memory,
+            flops=flops,
+            labels={**run_labels, **setting, **built},
+            calibration=calibration,
+        ),
         print_every=cfg.print_every,
-        memory=memory,
         scheduler=make_scheduler(cfg, optimizer, len(loaders.train)),
         grad_accum=cfg.grad_accum,
         clip_grad=cfg.clip_grad,
-        calibration=calibration,
-        flops=flops,
         cuda_graphs=cfg.cuda_graphs,
         step_collectives=STEP_COLLECTIVES[cfg.strategy],
     )
@@ -232,7 +235,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     chosen = checkpoint.chosen(cfg.resume) if cfg.resume not in (None, "auto") else None
     trainer, resolved = build_trainer(cfg, env)
     if cfg.profile:
-        trainer.profiler = StepProfiler(profile_path(env), env.device, trainer.cuda_graphs)
+        trainer.meters.profiler = StepProfiler(profile_path(env), env.device, trainer.cuda_graphs)
     folder = (
         distributed_utils.on_rank0(checkpoint.prepare_folder, cfg.checkpoint_dir, cfg.resume)
         if cfg.checkpoint
@@ -281,8 +284,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
                 folder,
                 f"{e}: training diverged (try a lower --lr); {last_good_checkpoint(folder)}",
             )
-    if trainer.profiler:
-        log0(profile_report(trainer.profiler))
+    if trainer.meters.profiler:
+        log0(profile_report(trainer.meters.profiler))
     return Outcome(trainer, history, stopped_at, folder)
 
 
@@ -305,5 +308,5 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
         env.device,
         cfg.precision,
         cfg.strategy,
-        extra={"job_id": distributed_utils.job_id()},
+        extra={"job_id": layout.job_id()},
     )

@@ -13,27 +13,23 @@ measures, and how, is measure.py's.
 import contextlib
 import functools
 import math
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from checkpoint import Position
+from checkpoint_files import Position
 from cuda_graphs import GraphedStep
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv
+from fsdp_utils import clip_gradients, gradient_sync, reshard
 from measure import (
-    ComputeCalibration,
-    MemoryMeter,
+    EpochMeters,
     Segment,
-    StageTimer,
     StepCompute,
     all_reduce,
     breakdown_warning,
@@ -43,71 +39,11 @@ from measure import (
     synchronize,
     time_breakdown,
 )
-from mfu import UNKNOWN, ModelFlops, implausible
+from mfu import UNKNOWN, implausible
 from peer_failures import say_where
 from precision import Precision, loss_input
-from profiling import StepProfiler
 from stopping import STOP_POLL_EVERY, StopRequest
-from utils import format_metric, is_rank_zero, log0, metric_order
-
-
-class Progress:
-    """Rank 0's progress: a redrawn bar on a terminal, a line every `every` steps in a log."""
-
-    def __init__(self, epoch: int, steps: int, every: int, enabled: bool, first_step: int = 0):
-        self.epoch, self.steps, self.every, self.enabled = epoch, steps, every, enabled
-        self.first_step = first_step  # a resumed epoch starts part-way
-        self.tty = sys.stdout.isatty()
-        self.start = time.perf_counter()
-
-    def update(self, step: int, mean_loss_sum: torch.Tensor) -> None:
-        """After `step`; mean_loss_sum adds up the steps' mean losses since first_step."""
-        done = step + 1
-        if not self.enabled or (done % self.every and done != self.steps):
-            return
-        ms = 1000 * (time.perf_counter() - self.start) / (done - self.first_step)
-        # .item() waits for the device: paid once every `every` steps, not every step.
-        loss = mean_loss_sum.item() / (done - self.first_step)
-        text = f"epoch {self.epoch} step {done:>5}/{self.steps} loss {loss:.4f} {ms:.1f} ms/step"
-        if self.tty:
-            bar = "#" * (30 * done // self.steps)
-            print(f"\r[{bar:<30}] {text}", end="\n" if done == self.steps else "", flush=True)
-        else:
-            print(text, flush=True)
-
-
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool):
-    """Reduce gradients over the ranks in this backward, or only accumulate them locally (all
-    micro-batches but the last): DDP's and FSDP1's `no_sync`, FSDP2's own switch."""
-    root = getattr(model, "_orig_mod", model)  # under torch.compile
-    if isinstance(root, FSDPModule):
-        root.set_requires_gradient_sync(enabled)
-        yield
-    elif not enabled and hasattr(root, "no_sync"):
-        with root.no_sync():
-            yield
-    else:
-        yield
-
-
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale the gradients so that their norm over all ranks and shards is at most max_norm.
-    FSDP1's flat shards need its own method; DDP's gradients are whole and equal on every
-    rank, and FSDP2's are DTensors whose norm torch's function already takes over all shards."""
-    root = getattr(model, "_orig_mod", model)
-    if isinstance(root, FSDP):
-        return root.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-
-def reshard(model: nn.Module) -> None:
-    """Free the parameters every FSDP2 unit holds gathered, putting its shards back in the
-    module (FSDPModule.reshard, which is not recursive). Other wrappers hold nothing between
-    steps: nothing to do."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+from utils import Progress, format_metric, is_rank_zero, log0, metric_order
 
 
 class Diverged(Exception):
@@ -184,18 +120,10 @@ class Trainer(Learner):
     """One rank's part of a training run, and the loop that trains it. Built with keywords."""
 
     loaders: Loaders
-    memory: MemoryMeter
-    flops: ModelFlops  # for tflops and mfu
-    labels: dict = field(default_factory=dict)  # the [METRIC] line's fields that are not measured
+    meters: EpochMeters  # what the epochs are measured with, and the [METRIC] line's labels
     print_every: int = 50
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    # For t_compute (see time_breakdown); a pipeline's stage measures its own.
-    calibration: ComputeCalibration | None = None
-    profiler: StepProfiler | None = None
     step_collectives: str = "the step's collectives"  # strategies.STEP_COLLECTIVES, for say_where
-    # Whether this rank's images and losses count in the global sums: a pipeline's stages all
-    # take the same batch, and only its last stage computes the loss.
-    reports_sums: bool = True
 
     @property
     def shows_progress(self) -> bool:
@@ -203,14 +131,15 @@ class Trainer(Learner):
         return is_rank_zero()
 
     @property
+    def reports_sums(self) -> bool:
+        """Whether this rank's images and losses count in the global sums (a pipeline's stages
+        all take the same batch, and only its last stage computes the loss)."""
+        return True
+
+    @property
     def data_ranks(self) -> tuple[int, int]:
         """(rank, world size) of the data's shards: one per rank, in data parallelism."""
         return self.env.rank, self.env.world_size
-
-    @functools.cached_property
-    def data_timer(self) -> StageTimer:
-        """data_wait's timer: one per trainer, its CUDA events made once."""
-        return StageTimer(self.env.device)
 
     def fit(
         self, start: Position, epochs: int, stop: StopRequest, save: Callable[[Position], None]
@@ -218,8 +147,8 @@ class Trainer(Learner):
         """Epochs from `start` to `epochs`, each saved when done. Returns the `[METRIC]` fields
         of the epochs finished and, if a stop was agreed, the position saved (else None).
         Raises Diverged, saving nothing, after an epoch whose training loss is not finite."""
-        history, position = [], start
-        with self.profiler.profiler if self.profiler else contextlib.nullcontext():
+        history, position, profiler = [], start, self.meters.profiler
+        with profiler.profiler if profiler else contextlib.nullcontext():
             while position.epoch <= epochs:
                 reached, measured = self.run_epoch(position, stop)
                 stopping = stop.drain()  # the same answer on every rank
@@ -229,7 +158,7 @@ class Trainer(Learner):
                 loss = measured["train_loss"]
                 if not math.isfinite(loss):  # the same on every rank: all-reduced
                     raise Diverged(f"epoch {reached.epoch}: the training loss is {loss}")
-                history.append(metric_order({**measured, **self.labels}))
+                history.append(metric_order({**measured, **self.meters.labels}))
                 log0(format_metric(history[-1]))
                 for warning in (implausible(history[-1]), breakdown_warning(history[-1])):
                     if warning:
@@ -248,8 +177,8 @@ class Trainer(Learner):
         Returns the position reached and the measurements, or None for them if a stop came
         mid-epoch.
         """
-        device = self.env.device
-        self.memory.reset()
+        device, meters = self.env.device, self.meters
+        meters.memory.reset()
         replay_peak = self.replay_peak()
         reached, complete, segment = self.train_epoch(start, stop)
         if not complete:
@@ -258,19 +187,20 @@ class Trainer(Learner):
         # training's (the calibration's unsharded model would otherwise hide FSDP's saving), nor
         # is validation's, whose forward holds FSDP2's root gathered (reshard_after_forward=
         # False) until it ends: its parameters whole, without their gradients' shards.
-        own_peak, own_reserved = self.memory.training_peak(replay_peak), self.memory.reserved_peak()
-        memory = [own_peak, state_bytes(self.model, self.optimizer), own_reserved]
+        own_peak = meters.memory.training_peak(replay_peak)
+        memory = [own_peak, state_bytes(self.model, self.optimizer), meters.memory.reserved_peak()]
         # Nothing is sent where the run trains on one device (a rank, not dp's or model's GPUs).
-        sends = self.flops.devices > 1
+        sends = meters.flops.devices > 1
         breakdown = time_breakdown(segment, self.step_compute(), device, sends)
-        busy = gpu_busy(segment, self.kernel_seconds_per_step())  # after the timing
+        # After the timing: the kernel trace's round is no part of the epoch.
+        busy = gpu_busy(segment, meters.kernel_seconds_per_step(self.env.world_size))
         val = self.evaluate()
         epoch = epoch_fields(reached, val, memory, self.loaders.device_bytes(), device)
         return reached, {
             **epoch,
             **breakdown,
             **busy,
-            **self.flops.fields(epoch["throughput"]),
+            **meters.flops.fields(epoch["throughput"]),
             **self.strategy_fields(),
         }
 
@@ -281,44 +211,10 @@ class Trainer(Learner):
         step = self.train_step
         return step.replay_peak if isinstance(step, GraphedStep) and step.graph else 0
 
-    def calibration_plan(self, start: Position, total: int) -> list[int]:
-        """The steps of this epoch before which the compute calibration times a round (measure.
-        ComputeCalibration.plan): none without one (a pipeline's stages measure their own
-        compute); while --profile's trace is still to come, after the steps it traces, which
-        hold the run's steps alone."""
-        if self.calibration is None:
-            return []
-        first = start.step
-        if self.profiler and not self.profiler.saved:
-            first = min(total, first + self.profiler.traced_steps[-1])
-        return self.calibration.plan(first, total)
-
-    def calibrate(self, planned: list[int], step: int) -> float:
-        """The compute calibration's rounds planned before `step` (total: after the last),
-        beside the epoch, their memory set aside; returns the seconds they held it up."""
-        held, count = 0.0, planned.count(step)
-        if count:
-            say_where(f"in the compute calibration's rounds before step {step}")
-        for _ in range(count):
-            with self.memory.set_aside():
-                held += self.calibration.timed_round()
-        return held
-
     def step_compute(self) -> StepCompute:
-        """One step's compute on this rank this epoch, for t_compute (time_breakdown); 0
-        without a calibration (a trainer built without one)."""
-        return self.calibration.step_compute() if self.calibration else StepCompute.measured(0.0)
-
-    def kernel_seconds_per_step(self) -> float | None:
-        """One step's GPU kernel time, for gpu_busy; None where unknown: no calibration (a
-        pipeline), or more than one rank, where the calibration's unwrapped step runs none of
-        the wrapper's collectives and copies that the run's step does (its share would not be
-        the run's). Not while --profile's own trace is still to come: the profiler runs one
-        trace at a time (the next epoch's calibration traces instead)."""
-        unknown = self.calibration is None or self.env.world_size > 1
-        if unknown or (self.profiler and not self.profiler.saved):
-            return None
-        return self.calibration.kernel_seconds_per_step()
+        """One step's compute on this rank this epoch, for t_compute: the calibration's (a
+        pipeline's stage measures its own)."""
+        return self.meters.step_compute()
 
     def strategy_fields(self) -> dict:
         """The pipeline's measurements (pipeline_utils.PipelineTrainer): no bubble here."""
@@ -341,9 +237,10 @@ class Trainer(Learner):
         self.loaders.set_position(start.epoch, start.step)
         total = len(self.loaders.train)
         progress = Progress(start.epoch, total, self.print_every, self.shows_progress, start.step)
-        data_wait = self.data_timer
+        meters = self.meters
+        data_wait = meters.data_wait
         data_wait.reset()
-        planned = self.calibration_plan(start, total)
+        planned = meters.calibration_plan(start.step, total)
         held = 0.0  # seconds the compute calibration's rounds held the epoch up: not its time
 
         synchronize(device)
@@ -353,7 +250,7 @@ class Trainer(Learner):
         while step < total and not (stop and stop.poll()):
             if step % STOP_POLL_EVERY == 0:
                 say_where(f"at epoch {start.epoch} step {step} in {self.step_collectives}")
-            rounds = self.calibrate(planned, step)  # 0 where none is planned here
+            rounds = meters.calibrate(planned, step)  # 0 where none is planned here
             held, progress.start = held + rounds, progress.start + rounds
             with data_wait.measure():
                 images, labels = next(batches)
@@ -361,13 +258,13 @@ class Trainer(Learner):
             self.train_step(images, labels, mean_loss_sum)
             if self.scheduler is not None:  # on the host, outside a captured step
                 self.scheduler.step()
-            if self.profiler:
-                self.profiler.profiler.step()
+            if meters.profiler:
+                meters.profiler.profiler.step()
             seen += len(labels)
             progress.update(step, mean_loss_sum)
             step += 1
         if step == total:
-            held += self.calibrate(planned, step)
+            held += meters.calibrate(planned, step)
         synchronize(device)
         elapsed = time.perf_counter() - t_start - held
 

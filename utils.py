@@ -14,11 +14,12 @@ course's published regex keeps matching; more `key=value` fields follow:
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, SupportsFloat
 
 # main.py's exit statuses, 0 to 5, by name, and what each means (main.py --help lists them). run.sh,
 # verify.py and docs/troubleshooting.md follow them; tests/test_docs.py checks run.sh and the doc.
@@ -157,6 +158,32 @@ def log0(*args, **kwargs) -> None:
     """print() on rank 0 only, flushed so that interleaved srun output stays ordered."""
     if is_rank_zero():
         print(*args, **kwargs, flush=True)
+
+
+class Progress:
+    """Rank 0's progress: a redrawn bar on a terminal, a line every `every` steps in a log."""
+
+    def __init__(self, epoch: int, steps: int, every: int, enabled: bool, first_step: int = 0):
+        self.epoch, self.steps, self.every, self.enabled = epoch, steps, every, enabled
+        self.first_step = first_step  # a resumed epoch starts part-way
+        self.tty = sys.stdout.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, step: int, mean_loss_sum: SupportsFloat) -> None:
+        """After `step`; mean_loss_sum (a device tensor) adds up the steps' mean losses since
+        first_step."""
+        done = step + 1
+        if not self.enabled or (done % self.every and done != self.steps):
+            return
+        ms = 1000 * (time.perf_counter() - self.start) / (done - self.first_step)
+        # Reading the sum waits for the device: paid once every `every` steps, not every step.
+        loss = float(mean_loss_sum) / (done - self.first_step)
+        text = f"epoch {self.epoch} step {done:>5}/{self.steps} loss {loss:.4f} {ms:.1f} ms/step"
+        if self.tty:
+            bar = "#" * (30 * done // self.steps)
+            print(f"\r[{bar:<30}] {text}", end="\n" if done == self.steps else "", flush=True)
+        else:
+            print(text, flush=True)
 
 
 def format_value(value) -> str:

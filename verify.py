@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from layout import LOGS_DIR, VERIFY_PREFIX, VERIFY_REPORT, relative, time_stamped, verify_folder
+from layout import VERIFY_REPORT, job_id, relative, verify_folder
 from slurm_jobs import main_value, split_argv
 from utils import EXIT_STATUS, fail, last_line, parse_comm
 from verify_job import DEFAULTS, WARNING, Row, refuse_verify_options, report_text, summary
@@ -379,13 +379,13 @@ def learn_versions(ctx: Context) -> None:
 def max_param_diffs(reference: Path, *others: Path):
     """--max-diff: the largest |difference| between the final parameters of a checkpoint folder
     and each of others (DDP's full state, or FSDP's DCP shards read whole)."""
-    import checkpoint
+    import checkpoint_files
 
     def final(folder: Path) -> dict:
-        path = checkpoint.latest(folder)
+        path = checkpoint_files.latest(folder)
         if path is None:
             fail(f"no checkpoint in {folder}")
-        return checkpoint.read_model(path)
+        return checkpoint_files.read_model(path)
 
     mine = final(reference)
     for folder in others:
@@ -414,12 +414,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_out(in_slurm: bool) -> Path:
-    if in_slurm:
-        return verify_folder(os.environ["SLURM_JOB_ID"])
-    return time_stamped(LOGS_DIR, f"{VERIFY_PREFIX}local-")
-
-
 def main(argv: list[str] | None = None) -> int:
     ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(ours)
@@ -439,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         if in_slurm or "NPROC" in os.environ
         else 2
     )
-    out = (args.out or default_out(in_slurm)).resolve()
+    out = (args.out or verify_folder(job_id())).resolve()
     if out.exists():  # its runs would resume or refuse the earlier checkpoints
         fail(f"{relative(out)} exists: an earlier verify wrote there; choose another --out")
     out.mkdir(parents=True)

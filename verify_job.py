@@ -166,7 +166,7 @@ def run_verify(args, extra: list[str]) -> int:
             "(verify)",
         )
     if args.local:  # here, through torchrun: verify.py's own lines are the report
-        out = layout.time_stamped(layout.LOGS_DIR, f"{layout.VERIFY_PREFIX}local-")
+        out = layout.verify_folder(layout.LOCAL_JOB)
         command = [sys.executable, "verify.py", "--out", str(out), "--", *extra]
         return subprocess.run(
             command, cwd=layout.REPO, env={**slurm_jobs.without_slurm(), "NPROC": str(gpus)}

@@ -36,7 +36,7 @@ from checkpoint import Position
 from config import Config
 from dist_harness import in_fresh_process, spawn, spawn_outcomes
 from helpers import write_cifar_dir
-from measure import MemoryMeter
+from measure import EpochMeters, MemoryMeter
 from mfu import ModelFlops
 from model import build_model
 from precision import Precision
@@ -704,8 +704,10 @@ def trainer(model: nn.Module, env=ALONE, val_size: int = 10, **learner) -> Train
         optimizer=WatchedSGD(model.parameters(), lr=LR),
         env=env,
         loaders=StandInLoaders(env.rank, env.world_size, val_size),
-        memory=MemoryMeter(env.device),
-        flops=ModelFlops(per_image=0, devices=1, peak_tflops=None),
+        meters=EpochMeters(
+            memory=MemoryMeter(env.device),
+            flops=ModelFlops(per_image=0, devices=1, peak_tflops=None),
+        ),
         print_every=1000,
         **fields,
     )

@@ -676,12 +676,12 @@ def test_gpu_busy_is_a_column_of_the_results_and_the_summary(tmp_path):
 
 
 def test_a_runs_name_carries_its_model_and_still_its_job_id():
-    """layout.run_name names a model other than the default; the name still gives the job id
+    """layout.configuration_name names a model other than the default; the name still gives the job id
     (SLURM's, or none for a local run's `local-<time>`, which is no model)."""
     import layout
 
-    name = layout.run_name("ddp", 4, "cnn-wide")
-    assert name == "ddp_4gpu_cnn-wide" and layout.run_name("ddp", 4) == "ddp_4gpu"
+    name = layout.configuration_name("ddp", 4, "cnn-wide")
+    assert name == "ddp_4gpu_cnn-wide" and layout.configuration_name("ddp", 4) == "ddp_4gpu"
     said = layout.name_identity(layout.log_stem(name, "1234") + ".log")
     assert said == {"strategy": "ddp", "gpus": 4, "model": "cnn-wide", "job_id": "1234"}
     local = layout.name_identity(layout.log_stem(name, "local-20261127-100000") + ".log")

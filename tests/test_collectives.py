@@ -111,7 +111,7 @@ def test_each_strategy_sends_the_collectives_its_design_says_at_the_sizes_timed(
         expected = dict(design["ddp" if strategy == "ddp" else sharding])
         if "all_gather" in expected:
             # Accumulating, every micro-batch's forward and backward gathers, while the
-            # gradients are reduced once a step, after the last one (train.gradient_sync).
+            # gradients are reduced once a step, after the last one (fsdp_utils.gradient_sync).
             expected["all_gather"] *= accum
         assert counted == expected, (strategy, sharding, accum)
         if accum > 1:

@@ -177,7 +177,7 @@ def test_ddp_starts_from_rank0s_parameters():
 
 # What each forward of _buffer_broadcasts runs: training (with backward) or evaluation (under
 # no_grad), and whether it syncs gradients (False: under no_sync, as --grad-accum's micro-batches
-# before the last, train.gradient_sync).
+# before the last, fsdp_utils.gradient_sync).
 FORWARDS = [
     ("train", True),
     ("train", True),

@@ -242,7 +242,7 @@ def peak_with_allocation(env, cfg, extra_mb):
     trainer.step = step
     _, measured = trainer.run_epoch(Position())
     assert allocated, "the step was not called"
-    return measured["peak_mem"], trainer.memory.training_peak() / 2**20
+    return measured["peak_mem"], trainer.meters.memory.training_peak() / 2**20
 
 
 def test_peak_mem_is_the_maximum_over_ranks():

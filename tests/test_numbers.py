@@ -162,12 +162,14 @@ def test_the_calibration_waits_for_the_profilers_trace_to_end():
     planned = []
     calibration = SimpleNamespace(plan=lambda first, total: planned.append((first, total)))
     profiler = SimpleNamespace(saved=False, traced_steps=range(4, 7))
-    trainer = SimpleNamespace(calibration=calibration, profiler=profiler)
-    train.Trainer.calibration_plan(trainer, checkpoint.Position(), 195)
-    train.Trainer.calibration_plan(trainer, checkpoint.Position(step=10), 195)
-    train.Trainer.calibration_plan(trainer, checkpoint.Position(), 4)
+    meters = measure.EpochMeters(
+        memory=None, flops=None, calibration=calibration, profiler=profiler
+    )
+    meters.calibration_plan(0, 195)
+    meters.calibration_plan(10, 195)
+    meters.calibration_plan(0, 4)
     profiler.saved = True
-    train.Trainer.calibration_plan(trainer, checkpoint.Position(), 195)
+    meters.calibration_plan(0, 195)
     assert planned == [(6, 195), (16, 195), (4, 4), (0, 195)]
 
 
@@ -193,7 +195,7 @@ def test_the_calibration_is_compiled_where_the_run_is():
 
 def peak_beside_a_greedy_calibration(env, cfg):
     trainer, _ = build_trainer(cfg, env)
-    trainer.calibration = GreedyCalibration()
+    trainer.meters.calibration = GreedyCalibration()
     _, measured = trainer.run_epoch(checkpoint.Position())
     return measured["peak_mem"]
 
@@ -214,7 +216,7 @@ def precision_facts(env, cfg):
     trainer, resolved = build_trainer(cfg, env)
     model = trainer.model
     reduce = getattr(getattr(model, "mixed_precision", None), "reduce_dtype", None)
-    calibration = calibration_learner(trainer.calibration).precision
+    calibration = calibration_learner(trainer.meters.calibration).precision
     return {
         "conv": torch.backends.cudnn.conv.fp32_precision,
         "matmul": torch.backends.cuda.matmul.fp32_precision,
@@ -453,7 +455,7 @@ def breakdown_of_a_slowed_epoch(env, cfg, slowed_calibration: bool) -> dict:
 
     trainer.__dict__["train_step"] = slowed(trainer.train_step)  # a cached property
     if slowed_calibration:
-        trainer.calibration.step = slowed(trainer.calibration.step)
+        trainer.meters.calibration.step = slowed(trainer.meters.calibration.step)
     train_epoch = trainer.train_epoch
 
     def busy_while_training(*args):
@@ -465,7 +467,7 @@ def breakdown_of_a_slowed_epoch(env, cfg, slowed_calibration: bool) -> dict:
 
     trainer.train_epoch = busy_while_training
     _, measured = trainer.run_epoch(checkpoint.Position())
-    return {**measured, **trainer.labels}
+    return {**measured, **trainer.meters.labels}
 
 
 @pytest.mark.parametrize("slowed_calibration", [True, False])
@@ -583,15 +585,15 @@ def test_the_kernel_trace_waits_for_profiles_own_trace():
     """--profile's trace and the kernel trace cannot overlap: none while the first is still to
     be saved (that epoch's gpu_busy is na), the next epoch's calibration traces instead."""
     calibration = SimpleNamespace(kernel_seconds_per_step=lambda: 5e-4)
-    one_rank = SimpleNamespace(world_size=1)
-    profiling = SimpleNamespace(
-        calibration=calibration, profiler=SimpleNamespace(saved=False), env=one_rank
+    profiler = SimpleNamespace(saved=False)
+    profiling = measure.EpochMeters(
+        memory=None, flops=None, calibration=calibration, profiler=profiler
     )
-    assert train.Trainer.kernel_seconds_per_step(profiling) is None
-    profiling.profiler.saved = True
-    assert train.Trainer.kernel_seconds_per_step(profiling) == 5e-4
-    plain = SimpleNamespace(calibration=calibration, profiler=None, env=one_rank)
-    assert train.Trainer.kernel_seconds_per_step(plain) == 5e-4
+    assert profiling.kernel_seconds_per_step(1) is None
+    profiler.saved = True
+    assert profiling.kernel_seconds_per_step(1) == 5e-4
+    plain = measure.EpochMeters(memory=None, flops=None, calibration=calibration)
+    assert plain.kernel_seconds_per_step(1) == 5e-4
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 8])
@@ -601,14 +603,29 @@ def test_gpu_busy_is_na_above_one_rank_and_its_trace_never_runs_there(world_size
     not be the run's. There gpu_busy is na, and the kernel trace never starts."""
     traces = []
     calibration = SimpleNamespace(kernel_seconds_per_step=lambda: traces.append(1) or 5e-4)
-    ranks = SimpleNamespace(world_size=world_size)
-    trainer = SimpleNamespace(calibration=calibration, profiler=None, env=ranks)
-    kernel_seconds = train.Trainer.kernel_seconds_per_step(trainer)
+    meters = measure.EpochMeters(memory=None, flops=None, calibration=calibration)
+    kernel_seconds = meters.kernel_seconds_per_step(world_size)
     busy = measure.gpu_busy(measure.Segment(1.0, 0.0, 10), kernel_seconds)["gpu_busy"]
     if world_size == 1:
         assert busy == pytest.approx(5e-3) and traces == [1]
     else:
         assert busy == "na" and traces == [], (busy, traces)
+
+
+def test_the_breakdown_takes_every_ranks_numbers_in_one_all_reduce(monkeypatch):
+    """time_breakdown's sums, means and largest over the ranks all come from one collective:
+    here rank 0 of two, whose peer (an all-reduce that adds nothing) was idle."""
+    reduced = []
+    monkeypatch.setattr(measure.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(measure.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(measure.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(measure.dist, "all_reduce", lambda t, op: reduced.append(op))
+    m = breakdown((0.05, 0.04, 0.06), sends=True)
+    assert reduced == [measure.dist.ReduceOp.SUM]
+    busy = 9 * 0.05 + 0.1  # rank 0's compute and data; rank 1's: 0
+    assert (m["slowest_rank"], m["rank_time_spread"]) == (0, pytest.approx(busy))
+    assert m["t_compute"] == pytest.approx(9 * 0.05 / 2) and m["t_data"] == pytest.approx(0.05)
+    assert m["t_wait"] == pytest.approx(busy / 2) and m["compute_spread"] == pytest.approx(0.18)
 
 
 def breakdown(compute: tuple[float, float, float], sends: bool, elapsed: float = 1.0) -> dict:

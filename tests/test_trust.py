@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_files
 import safe_load
 from conftest import TINY, assert_one_line_error, run_main
 from helpers import write_cifar_dir
@@ -119,12 +120,12 @@ def test_crafted_dcp_metadata_is_refused_its_code_not_run(saved, tmp_path):
 
 
 def test_real_dcp_checkpoints_read_whole_as_torch_reads_them(saved):
-    """checkpoint.read_model (verify's --max-diff) gathers FSDP's shards through the checks:
+    """checkpoint_files.read_model (verify's --max-diff) gathers FSDP's shards through the checks:
     the same tensors as torch's own dcp_to_torch_save, which reads without them."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     newest = checkpoint.latest(saved / "fsdp2")
-    ours = checkpoint.read_model(newest)
+    ours = checkpoint_files.read_model(newest)
     whole = newest.parent / "whole.pt"
     dcp_to_torch_save(newest, whole)
     theirs = torch.load(whole, weights_only=True)["model"]

@@ -364,26 +364,31 @@ def test_a_trainer_is_built_with_keywords():
 
     with pytest.raises(TypeError):
         Learner(None, None, None, None)
-    with pytest.raises(TypeError):  # a trainer has loaders, a memory meter and the FLOPs
+    with pytest.raises(TypeError):  # a trainer has loaders and its meters
         Trainer(model=None, optimizer=None, precision=None, env=None)
     learner = Learner(model=None, optimizer=None, precision=None, env=None)
     assert learner.grad_accum == 1 and learner.clip_grad is None
 
 
 def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
-    """One function names the sweeps' folders and the local sweep's logs: the time, then -2,
-    -3, ... where a run started in the same second took the name (before any suffix). A local
-    run's checkpoints and traces are named by the same time stamp."""
+    """One function names the sweeps' folders and what a job id names for a run without SLURM
+    (local_id: its checkpoints, traces, a local sweep's logs, verify's folder): the time, then
+    -2, -3, ... where a run started in the same second took the name (before any suffix). Its
+    [METRIC] lines say job_id=local."""
     monkeypatch.setattr(layout.time, "strftime", lambda fmt: "20260101-120000")
-    assert du.run_name({}) == "local-20260101-120000"
-    assert du.run_name({"SLURM_JOB_ID": "42"}) == "42"
-    log = layout.time_stamped(tmp_path, "ddp_2gpu_local-", ".log")
+    monkeypatch.setattr(layout, "LOGS_DIR", tmp_path)
+    assert (layout.job_id({}), layout.job_id({"SLURM_JOB_ID": "42"})) == ("local", "42")
+    assert layout.run_id({}) == "local-20260101-120000"
+    assert layout.run_id({"SLURM_JOB_ID": "42"}) == "42"
+    log = layout.free_path(tmp_path, layout.log_stem("ddp_2gpu", layout.local_id()), ".log")
     assert log.name == "ddp_2gpu_local-20260101-120000.log"
     log.touch()
     assert (
-        layout.time_stamped(tmp_path, "ddp_2gpu_local-", ".log").name
+        layout.free_path(tmp_path, layout.log_stem("ddp_2gpu", layout.local_id()), ".log").name
         == "ddp_2gpu_local-20260101-120000-2.log"
     )
+    assert layout.verify_folder("42") == tmp_path / "verify-42"
+    assert layout.verify_folder(layout.LOCAL_JOB).name == "verify-local-20260101-120000"
     assert layout.next_sweep_folder(tmp_path).name == "sweep-20260101-120000"
     (tmp_path / "sweep-20260101-120000").mkdir()
     (tmp_path / "sweep-20260101-120000-2").mkdir()
