@@ -179,8 +179,11 @@ class StageTimer:
         return self.seconds + sum(s.elapsed_time(e) for s, e in self.pairs[: self.used]) / 1000
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Exact bytes of parameters, gradients and optimizer state held by this rank.
+def state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | None = None
+) -> int:
+    """Exact bytes of parameters, gradients and optimizer state held by this rank; with
+    `device`, those on it alone (--cpu-offload keeps them all in host memory).
 
     Under FSDP, model.parameters() are this rank's shards (FSDP1: views of its flat shard;
     FSDP2: DTensors, whose local part is counted), so this shrinks with sharding.
@@ -189,7 +192,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
+    kept = [t for t in local if device is None or t.device == device]
+    return sum(t.numel() * t.element_size() for t in kept)
 
 
 def all_reduce(
@@ -359,9 +363,10 @@ def epoch_fields(
     reached: Position, val: dict, memory: list[int], data_bytes: int, device: torch.device
 ) -> dict:
     """The `[METRIC]` fields of an epoch's training (its sums global) and validation, and of
-    memory: this rank's [peak, state, reserved] bytes, the maximum over ranks, in MB (state_mem
-    in bytes); data_mem, the data set on the device, the same on every rank."""
-    peak, state, reserved = all_reduce(memory, device, dist.ReduceOp.MAX)
+    memory: this rank's [peak, state, reserved, activations per image] bytes, the maximum over
+    ranks, in MB (state_mem and act_per_image in bytes); data_mem, the data set on the device,
+    the same on every rank."""
+    peak, state, reserved, per_image = all_reduce(memory, device, dist.ReduceOp.MAX)
     return {
         "epoch": reached.epoch,
         "time": reached.time,
@@ -375,6 +380,7 @@ def epoch_fields(
         "state_mem": int(state),
         "data_mem": round(data_bytes / 2**20),
         "reserved_mem": round(reserved / 2**20),
+        "act_per_image": round(per_image),
     }
 
 

@@ -15,7 +15,7 @@ nothing is written or submitted. Then every configuration gets a script in
 jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one task per GPU,
 ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script again to
 resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job
-id>.log and .err (layout.configuration_name: the model before the job id where it is not the CNN). A last
+id>.log and .err (layout.configuration_name: the model before the job id, if not the CNN). A last
 job, started once all the others have ended, runs plot_results.sh on the sweep's folder:
 results.csv and plots/ appear by themselves (its own log stays in jobs/), and its outcome, one
 line and its log's last error, goes to the sweep's collect_outcome.txt; without --wait the sweep

@@ -18,6 +18,7 @@ import data
 import distributed_utils
 import feasibility
 import layout
+import memory_model
 import mfu
 import peer_failures
 import stopping
@@ -87,6 +88,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     parameters = count_parameters(model)
+    state_pred = memory_model.state_mem(cfg, model, env.world_size, nodes)
     model = wrap_model(cfg, model, env.device, env.rank, env.world_size, nodes)
     optimizer = make_optimizer(cfg, model)
     devices = env.world_size * devices_per_rank(model)
@@ -119,6 +121,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         else effective_sharding(model, cfg.sharding),
         "train_images": len(loaders.train) * cfg.batch_size,
         "microbatches": stage_microbatches or mfu.UNKNOWN,
+        "state_pred": state_pred,
     }
     resolved = {
         **asdict(cfg),

@@ -144,18 +144,20 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_config_and_metric_read_every_field_they_share_alike(strategy):
     """DDP's [CONFIG] once said sharding=full microbatches=None (--sharding's default, unused)
-    where its [METRIC] said sharding=replicate microbatches=na; FSDP at one rank runs no_shard."""
+    where its [METRIC] said sharding=replicate microbatches=na; FSDP at one rank runs no_shard.
+    The state predicted (memory_model, in both lines) is the state measured, to the byte."""
     done = run_main([*QUICK, "--epochs", "1", "--strategy", strategy])
     config, (metric,) = config_in(done.stdout), metrics_in(done.stdout)
     shared = sorted(set(config) & set(metric))
-    assert {"sharding", "microbatches", "strategy", "world_size"} <= set(shared), shared
+    assert {"sharding", "microbatches", "strategy", "world_size", "state_pred"} <= set(shared)
     assert [config[k] for k in shared] == [metric[k] for k in shared], shared
+    assert metric["state_pred"] == metric["state_mem"], metric
 
 
 def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
     """And exactly the same in bf16: the shards, their gradients and Adam's state stay fp32. Read
     when training ends: validation's forward leaves FSDP2's root unsharded (bf16 once read
-    4,380,984 bytes for 4,428,152)."""
+    4,380,984 bytes for 4,428,152). Each line's state_pred (memory_model) is its state_mem."""
     state = {}
     for strategy, precision in (
         ("ddp", "fp32"),
@@ -166,7 +168,9 @@ def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
         args = ["--strategy", strategy, "--precision", precision, "--epochs", "1", *QUICK]
         result = main_on_ranks(args, 2)[0]
         assert result.returncode == 0, result.stderr[-3000:]
-        state[strategy, precision] = metrics_in(result.stdout)[-1]["state_mem"]
+        metric = metrics_in(result.stdout)[-1]
+        assert metric["state_pred"] == metric["state_mem"], (strategy, precision, metric)
+        state[strategy, precision] = metric["state_mem"]
     print(f"state bytes per rank: {state}")
     for sharded in ("fsdp", "fsdp2"):
         assert state[sharded, "fp32"] / state["ddp", "fp32"] == pytest.approx(0.5, abs=0.005)

@@ -676,8 +676,8 @@ def test_gpu_busy_is_a_column_of_the_results_and_the_summary(tmp_path):
 
 
 def test_a_runs_name_carries_its_model_and_still_its_job_id():
-    """layout.configuration_name names a model other than the default; the name still gives the job id
-    (SLURM's, or none for a local run's `local-<time>`, which is no model)."""
+    """layout.configuration_name names a model other than the default; the name still gives the
+    job id (SLURM's, or none for a local run's `local-<time>`, which is no model)."""
     import layout
 
     name = layout.configuration_name("ddp", 4, "cnn-wide")

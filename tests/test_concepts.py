@@ -470,6 +470,37 @@ def test_the_quoted_flop_shares_and_stage_bounds_are_the_counted_ones():
     assert f"do {pct['conv2']} of the FLOPs each, `conv1` {pct['conv1']}" in performance
 
 
+# ----------------------------------------------------------------------------- ResNet-50's memory
+
+
+def test_the_resnet50_state_quoted_is_memory_models_prediction():
+    """The answer to Q7.3a: ResNet-50's parameters, its state per GPU at 8 GPUs under DDP and
+    FSDP (and FSDP2), and its largest FSDP unit, as memory_model counts them from the model's
+    shapes; and the peaks the answer adds up from them, in MiB."""
+    from config import Config
+    from memory_model import MB, fsdp1_units, state_mem
+    from model import count_parameters
+
+    with torch.device("meta"):
+        model = build_model("resnet50")
+    psi, tensors = count_parameters(model), len(list(model.parameters()))
+    state = {s: state_mem(Config(strategy=s), model, 8) for s in ("ddp", "fsdp", "fsdp2")}
+    largest = max(sum(p.numel() for p in unit) for unit in fsdp1_units(model))
+    assert state["ddp"] == 16 * psi + 4 * tensors
+    concepts = " ".join(CONCEPTS.read_text().split())
+    for quoted in (
+        f"Ψ = {psi:,} in {tensors} parameter tensors",
+        f"16Ψ + 4·{tensors} = {state['ddp']:,} bytes ({state['ddp'] / MB:.1f} MiB)",
+        f"under FSDP `full` {state['fsdp']:,} ({state['fsdp'] / MB:.1f} MiB",
+        f"FSDP2 {state['fsdp2']:,})",
+        f"`layer4` unit, {largest:,} parameters ({100 * largest / psi:.0f}%)",
+        f"of the {(state['ddp'] - state['fsdp']) / MB:.0f} MiB of state FSDP shards away",
+        f"about {state['ddp'] / MB:.1f} + 32 x 32.7 = {state['ddp'] / MB + 32 * 32.7:,.0f} MiB",
+        f"about {state['fsdp'] / MB:.1f} + 32 x 40.5 = {state['fsdp'] / MB + 32 * 40.5:,.0f} MiB",
+    ):
+        assert quoted in concepts, quoted
+
+
 # ----------------------------------------------------------------------------- the document
 
 QUESTIONS = [

@@ -183,15 +183,19 @@ def test_cnn_wide_trains_with_far_more_state(reference):
     """`--model cnn-wide` (4x the channels) trains, and its state_mem (parameters, gradients and
     Adam's two moments: 16 bytes a parameter, plus Adam's step counters) is that of its own
     parameter count, more than 4x the course CNN's in the same settings: memory_model's
-    prediction, to the byte."""
+    prediction, to the byte, which its state_pred says.
+    Its activations per image (act_per_image) are more than twice the CNN's: 4x the
+    convolutions' outputs, the image and the classifier's hidden layer alike (measured on CPU:
+    2.3x to 3.2x, the resident set's heap varying from run to run)."""
     lines, config = trained([*ARGS, "--model", "cnn-wide"])
     ref_lines, ref_config = reference
     assert config["parameters"] > 4 * ref_config["parameters"]
     predicted = predicted_state_mem(Config(model="cnn-wide"), world_size=1)
     for m, ref in zip(lines, ref_lines):
         assert 0 <= m["state_mem"] - 16 * config["parameters"] < 1024, m["state_mem"]
-        assert m["state_mem"] == predicted, (m["state_mem"], predicted)
+        assert m["state_mem"] == m["state_pred"] == predicted, (m, predicted)
         assert m["state_mem"] > 4 * ref["state_mem"], (m["state_mem"], ref["state_mem"])
+        assert m["act_per_image"] > 2 * ref["act_per_image"], (m, ref)
 
 
 # ----------------------------------------------------------------------------- [METRIC] meanings
@@ -227,7 +231,8 @@ def test_throughput_counts_the_images_of_all_ranks():
 
 def peak_with_allocation(env, cfg, extra_mb):
     """One epoch in which this rank also touches extra_mb[rank] MB at its first step (inside
-    the window peak_mem measures). Returns the reported peak_mem and this rank's own peak."""
+    the window peak_mem measures). Returns the epoch's [METRIC] fields and this rank's own peak
+    in MB."""
     trainer, _ = build_trainer(cfg, env)
     original, extra = trainer.step, extra_mb[env.rank]
     allocated = []
@@ -242,17 +247,25 @@ def peak_with_allocation(env, cfg, extra_mb):
     trainer.step = step
     _, measured = trainer.run_epoch(Position())
     assert allocated, "the step was not called"
-    return measured["peak_mem"], trainer.meters.memory.training_peak() / 2**20
+    return {**measured, **trainer.meters.labels}, trainer.meters.memory.training_peak() / 2**20
 
 
 def test_peak_mem_is_the_maximum_over_ranks():
     """`peak_mem` is the largest rank's own training peak: with rank 0 touching 100 MB and rank
     1 300 MB inside the epoch, both ranks report rank 1's own peak (to a couple of MB), not
-    rank 0's (rank 0 alone) nor the two added up (a sum)."""
-    (reported0, own0), (reported1, own1) = spawn(peak_with_allocation, 2, Config(**CFG), [100, 300])
+    rank 0's (rank 0 alone) nor the two added up (a sum). `act_per_image` is that rank's peak
+    beyond its state, per image of its batch: the step's 300 MB temporary counts there, spread
+    over 16 images, not over the global batch's 32, and the state is not in it."""
+    runs = spawn(peak_with_allocation, 2, Config(**CFG), [100, 300])
+    (measured0, own0), (measured1, own1) = runs
+    reported0, reported1 = measured0["peak_mem"], measured1["peak_mem"]
     assert own1 - own0 > 150, (own0, own1)
     assert reported0 == reported1, (reported0, reported1)
     assert abs(reported0 - max(own0, own1)) <= 3, (reported0, own0, own1)
+    local_batch, state = measured1["local_batch"], measured1["state_mem"]
+    assert (local_batch, measured0["act_per_image"]) == (16, measured1["act_per_image"])
+    per_image = (own1 * 2**20 - state) / local_batch
+    assert abs(measured1["act_per_image"] - per_image) <= 3 * 2**20 / local_batch, per_image
 
 
 def test_profile_traces_the_scheduled_steps_of_every_rank(repo_copy):

@@ -39,6 +39,7 @@ def run_gpu(args: list, timeout: int = 300):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
 def test_one_gpu_trains_at_every_precision(strategy, precision):
+    """And its state is memory_model's prediction (state_pred) there too."""
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
     config, metrics = run_gpu(
@@ -59,6 +60,7 @@ def test_one_gpu_trains_at_every_precision(strategy, precision):
     assert config["fp32_math"] == ("tf32" if precision == "tf32" else "ieee")
     assert metrics[-1]["acc"] > 30, "synthetic data is learnable: far above 10% chance"
     assert metrics[-1]["sharding"] == ("no_shard" if strategy == "fsdp" else "replicate")
+    assert metrics[-1]["state_pred"] == metrics[-1]["state_mem"], metrics[-1]
 
 
 @pytest.mark.timeout(900)
@@ -92,7 +94,8 @@ def test_cpu_offload_with_clipping_and_fp16(strategy, extra):
 
 def offloaded_state(env, strategy: str) -> tuple[int, set[str]]:
     """One step of an FSDP run with --cpu-offload on this GPU: the bytes of state the rank keeps
-    (measure.state_bytes), and the devices its parameters, gradients and optimizer state are on."""
+    (measure.state_bytes), those of it on the GPU (which act_per_image takes from the GPU's
+    peak), and the devices its parameters, gradients and optimizer state are on."""
     from measure import state_bytes
     from session import build_trainer
 
@@ -103,7 +106,8 @@ def offloaded_state(env, strategy: str) -> tuple[int, set[str]]:
     grads = [p.grad for p in model.parameters()]
     state = [v for s in optimizer.state.values() for v in s.values()]
     held = [t for t in (*model.parameters(), *grads, *state) if torch.is_tensor(t)]
-    return state_bytes(model, optimizer), {t.device.type for t in held}
+    on_gpu = state_bytes(model, optimizer, env.device)
+    return state_bytes(model, optimizer), on_gpu, {t.device.type for t in held}
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
@@ -115,7 +119,7 @@ def test_cpu_offload_keeps_the_predicted_state_in_host_memory(strategy):
         model = build_model("cnn")
     predicted = rank_state(Config(strategy=strategy, cpu_offload=True), model, 1)
     assert predicted.on_device == 0
-    assert found == (predicted.total, {"cpu"})
+    assert found == (predicted.total, predicted.on_device, {"cpu"})
 
 
 def test_a_cpu_run_on_a_gpu_machine_leaves_the_gpu_alone(tmp_path):

@@ -6,8 +6,15 @@ alignment padding (the project's models have none). Hybrid sharding runs on two 
 one machine (shards of 1 rank at world size 2, of 2 at 4). One spawn per world size measures all
 its cases, each built and stepped as a run builds and steps it.
 
-What the formula leaves out (the transient: gathered units, activations) is not measured here:
-between steps FSDP's grad_op keeps what full keeps, which a test below shows."""
+What the formula leaves out (the transient: gathered units, activations) is not measured here.
+Nor can a state tell FSDP's grad_op from full: in torch 2.14 both reshard after backward, and
+grad_op differs only in keeping each unit gathered from forward to backward. With the wrapper's
+full made grad_op (FSDP1's SHARD_GRAD_OP, FSDP2's reshard_after_forward=False) the test still
+passes, as it should. What it sees, planted on 2026-11-27 at 4 ranks: the ranks a shard is cut
+over (the formula's hybrid taken as full: 96 of 380 predictions wrong; FSDP1's wrapper given
+FULL_SHARD for hybrid, on its mesh of 2 nodes: 10 wrong), FSDP1's alignment (left out: 12
+wrong, the odd CNN's), FSDP1's flat cut against FSDP2's rows (their numbers differ at 2 and 4
+ranks), the storage dtype and the optimizer's state."""
 
 from dataclasses import dataclass
 
