@@ -664,19 +664,8 @@ def test_a_sweep_started_by_a_python_without_torch_checks_with_the_jobs_python(r
 
 
 # One tiny local sweep, shared by the tests below (each run costs seconds of torchrun): the
-# issue's two models x ddp, fsdp x 1, 2, 4 CPU ranks, one epoch each.
-MODEL_SWEEP = [
-    "--models",
-    "cnn",
-    "cnn-wide",
-    "--gpus",
-    "1",
-    "2",
-    "4",
-    "--strategies",
-    "ddp",
-    "fsdp",
-]
+# issue's two models x ddp, fsdp x 1, 2 CPU ranks (4 would add time, no mechanism), one epoch.
+MODEL_SWEEP = ["--models", "cnn", "cnn-wide", "--gpus", "1", "2", "--strategies", "ddp", "fsdp"]
 
 
 @pytest.fixture(scope="module")
@@ -717,7 +706,7 @@ def test_local_sweep_trains_collects_and_plots(model_sweep):
     assert "| model | strategy | CPU ranks |" in done.stdout
     logs = sorted(re.sub(r"_local-[\d-]+", "", p.name) for p in sweep.glob("*.log"))
     assert logs == sorted(
-        f"{s}_{g}gpu{m}.log" for m in ("", "_cnn-wide") for s in ("ddp", "fsdp") for g in (1, 2, 4)
+        f"{s}_{g}gpu{m}.log" for m in ("", "_cnn-wide") for s in ("ddp", "fsdp") for g in (1, 2)
     )
     assert list((repo / "plots").glob("*.png"))
     # Every job measured its collectives first (--comm-benchmark): comm.csv, both new figures
@@ -725,7 +714,7 @@ def test_local_sweep_trains_collects_and_plots(model_sweep):
     for log in sweep.glob("*.log"):
         assert any(parse_comm(line) for line in log.read_text().splitlines()), log.name
     comm = pd.read_csv(repo / "comm.csv")
-    assert set(comm["world_size"]) == {1, 2, 4} and set(comm["strategy"]) == {"ddp", "fsdp"}
+    assert set(comm["world_size"]) == {1, 2} and set(comm["strategy"]) == {"ddp", "fsdp"}
     for name in ("time_breakdown.png", "comm_bandwidth.png", "report.md"):
         assert (repo / "plots" / name).stat().st_size > 0, name
     assert "comm at measured bw s" in model_sweep.report
@@ -741,27 +730,24 @@ def one_runs_lines(log: Path) -> tuple[dict, list[dict]]:
 @pytest.mark.timeout(900)
 def test_a_sweep_of_two_models_gives_each_its_rows_figures_and_projection(model_sweep):
     """Both models' rows (each model's own parameter count, from its [CONFIG] line), the memory
-    figures, and report.md's projection: re-derived by hand from one run's epoch lines, or,
-    where the lines have no act_per_image, said to be impossible."""
+    figures, and report.md's projection: re-derived by hand from one run's epoch lines."""
     from model import build_model, count_parameters
 
     results = model_sweep.results
     points = results.groupby("model")[["strategy", "gpus"]].apply(
         lambda r: len(r.drop_duplicates())
     )
-    assert points.to_dict() == {"cnn": 6, "cnn-wide": 6}
+    assert points.to_dict() == {"cnn": 4, "cnn-wide": 4}
     for model, parameters in results.groupby("model")["parameters"].unique().items():
         assert list(parameters) == [count_parameters(build_model(model))], model
     for name in ("peak_memory.png", "bytes_per_parameter.png"):
         assert (model_sweep.repo / "plots" / name).stat().st_size > 0, name
     section = model_sweep.report.split("## The largest model that fits")[1]
-    (log,) = model_sweep.sweep.glob("fsdp_4gpu_cnn-wide_*.log")
+    (log,) = model_sweep.sweep.glob("fsdp_2gpu_cnn-wide_*.log")
     config, epochs = one_runs_lines(log)
-    if "act_per_image" not in epochs[-1]:  # before the [METRIC] line carried it
-        assert "Cannot be made: the logs have no act_per_image" in section
-        return
+    assert [e["state_pred"] for e in epochs] == [e["state_mem"] for e in epochs]
     state = max(e["state_mem"] for e in epochs)
     activations = max(e["act_per_image"] for e in epochs) * epochs[-1]["local_batch"]
     largest = (80 * 2**30 - activations) / (state / config["parameters"])
-    assert f"| cnn-wide | {config['parameters']:,} | fsdp | 4 |" in section
+    assert f"| cnn-wide | {config['parameters']:,} | fsdp | 2 |" in section
     assert f"| {largest / 1e6:,.1f} M |" in section, section

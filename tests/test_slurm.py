@@ -250,11 +250,9 @@ def test_benchmark_sweep_then_plots(slurm_env, repo_copy):
     }
     assert {r["job_id"] for r in rows} == set(job_ids.values())
     assert {r["sweep"] for r in rows} == {folder.group(1).removeprefix("sweep-")}
-    # Every figure the plotter defines but the pipeline's bubble: this sweep has data for each
-    # (the largest model where its [METRIC] lines carry act_per_image, which it projects from).
+    # Every figure the plotter defines but the pipeline's bubble: this sweep has data for each.
     drawn = {png.name for png in (repo_copy / "plots").glob("*.png")}
-    unprojected = set() if "act_per_image" in rows[0] else {"largest_model.png"}
-    assert drawn == set(FIGURES) - {"pipeline_bubble.png"} - unprojected, drawn
+    assert drawn == set(FIGURES) - {"pipeline_bubble.png"}, drawn
     for png in drawn:
         assert (repo_copy / "plots" / png).stat().st_size > 0, png
     # Every job measured its collectives first ([COMM]), and the report names every figure.
