@@ -365,11 +365,11 @@ def install_check() -> list[str]:
 
 def test_a_torchvision_built_for_another_torch_is_named_not_the_network(tmp_path):
     """A torchvision from another package index than torch's installs without a word and fails
-    at import. make install's check, a ResNet, the classic loader and a download (checked and
-    run) each end with one line that names it, not the network."""
+    at import. make install's check (a ResNet's), the classic loader and a download (checked
+    and run) each end with one line that names it, not the network: every place that loads it
+    (utils.require_torchvision's callers), on --check's path and on a run's."""
     for args in (
         install_check(),
-        [*QUICK, "--model", "resnet18"],
         [*QUICK, "--loader", "classic"],
         ["--data-dir", str(tmp_path), "--check"],
         ["--data-dir", str(tmp_path), "--epochs", "1"],
