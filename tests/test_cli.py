@@ -184,17 +184,20 @@ def test_course_flag_names_are_accepted():
 
 
 @pytest.mark.parametrize(
-    "args,message",
+    "args,message,torchrun",
     [
-        (["--batch-size", "63"], "must be a multiple of the world size 2"),
-        (["--train-samples", "32"], "make no full global batch"),
-        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--batch-size", "63"], "must be a multiple of the world size 2", True),
+        (["--train-samples", "32"], "make no full global batch", False),
+        (["--epochs", "0"], "--epochs must be at least 1", False),
     ],
 )
-def test_bad_input_under_torchrun_is_one_line_from_rank_0(args, message):
+def test_bad_input_on_two_ranks_is_one_line_from_rank_0(args, message, torchrun):
     """Found before torch loads (--epochs 0) or once the world size (--batch-size 63) or the
-    data (--train-samples 32) is known: one line, from rank 0 alone."""
-    result = run_main([*QUICK, *args], nproc=2)
+    data (--train-samples 32) is known: one line, from rank 0 alone. Under torchrun once (its
+    report of a failed rank is the same whatever failed it), else ranks started directly."""
+    result = (
+        run_main([*QUICK, *args], nproc=2) if torchrun else main_on_ranks([*QUICK, *args], 2)[0]
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
