@@ -299,6 +299,11 @@ class Plant:
     says: str = ""
 
 
+def plants(exercise: str, path: str, *rows: tuple) -> list[Plant]:
+    """The plants of one exercise in one file, each row (name, edits[, fails, says])."""
+    return [Plant(exercise, row[0], path, *row[1:]) for row in rows]
+
+
 def edited(text: str, plant: Plant) -> str:
     for old, new in plant.edits:
         assert text.count(old) == 1, (plant.name, old)
@@ -339,6 +344,7 @@ MOVE = "    model = model.to(device)\n    # On a GPU, name it"  # get_dp_model m
 WRAP = "return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)"
 FSDP_MADE = "test_ex4_2_fsdp_units_sharding_and_precision"
 MIXED = "param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype"
+POLICY = "CustomPolicy(lambda module: id(module) in units)"
 SETS_UP = "test_ex5_1_main_sets_up_trains_and_cleans_up"
 AFTER_FAILURE = "test_ex5_1_cleanup_also_after_a_failure"
 CHOOSES = "test_ex5_1_the_strategy_chooses_the_wrapper"
@@ -357,590 +363,477 @@ REDUCE = "        loss_sum, correct, count = all_reduce([loss_sum, correct, coun
 
 MISTAKES = [
     # 2.1: the set-up
-    Plant(
+    *plants(
         "2.1",
-        "the GPU chosen by the rank",
-        SET_UP,
-        (("pick_device(local_rank,", "pick_device(rank,"),),
-        ON_GPUS,
-        "makes cuda:0 its own",
-    ),
-    Plant(
-        "2.1",
-        "the rank and the local rank swapped",
-        SET_UP,
-        (("rank, local_rank, world_size = read", "local_rank, rank, world_size = read"),),
-        ON_GPUS,
-        "makes cuda:0 its own",
-    ),
-    Plant(
-        "2.1",
-        "torchrun's variables read by hand",
         SET_UP,
         (
-            (
-                "= read_ranks()",
-                '= map(int, (os.environ[v] for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")))',
-            ),
+            "the GPU chosen by the rank",
+            (("pick_device(local_rank,", "pick_device(rank,"),),
+            ON_GPUS,
+            "makes cuda:0 its own",
         ),
-        ON_GPUS,
-        "KeyError: 'RANK'",
-    ),
-    Plant(
-        "2.1",
-        "the device asked for ignored",
-        SET_UP,
-        (("pick_device(local_rank, wanted=device)", "pick_device(local_rank)"),),
-        "test_ex2_1_the_device_asked_for",
-        "takes cuda:0",
-    ),
-    Plant(
-        "2.1",
-        "no set_device",
-        SET_UP,
-        (("        torch.cuda.set_device(device)\n", ""),),
-        ON_GPUS,
-        "does not make its GPU this process's own",
-    ),
-    Plant(
-        "2.1",
-        "set_device on the CPU too",
-        SET_UP,
         (
-            (
-                '    if device.type == "cuda":\n        torch.cuda.set_device(device)\n',
-                '    torch.cuda.set_device(device)\n    if device.type == "cuda":\n',
-            ),
+            "the rank and the local rank swapped",
+            (("rank, local_rank, world_size = read", "local_rank, rank, world_size = read"),),
+            ON_GPUS,
+            "makes cuda:0 its own",
         ),
-        JOINS,
-        "Expected a cuda device",
-    ),
-    Plant(
-        "2.1",
-        "no flight recorder",
-        SET_UP,
-        (("        turn_on_flight_recorder()\n", ""),),
-        ON_GPUS,
-        "flight recorder",
-    ),
-    Plant(
-        "2.1",
-        "the backend of one device",
-        SET_UP,
-        (("        groups_backend,\n        store=", "        backend,\n        store="),),
-        ON_GPUS,
-        "the backend 'nccl'",
-    ),
-    Plant(
-        "2.1",
-        "rank=local_rank",
-        SET_UP,
-        (("        rank=rank,\n", "        rank=local_rank,\n"),),
-        ON_GPUS,
-        "joins the group as rank 1 of 4",
-    ),
-    Plant("2.1", "no store", SET_UP, (("        store=group_store,\n", ""),), ON_GPUS, "no store"),
-    Plant(
-        "2.1",
-        "the store before its prefix",
-        SET_UP,
-        (("store=group_store,", "store=store,"),),
-        ON_GPUS,
-        "another store",
-    ),
-    Plant(
-        "2.1",
-        "no timeout",
-        SET_UP,
-        (("        timeout=timeout,\n", ""),),
-        ON_GPUS,
-        "the timeout None",
-    ),
-    Plant(
-        "2.1",
-        "the timeout in seconds",
-        SET_UP,
-        (("        timeout=timeout,\n", "        timeout=timeout_s,\n"),),
-        ON_GPUS,
-        "the timeout 37,",
-    ),
-    Plant(
-        "2.1",
-        "no device_id",
-        SET_UP,
-        (('        device_id=device if device.type == "cuda" else None,\n', ""),),
-        ON_GPUS,
-        "its device is None",
-    ),
-    Plant(
-        "2.1",
-        "device_id=local_rank",
-        SET_UP,
-        (('device_id=device if device.type == "cuda" else None', "device_id=local_rank"),),
-        ON_GPUS,
-        "its device is cuda:1, not cuda:0",
-    ),
-    Plant(
-        "2.1",
-        "device_id on the CPU too",
-        SET_UP,
-        (('device_id=device if device.type == "cuda" else None', "device_id=device"),),
-        JOINS,
-        "device_id",
-    ),
-    Plant(
-        "2.1",
-        "no group for a world of one",
-        SET_UP,
         (
+            "torchrun's variables read by hand",
             (
-                GROUP,
-                "    if world_size > 1:\n"
-                + GROUP.replace("\n    ", "\n        ").replace("    dist.", "        dist.", 1),
+                (
+                    "= read_ranks()",
+                    '= map(int, (os.environ[v] for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")))',
+                ),
             ),
+            ON_GPUS,
+            "KeyError: 'RANK'",
         ),
-        "test_ex2_1_alone_a_world_of_one",
-        "no process group of one",
+        (
+            "the device asked for ignored",
+            (("pick_device(local_rank, wanted=device)", "pick_device(local_rank)"),),
+            "test_ex2_1_the_device_asked_for",
+            "takes cuda:0",
+        ),
+        (
+            "no set_device",
+            (("        torch.cuda.set_device(device)\n", ""),),
+            ON_GPUS,
+            "does not make its GPU this process's own",
+        ),
+        (
+            "set_device on the CPU too",
+            (
+                (
+                    '    if device.type == "cuda":\n        torch.cuda.set_device(device)\n',
+                    '    torch.cuda.set_device(device)\n    if device.type == "cuda":\n',
+                ),
+            ),
+            JOINS,
+            "Expected a cuda device",
+        ),
+        (
+            "no flight recorder",
+            (("        turn_on_flight_recorder()\n", ""),),
+            ON_GPUS,
+            "flight recorder",
+        ),
+        (
+            "the backend of one device",
+            (("        groups_backend,\n        store=", "        backend,\n        store="),),
+            ON_GPUS,
+            "the backend 'nccl'",
+        ),
+        (
+            "rank=local_rank",
+            (("        rank=rank,\n", "        rank=local_rank,\n"),),
+            ON_GPUS,
+            "joins the group as rank 1 of 4",
+        ),
+        ("no store", (("        store=group_store,\n", ""),), ON_GPUS, "no store"),
+        (
+            "the store before its prefix",
+            (("store=group_store,", "store=store,"),),
+            ON_GPUS,
+            "another store",
+        ),
+        ("no timeout", (("        timeout=timeout,\n", ""),), ON_GPUS, "the timeout None"),
+        (
+            "the timeout in seconds",
+            (("        timeout=timeout,\n", "        timeout=timeout_s,\n"),),
+            ON_GPUS,
+            "the timeout 37,",
+        ),
+        (
+            "no device_id",
+            (('        device_id=device if device.type == "cuda" else None,\n', ""),),
+            ON_GPUS,
+            "its device is None",
+        ),
+        (
+            "device_id=local_rank",
+            (('device_id=device if device.type == "cuda" else None', "device_id=local_rank"),),
+            ON_GPUS,
+            "its device is cuda:1, not cuda:0",
+        ),
+        (
+            "device_id on the CPU too",
+            (('device_id=device if device.type == "cuda" else None', "device_id=device"),),
+            JOINS,
+            "device_id",
+        ),
+        (
+            "no group for a world of one",
+            (
+                (
+                    GROUP,
+                    "    if world_size > 1:\n"
+                    + GROUP.replace("\n    ", "\n        ").replace(
+                        "    dist.", "        dist.", 1
+                    ),
+                ),
+            ),
+            "test_ex2_1_alone_a_world_of_one",
+            "no process group of one",
+        ),
     ),
     # 3.1: the data
-    Plant(
+    *plants(
         "3.1",
-        "every rank downloads",
-        DATA,
-        ((PREPARE, "    cache = prepare(dataset, data_dir, download, fetch_hint)\n"),),
-        DOWNLOADS,
-        "downloaded_by_rank_0, downloaded_by_rank_1 downloaded",
-    ),
-    Plant(
-        "3.1",
-        "the others do not wait",
         DATA,
         (
-            (
-                PREPARE,
-                "    from dataset_files import cache_path\n"
-                "    from utils import is_rank_zero\n\n"
-                "    cache = (\n"
-                "        prepare(dataset, data_dir, download, fetch_hint)\n"
-                "        if is_rank_zero()\n"
-                "        else str(cache_path(dataset, data_dir))\n"
-                "    )\n",
-            ),
+            "every rank downloads",
+            ((PREPARE, "    cache = prepare(dataset, data_dir, download, fetch_hint)\n"),),
+            DOWNLOADS,
+            "downloaded_by_rank_0, downloaded_by_rank_1 downloaded",
         ),
-        DOWNLOADS,
-        "do not wait for rank 0",
-    ),
-    Plant(
-        "3.1",
-        "no shuffle",
-        DATA,
-        (("shuffle=True, seed=seed", "shuffle=False, seed=seed"),),
-        ORDER,
-        "come in order",
-    ),
-    Plant(
-        "3.1", "no seed", DATA, (("shuffle=True, seed=seed)", "shuffle=True)"),), ORDER, "--seed 1"
-    ),
-    Plant(
-        "3.1",
-        "a seed of each rank's",
-        DATA,
-        (("shuffle=True, seed=seed)", "shuffle=True, seed=seed + rank)"),),
-        ONCE,
-        "overlapping",
-    ),
-    Plant(
-        "3.1",
-        "the world size and the rank swapped",
-        DATA,
-        ((TRAIN_SAMPLER, TRAIN_SAMPLER.replace("world_size, rank", "rank, world_size")),),
-        ONCE,
-        "Invalid rank",
-    ),
-    Plant(
-        "3.1",
-        "the validation set whole on every rank",
-        DATA,
-        (("ShardSampler(len(val), world_size, rank,", "ShardSampler(len(val), 1, 0,"),),
-        ONCE,
-        "validation shards",
-    ),
-    Plant(
-        "3.1",
-        "no set_epoch",
-        DATA,
-        (("self.train_sampler.set_epoch(epoch)", "pass"),),
-        ORDER,
-        "same order",
-    ),
-    Plant(
-        "3.1",
-        "set_epoch of the step",
-        DATA,
-        (("self.train_sampler.set_epoch(epoch)", "self.train_sampler.set_epoch(step)"),),
-        ORDER,
-        "same order",
+        (
+            "the others do not wait",
+            (
+                (
+                    PREPARE,
+                    "    from dataset_files import cache_path\n"
+                    "    from utils import is_rank_zero\n\n"
+                    "    cache = (\n"
+                    "        prepare(dataset, data_dir, download, fetch_hint)\n"
+                    "        if is_rank_zero()\n"
+                    "        else str(cache_path(dataset, data_dir))\n"
+                    "    )\n",
+                ),
+            ),
+            DOWNLOADS,
+            "do not wait for rank 0",
+        ),
+        (
+            "no shuffle",
+            (("shuffle=True, seed=seed", "shuffle=False, seed=seed"),),
+            ORDER,
+            "come in order",
+        ),
+        ("no seed", (("shuffle=True, seed=seed)", "shuffle=True)"),), ORDER, "--seed 1"),
+        (
+            "a seed of each rank's",
+            (("shuffle=True, seed=seed)", "shuffle=True, seed=seed + rank)"),),
+            ONCE,
+            "overlapping",
+        ),
+        (
+            "the world size and the rank swapped",
+            ((TRAIN_SAMPLER, TRAIN_SAMPLER.replace("world_size, rank", "rank, world_size")),),
+            ONCE,
+            "Invalid rank",
+        ),
+        (
+            "the validation set whole on every rank",
+            (("ShardSampler(len(val), world_size, rank,", "ShardSampler(len(val), 1, 0,"),),
+            ONCE,
+            "validation shards",
+        ),
+        ("no set_epoch", (("self.train_sampler.set_epoch(epoch)", "pass"),), ORDER, "same order"),
+        (
+            "set_epoch of the step",
+            (("self.train_sampler.set_epoch(epoch)", "self.train_sampler.set_epoch(step)"),),
+            ORDER,
+            "same order",
+        ),
     ),
     # 4.1: DDP
-    Plant(
+    *plants(
         "4.1",
-        "the model left on the CPU",
         DDP,
-        ((MOVE, MOVE.removeprefix("    model = model.to(device)\n")),),
-        DDP_ON_A_GPU,
-        "parameters are on the CPU",
-    ),
-    Plant(
-        "4.1",
-        "the model moved after wrapping",
-        DDP,
-        ((MOVE, MOVE.removeprefix("    model = model.to(device)\n")), (WRAP, WRAP + ".to(device)")),
-        DDP_ON_A_GPU,
-        "after DDP wrapped it",
-    ),
-    Plant(
-        "4.1",
-        "device_ids=[0]",
-        DDP,
-        (("[device.index] if", "[0] if"),),
-        DDP_ON_A_GPU,
-        "the model is on cuda:0",
-    ),
-    Plant(
-        "4.1",
-        "device_ids on the CPU too",
-        DDP,
-        (('[device.index] if device.type == "cuda" else None', "[device.index]"),),
-        "test_ex4_1_ddp_replicates_and_averages_gradients",
-        "device_ids",
-    ),
-    Plant(
-        "4.1",
-        "the model returned unwrapped",
-        DDP,
-        ((WRAP, WRAP.removeprefix("return ") + "\n    return model"),),
-        DDP_ON_A_GPU,
-        "returns a BoundForAGpu",
-    ),
-    Plant(
-        "4.1",
-        "output_device=0",
-        DDP,
-        (("gradient_as_bucket_view=True)", "gradient_as_bucket_view=True, output_device=0)"),),
-        DDP_ON_A_GPU,
-        "outputs on cuda:0",
+        (
+            "the model left on the CPU",
+            ((MOVE, MOVE.removeprefix("    model = model.to(device)\n")),),
+            DDP_ON_A_GPU,
+            "parameters are on the CPU",
+        ),
+        (
+            "the model moved after wrapping",
+            (
+                (MOVE, MOVE.removeprefix("    model = model.to(device)\n")),
+                (WRAP, WRAP + ".to(device)"),
+            ),
+            DDP_ON_A_GPU,
+            "after DDP wrapped it",
+        ),
+        (
+            "device_ids=[0]",
+            (("[device.index] if", "[0] if"),),
+            DDP_ON_A_GPU,
+            "the model is on cuda:0",
+        ),
+        (
+            "device_ids on the CPU too",
+            (('[device.index] if device.type == "cuda" else None', "[device.index]"),),
+            "test_ex4_1_ddp_replicates_and_averages_gradients",
+            "device_ids",
+        ),
+        (
+            "the model returned unwrapped",
+            ((WRAP, WRAP.removeprefix("return ") + "\n    return model"),),
+            DDP_ON_A_GPU,
+            "returns a BoundForAGpu",
+        ),
+        (
+            "output_device=0",
+            (("gradient_as_bucket_view=True)", "gradient_as_bucket_view=True, output_device=0)"),),
+            DDP_ON_A_GPU,
+            "outputs on cuda:0",
+        ),
     ),
     # 4.2: FSDP
-    Plant(
+    *plants(
         "4.2",
-        "no wrap policy",
         FSDP,
-        (("            auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),\n", ""),),
-        FSDP_MADE,
-        "0 FSDP units inside the root",
-    ),
-    Plant(
-        "4.2",
-        "every module a unit",
-        FSDP,
-        (("id(module) in units", "True"),),
-        FSDP_MADE,
-        "FSDP units inside the root, not one for each",
-    ),
-    Plant(
-        "4.2",
-        "full sharding whatever asked",
-        FSDP,
-        (("SHARDING[sharding]", 'SHARDING["full"]'),),
-        FSDP_MADE,
-        "--sharding grad_op runs",
-    ),
-    Plant(
-        "4.2",
-        "no mixed precision",
-        FSDP,
-        (("            if dtype\n", "            if None\n"),),
-        FSDP_MADE,
-        "bf16 computes in None",
-    ),
-    Plant(
-        "4.2",
-        "gradients reduced in bf16",
-        FSDP,
-        ((MIXED, MIXED.replace("reduce_dtype=torch.float32", "reduce_dtype=dtype")),),
-        FSDP_MADE,
-        "reduces the gradients in torch.bfloat16",
-    ),
-    Plant(
-        "4.2",
-        "buffers left in fp32",
-        FSDP,
-        ((MIXED, MIXED.replace(", buffer_dtype=dtype", "")),),
-        FSDP_MADE,
-        "keeps the buffers in None",
-    ),
-    Plant(
-        "4.2",
-        "bf16 whatever asked",
-        FSDP,
-        ((MIXED, MIXED.replace("param_dtype=dtype", "param_dtype=torch.bfloat16")),),
-        FSDP_MADE,
-        "fp16 computes in torch.bfloat16",
-    ),
-    Plant(
-        "4.2",
-        "no CPU offload",
-        FSDP,
-        (("CPUOffload(offload_params=cpu_offload)", "CPUOffload(offload_params=False)"),),
-        FSDP_MADE,
-        "--cpu-offload keeps the parameters",
-    ),
-    Plant(
-        "4.2",
-        "no device_id",
-        FSDP,
-        (("            device_id=device,\n", ""),),
-        FSDP_MADE,
-        "the rank's device",
-    ),
-    Plant(
-        "4.2",
-        "no mesh for hybrid",
-        FSDP,
-        (('hybrid_mesh(device, ranks_per_node) if sharding == "hybrid" else None', "None"),),
-        FSDP_MADE,
-        "two-dimensional mesh",
-    ),
-    Plant(
-        "4.2",
-        "FSDP's flat parameters",
-        FSDP,
-        (("use_orig_params=True", "use_orig_params=False"),),
-        FSDP_MADE,
-        "flat parameters",
+        (
+            "no wrap policy",
+            (
+                (
+                    f"            auto_wrap_policy={POLICY},\n",
+                    "",
+                ),
+            ),
+            FSDP_MADE,
+            "0 FSDP units inside the root",
+        ),
+        (
+            "every module a unit",
+            (("id(module) in units", "True"),),
+            FSDP_MADE,
+            "FSDP units inside the root, not one for each",
+        ),
+        (
+            "full sharding whatever asked",
+            (("SHARDING[sharding]", 'SHARDING["full"]'),),
+            FSDP_MADE,
+            "--sharding grad_op runs",
+        ),
+        (
+            "no mixed precision",
+            (("            if dtype\n", "            if None\n"),),
+            FSDP_MADE,
+            "bf16 computes in None",
+        ),
+        (
+            "gradients reduced in bf16",
+            ((MIXED, MIXED.replace("reduce_dtype=torch.float32", "reduce_dtype=dtype")),),
+            FSDP_MADE,
+            "reduces the gradients in torch.bfloat16",
+        ),
+        (
+            "buffers left in fp32",
+            ((MIXED, MIXED.replace(", buffer_dtype=dtype", "")),),
+            FSDP_MADE,
+            "keeps the buffers in None",
+        ),
+        (
+            "bf16 whatever asked",
+            ((MIXED, MIXED.replace("param_dtype=dtype", "param_dtype=torch.bfloat16")),),
+            FSDP_MADE,
+            "fp16 computes in torch.bfloat16",
+        ),
+        (
+            "no CPU offload",
+            (("CPUOffload(offload_params=cpu_offload)", "CPUOffload(offload_params=False)"),),
+            FSDP_MADE,
+            "--cpu-offload keeps the parameters",
+        ),
+        (
+            "no device_id",
+            (("            device_id=device,\n", ""),),
+            FSDP_MADE,
+            "the rank's device",
+        ),
+        (
+            "no mesh for hybrid",
+            (('hybrid_mesh(device, ranks_per_node) if sharding == "hybrid" else None', "None"),),
+            FSDP_MADE,
+            "two-dimensional mesh",
+        ),
+        (
+            "FSDP's flat parameters",
+            (("use_orig_params=True", "use_orig_params=False"),),
+            FSDP_MADE,
+            "flat parameters",
+        ),
     ),
     # 5.1: the main program
-    Plant(
+    *plants(
         "5.1",
-        "setup without the options",
         MAIN,
-        (("setup(cfg.pg_timeout, cfg.device)", "setup()"),),
-        SETS_UP,
-        "do not reach it",
+        (
+            "setup without the options",
+            (("setup(cfg.pg_timeout, cfg.device)", "setup()"),),
+            SETS_UP,
+            "do not reach it",
+        ),
+        (
+            "setup without the device",
+            (("setup(cfg.pg_timeout, cfg.device)", "setup(cfg.pg_timeout)"),),
+            SETS_UP,
+            "do not reach it",
+        ),
+        ("no cleanup", ((CLEANUP, "        pass\n"),), SETS_UP, "set up, train, clean up"),
+        (
+            "cleanup not told of the failure",
+            (("cleanup(failed)", "cleanup()"),),
+            AFTER_FAILURE,
+            "told that the run failed",
+        ),
+        (
+            "cleanup always told of a failure",
+            (("cleanup(failed)", "cleanup(True)"),),
+            SETS_UP,
+            "told that it failed",
+        ),
+        (
+            "cleanup only after a success",
+            ((CLEANUP, "        if not failed:\n    " + CLEANUP),),
+            AFTER_FAILURE,
+            "cleanup must run then too",
+        ),
     ),
-    Plant(
+    *plants(
         "5.1",
-        "setup without the device",
-        MAIN,
-        (("setup(cfg.pg_timeout, cfg.device)", "setup(cfg.pg_timeout)"),),
-        SETS_UP,
-        "do not reach it",
-    ),
-    Plant(
-        "5.1",
-        "no cleanup",
-        MAIN,
-        ((CLEANUP, "        pass\n"),),
-        SETS_UP,
-        "set up, train, clean up",
-    ),
-    Plant(
-        "5.1",
-        "cleanup not told of the failure",
-        MAIN,
-        (("cleanup(failed)", "cleanup()"),),
-        AFTER_FAILURE,
-        "told that the run failed",
-    ),
-    Plant(
-        "5.1",
-        "cleanup always told of a failure",
-        MAIN,
-        (("cleanup(failed)", "cleanup(True)"),),
-        SETS_UP,
-        "told that it failed",
-    ),
-    Plant(
-        "5.1",
-        "cleanup only after a success",
-        MAIN,
-        ((CLEANUP, "        if not failed:\n    " + CLEANUP),),
-        AFTER_FAILURE,
-        "cleanup must run then too",
-    ),
-    Plant(
-        "5.1",
-        "DDP's model dropped",
-        STRATEGIES,
-        ((WRAP_DDP, WRAP_DDP.replace("model = ", "")),),
-        CHOOSES,
-        "trains the model unwrapped",
-    ),
-    Plant(
-        "5.1",
-        "FSDP's model dropped",
-        STRATEGIES,
-        ((WRAP_FSDP, WRAP_FSDP.replace("model = ", "")),),
-        CHOOSES,
-        "trains the model unwrapped",
-    ),
-    Plant(
-        "5.1",
-        "FSDP without its options",
-        STRATEGIES,
-        ((WRAP_FSDP, WRAP_FSDP.replace(", **shard", "")),),
-        CHOOSES,
-        "the run's options do not reach it",
-    ),
-    Plant(
-        "5.1",
-        "FSDP with the sharding alone",
-        STRATEGIES,
-        ((WRAP_FSDP, WRAP_FSDP.replace("**shard", "cfg.sharding")),),
-        CHOOSES,
-        "the run's options do not reach it",
-    ),
-    Plant(
-        "5.1",
-        "the wrappers swapped",
         STRATEGIES,
         (
-            # The FSDP line first: the DDP line, moved in, is not the FSDP line's text.
-            (WRAP_FSDP, WRAP_DDP.replace("            ", "        ", 1)),
-            (WRAP_DDP, WRAP_FSDP.replace("        ", "            ", 1)),
+            "DDP's model dropped",
+            ((WRAP_DDP, WRAP_DDP.replace("model = ", "")),),
+            CHOOSES,
+            "trains the model unwrapped",
         ),
-        CHOOSES,
-        "wraps the model with",
+        (
+            "FSDP's model dropped",
+            ((WRAP_FSDP, WRAP_FSDP.replace("model = ", "")),),
+            CHOOSES,
+            "trains the model unwrapped",
+        ),
+        (
+            "FSDP without its options",
+            ((WRAP_FSDP, WRAP_FSDP.replace(", **shard", "")),),
+            CHOOSES,
+            "the run's options do not reach it",
+        ),
+        (
+            "FSDP with the sharding alone",
+            ((WRAP_FSDP, WRAP_FSDP.replace("**shard", "cfg.sharding")),),
+            CHOOSES,
+            "the run's options do not reach it",
+        ),
+        (
+            "the wrappers swapped",
+            (
+                # The FSDP line first: the DDP line, moved in, is not the FSDP line's text.
+                (WRAP_FSDP, WRAP_DDP.replace("            ", "        ", 1)),
+                (WRAP_DDP, WRAP_FSDP.replace("        ", "            ", 1)),
+            ),
+            CHOOSES,
+            "wraps the model with",
+        ),
     ),
     # 6.1: training
-    Plant(
+    *plants(
         "6.1",
-        "no zero_grad",
         TRAIN,
-        ((ZERO, "        pass\n"),),
-        A_STEP,
-        "step 1's are still in them",
-    ),
-    Plant(
-        "6.1",
-        "zero_grad before each micro-batch's backward",
-        TRAIN,
+        ("no zero_grad", ((ZERO, "        pass\n"),), A_STEP, "step 1's are still in them"),
         (
-            (ZERO, "        pass\n"),
-            (BACKWARD, "                self.optimizer.zero_grad()\n" + BACKWARD),
-        ),
-        MICRO,
-        "the last micro-batch's alone",
-    ),
-    Plant(
-        "6.1",
-        "backward of the unscaled loss",
-        TRAIN,
-        ((BACKWARD, "                weighted.backward()\n"),),
-        SCALER,
-        "scales no loss",
-    ),
-    Plant(
-        "6.1",
-        "backward of the unweighted loss",
-        TRAIN,
-        (("scaler.scale(weighted)", "scaler.scale(loss)"),),
-        MICRO,
-        "counts as much as the batch's",
-    ),
-    Plant(
-        "6.1",
-        "the optimizer steps past the scaler",
-        TRAIN,
-        (("scaler.step(self.optimizer)", "self.optimizer.step()"),),
-        SCALER,
-        "steps past the scaler",
-    ),
-    Plant("6.1", "no update", TRAIN, (("        scaler.update()\n", ""),), SCALER, "never updated"),
-    Plant(
-        "6.1",
-        "update before step",
-        TRAIN,
-        ((STEP, "        scaler.update()\n        scaler.step(self.optimizer)\n"),),
-        SCALER,
-        "updated before it steps",
-    ),
-    Plant(
-        "6.1",
-        "a step per micro-batch",
-        TRAIN,
-        (
-            (BACKWARD, BACKWARD + STEP.replace("        ", "                ")),
-            (STEP, "        pass\n"),
-        ),
-        MICRO,
-        "takes 2 optimizer steps",
-    ),
-    Plant(
-        "6.1",
-        "two steps",
-        TRAIN,
-        ((STEP, STEP + "        self.optimizer.step()\n"),),
-        A_STEP,
-        "takes 2 optimizer steps",
-    ),
-    Plant(
-        "6.1",
-        "no eval",
-        TRAIN,
-        (("        self.model.eval()\n", "        pass\n"),),
-        MODES,
-        "validates in training mode",
-    ),
-    Plant(
-        "6.1",
-        "no train",
-        TRAIN,
-        (("        self.model.train()\n", "        pass\n"),),
-        MODES,
-        "back in training mode",
-    ),
-    Plant("6.1", "no all-reduce", TRAIN, ((REDUCE, "        pass\n"),), SUMS, "its own share"),
-    Plant(
-        "6.1",
-        "the all-reduce's result dropped",
-        TRAIN,
-        (("loss_sum, correct, count = all_reduce(", "all_reduce("),),
-        SUMS,
-        "its own share",
-    ),
-    Plant(
-        "6.1",
-        "the maximum, not the sum",
-        TRAIN,
-        (
+            "zero_grad before each micro-batch's backward",
             (
-                "[loss_sum, correct, count], device)",
-                "[loss_sum, correct, count], device, dist.ReduceOp.MAX)",
+                (ZERO, "        pass\n"),
+                (BACKWARD, "                self.optimizer.zero_grad()\n" + BACKWARD),
             ),
+            MICRO,
+            "the last micro-batch's alone",
         ),
-        SUMS,
-        "its own share",
-    ),
-    Plant(
-        "6.1",
-        "the count not reduced",
-        TRAIN,
-        ((REDUCE, "        loss_sum, correct = all_reduce([loss_sum, correct], device)\n"),),
-        SUMS,
-        "its own share",
+        (
+            "backward of the unscaled loss",
+            ((BACKWARD, "                weighted.backward()\n"),),
+            SCALER,
+            "scales no loss",
+        ),
+        (
+            "backward of the unweighted loss",
+            (("scaler.scale(weighted)", "scaler.scale(loss)"),),
+            MICRO,
+            "counts as much as the batch's",
+        ),
+        (
+            "the optimizer steps past the scaler",
+            (("scaler.step(self.optimizer)", "self.optimizer.step()"),),
+            SCALER,
+            "steps past the scaler",
+        ),
+        ("no update", (("        scaler.update()\n", ""),), SCALER, "never updated"),
+        (
+            "update before step",
+            ((STEP, "        scaler.update()\n        scaler.step(self.optimizer)\n"),),
+            SCALER,
+            "updated before it steps",
+        ),
+        (
+            "a step per micro-batch",
+            (
+                (BACKWARD, BACKWARD + STEP.replace("        ", "                ")),
+                (STEP, "        pass\n"),
+            ),
+            MICRO,
+            "takes 2 optimizer steps",
+        ),
+        (
+            "two steps",
+            ((STEP, STEP + "        self.optimizer.step()\n"),),
+            A_STEP,
+            "takes 2 optimizer steps",
+        ),
+        (
+            "no eval",
+            (("        self.model.eval()\n", "        pass\n"),),
+            MODES,
+            "validates in training mode",
+        ),
+        (
+            "no train",
+            (("        self.model.train()\n", "        pass\n"),),
+            MODES,
+            "back in training mode",
+        ),
+        ("no all-reduce", ((REDUCE, "        pass\n"),), SUMS, "its own share"),
+        (
+            "the all-reduce's result dropped",
+            (("loss_sum, correct, count = all_reduce(", "all_reduce("),),
+            SUMS,
+            "its own share",
+        ),
+        (
+            "the maximum, not the sum",
+            (
+                (
+                    "[loss_sum, correct, count], device)",
+                    "[loss_sum, correct, count], device, dist.ReduceOp.MAX)",
+                ),
+            ),
+            SUMS,
+            "its own share",
+        ),
+        (
+            "the count not reduced",
+            ((REDUCE, "        loss_sum, correct = all_reduce([loss_sum, correct], device)\n"),),
+            SUMS,
+            "its own share",
+        ),
     ),
 ]
 
 ALTERNATIVES = [
-    Plant(
+    *plants(
         "2.1",
-        "the group's arguments by keyword, device_id only on a GPU, set_device by index",
         SET_UP,
         (
+            "the group's arguments by keyword, device_id only on a GPU, set_device by index",
             (
-                GROUP,
-                """    on_gpu = {"device_id": device} if device.type == "cuda" else {}
+                (
+                    GROUP,
+                    """    on_gpu = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
         backend=groups_backend,
         init_method=None,
@@ -951,112 +844,120 @@ ALTERNATIVES = [
         **on_gpu,
     )
 """,
+                ),
+                ("torch.cuda.set_device(device)", "torch.cuda.set_device(device.index)"),
             ),
-            ("torch.cuda.set_device(device)", "torch.cuda.set_device(device.index)"),
         ),
     ),
-    Plant(
+    *plants(
         "3.1",
-        "a barrier instead of on_rank0",
         DATA,
         (
+            "a barrier instead of on_rank0",
             (
-                PREPARE,
-                "    from distributed_utils import barrier\n"
-                "    from utils import is_rank_zero\n\n"
-                "    if is_rank_zero():\n"
-                "        prepare(dataset, data_dir, download, fetch_hint)\n"
-                "    barrier()\n"
-                "    cache = prepare(dataset, data_dir, download, fetch_hint)\n",
+                (
+                    PREPARE,
+                    "    from distributed_utils import barrier\n"
+                    "    from utils import is_rank_zero\n\n"
+                    "    if is_rank_zero():\n"
+                    "        prepare(dataset, data_dir, download, fetch_hint)\n"
+                    "    barrier()\n"
+                    "    cache = prepare(dataset, data_dir, download, fetch_hint)\n",
+                ),
             ),
         ),
-    ),
-    Plant(
-        "3.1",
-        "a shuffled validation, samplers by keyword",
-        DATA,
         (
+            "a shuffled validation, samplers by keyword",
             (
-                "ShardSampler(len(val), world_size, rank, shuffle=False)",
-                "ShardSampler(len(val), rank=rank, world_size=world_size, shuffle=True)",
-            ),
-        ),
-    ),
-    Plant(
-        "4.1",
-        "moved in place, the device itself in device_ids",
-        DDP,
-        (
-            (MOVE, MOVE.replace("model = model.to", "model.to")),
-            ("[device.index] if", "[device] if"),
-        ),
-    ),
-    Plant(
-        "4.1",
-        "no device_ids on a GPU",
-        DDP,
-        (('[device.index] if device.type == "cuda" else None', "None"),),
-    ),
-    Plant(
-        "4.2",
-        "a lambda wrap policy",
-        FSDP,
-        (
-            (
-                "        return FSDP(\n",
-                "        from functools import partial\n\n"
-                "        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy\n\n"
-                "        return FSDP(\n",
-            ),
-            (
-                "CustomPolicy(lambda module: id(module) in units)",
-                "partial(lambda_auto_wrap_policy, lambda_fn=lambda module: id(module) in units)",
-            ),
-        ),
-    ),
-    Plant(
-        "5.1",
-        "options by position and keyword",
-        STRATEGIES,
-        (
-            (
-                WRAP_FSDP,
-                WRAP_FSDP.replace(
-                    "**shard", "cfg.sharding, cfg.precision, cfg.cpu_offload, world_size // nodes"
+                (
+                    "ShardSampler(len(val), world_size, rank, shuffle=False)",
+                    "ShardSampler(len(val), rank=rank, world_size=world_size, shuffle=True)",
                 ),
             ),
         ),
     ),
-    Plant(
-        "5.1",
-        "setup and cleanup by keyword",
-        MAIN,
+    *plants(
+        "4.1",
+        DDP,
         (
+            "moved in place, the device itself in device_ids",
             (
-                "setup(cfg.pg_timeout, cfg.device)",
-                "setup(timeout_s=cfg.pg_timeout, device=cfg.device)",
+                (MOVE, MOVE.replace("model = model.to", "model.to")),
+                ("[device.index] if", "[device] if"),
             ),
-            ("cleanup(failed)", "cleanup(failed=failed)"),
+        ),
+        (
+            "no device_ids on a GPU",
+            (('[device.index] if device.type == "cuda" else None', "None"),),
         ),
     ),
-    Plant(
-        "6.1",
-        "zero_grad after the step",
-        TRAIN,
-        ((ZERO, "        pass\n"), (STEP, STEP + "        self.optimizer.zero_grad()\n")),
+    *plants(
+        "4.2",
+        FSDP,
+        (
+            "a lambda wrap policy",
+            (
+                (
+                    "        return FSDP(\n",
+                    "        from functools import partial\n\n"
+                    "        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy\n\n"
+                    "        return FSDP(\n",
+                ),
+                (
+                    POLICY,
+                    POLICY.replace("CustomPolicy(", "partial(lambda_auto_wrap_policy, lambda_fn="),
+                ),
+            ),
+        ),
     ),
-    Plant(
+    *plants(
+        "5.1",
+        STRATEGIES,
+        (
+            "options by position and keyword",
+            (
+                (
+                    WRAP_FSDP,
+                    WRAP_FSDP.replace(
+                        "**shard",
+                        "cfg.sharding, cfg.precision, cfg.cpu_offload, world_size // nodes",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    *plants(
+        "5.1",
+        MAIN,
+        (
+            "setup and cleanup by keyword",
+            (
+                (
+                    "setup(cfg.pg_timeout, cfg.device)",
+                    "setup(timeout_s=cfg.pg_timeout, device=cfg.device)",
+                ),
+                ("cleanup(failed)", "cleanup(failed=failed)"),
+            ),
+        ),
+    ),
+    *plants(
         "6.1",
-        "the sums reduced one by one, modes by train(flag)",
         TRAIN,
         (
+            "zero_grad after the step",
+            ((ZERO, "        pass\n"), (STEP, STEP + "        self.optimizer.zero_grad()\n")),
+        ),
+        (
+            "the sums reduced one by one, modes by train(flag)",
             (
-                REDUCE,
-                "        for total in (loss_sum, correct, count):\n"
-                "            dist.all_reduce(total)\n",
+                (
+                    REDUCE,
+                    "        for total in (loss_sum, correct, count):\n"
+                    "            dist.all_reduce(total)\n",
+                ),
+                ("        self.model.eval()\n", "        self.model.train(False)\n"),
+                ("        self.model.train()\n", "        self.model.train(True)\n"),
             ),
-            ("        self.model.eval()\n", "        self.model.train(False)\n"),
-            ("        self.model.train()\n", "        self.model.train(True)\n"),
         ),
     ),
 ]
