@@ -8,7 +8,8 @@
 # The stages, in order (README.md beside this script says what each step runs and when it
 # passes; tests/test_next_run.py keeps its list and this script's alike):
 #   0. the machine: GPU, driver, torch, CUDA, NCCL, the commit
-#   1. probes of what no GPU has run (issue 45, items 3-7), short runs side by side on the GPU
+#   1. probes of what no GPU has run (issue 45, items 3-7; issue 50's memory), short runs side by
+#      side on the GPU
 #   2. graphed against eager on the same steps, side by side: equal val_loss and parameters
 #   3. the GPU tests on eight workers (make test-gpu), then benchmark.py
 #   4. the epochs behind issue 35's targets, at local batch 256 and 32, one at a time
@@ -40,7 +41,7 @@ EPOCHS=(--dataset synthetic --train-samples 50000 --val-samples 10000 --augment 
     --print-every 100000)
 
 STAGE1=(resume-cpu resume-eager resume-fp16 schedule-resume fsdp2-validation fsdp2-sgd
-    classic-loader)
+    classic-loader memory)
 STAGE2=(equal-ddp equal-fsdp2 equal-schedule equal-grad-accum equal-clip)
 STAGE3=(gpu-tests benchmark)
 STAGE4=(epochs-ddp-b256-graphed epochs-ddp-b256-eager epochs-ddp-b32-graphed
@@ -253,6 +254,43 @@ step_fsdp2_sgd() {
         --epochs 2
 }
 step_classic_loader() { pair "$1" ok "${SMALL[@]}" --loader classic --epochs 2; }
+
+# Issue 50: every model x ddp, fsdp, fsdp2 on the one GPU, a model's three side by side (memory
+# is per process: their peaks are their own); state_pred against the allocator's state_mem.
+step_memory() {
+    local dir=$1 rc=0 model strategy
+    for model in cnn cnn-wide resnet18 resnet50; do
+        for strategy in ddp fsdp fsdp2; do
+            train "$dir" "$model-$strategy" "${SMALL[@]}" --epochs 1 --no-checkpoint \
+                --model "$model" --strategy "$strategy" &
+        done
+        wait
+    done
+    run "$dir/memory.log" 30 5 "$PY" - "$dir" <<'EOF' || rc=$?
+import sys
+from pathlib import Path
+
+from utils import parse_metric
+
+rows, unequal = [], []
+for log in sorted(Path(sys.argv[1]).glob("*-*.log")):
+    metrics = [m for m in map(parse_metric, log.read_text().splitlines()) if m]
+    if not metrics:
+        unequal.append(f"{log.stem}: no epoch")
+        continue
+    m = metrics[-1]
+    rows.append(f"{log.stem} peak_mem={m['peak_mem']}MB state_mem={m['state_mem']} "
+                f"state_pred={m['state_pred']} act_per_image={m['act_per_image']}")
+    if m["state_pred"] != m["state_mem"]:
+        unequal.append(log.stem)
+print("\n".join(rows))
+print("memory: " + (f"unequal or missing: {', '.join(unequal)}" if unequal else
+                    f"state_pred = state_mem in {len(rows)} runs"))
+sys.exit(1 if unequal else 0)
+EOF
+    note "$dir" "$(grep '^memory: ' "$dir/memory.log")"
+    return "$rc"
+}
 
 step_equal_ddp() { pair "$1" strict "${SMALL[@]}" --epochs 2; }
 step_equal_fsdp2() { pair "$1" strict "${SMALL[@]}" --strategy fsdp2 --epochs 2; }
