@@ -39,6 +39,7 @@ MACHINE_FIELDS = {
     "data_wait",
     "peak_mem",
     "reserved_mem",
+    "act_per_image",  # the peak's share above the state
     "t_compute",
     "t_data",
     "t_comm",
