@@ -27,7 +27,7 @@ SUMMARY_STEP = re.compile(r"^(\d) (\S+) +(PASS|REFUSED|SKIPPED|FAIL \([^)]*\)) *
 
 # The machine's python3, stood in for: records its arguments, then, where an argument is the one
 # STUB_SLEEP, STUB_FAIL or STUB_REFUSE names, hangs, fails with a traceback, or refuses in one
-# line as main.py does (status 2); else succeeds.
+# line as main.py does (status 2); else succeeds (under --profile, naming a trace it wrote).
 STUB = """#!/bin/bash
 echo "$*" >>"$STUB_LOG"
 has() { [[ -n $1 && " ${*:2} " == *" $1 "* ]]; }
@@ -39,6 +39,10 @@ fi
 if has "${STUB_REFUSE:-}" "$@"; then
     echo "error: $STUB_REFUSE: planted refusal" >&2
     exit 2
+fi
+if has --profile "$@"; then
+    trace=$(mktemp)
+    echo "[PROFILE] steps 4-6 (graphed) of each rank traced: $trace (the stand-in's)"
 fi
 """
 

@@ -258,13 +258,15 @@ step_classic_loader() { pair "$1" ok "${SMALL[@]}" --loader classic --epochs 2; 
 # Issue 50: every model x ddp, fsdp, fsdp2 on the one GPU, a model's three side by side (memory
 # is per process: their peaks are their own); state_pred against the allocator's state_mem.
 step_memory() {
-    local dir=$1 rc=0 model strategy
+    local dir=$1 rc=0 model strategy pids pid
     for model in cnn cnn-wide resnet18 resnet50; do
+        pids=()
         for strategy in ddp fsdp fsdp2; do
             train "$dir" "$model-$strategy" "${SMALL[@]}" --epochs 1 --no-checkpoint \
                 --model "$model" --strategy "$strategy" &
+            pids+=($!)
         done
-        wait
+        for pid in "${pids[@]}"; do wait "$pid" || first_failure; done
     done
     run "$dir/memory.log" 30 5 "$PY" - "$dir" <<'EOF' || rc=$?
 import sys
@@ -325,7 +327,12 @@ step_profile_ddp_b256_graphed() {
         --cuda-graphs --profile || rc=$?
     trace=$(sed -n 's/^\[PROFILE\].* traced: \(\S*\) .*/\1/p' "$dir/main.log")
     trace=${trace/rank\*/rank0}
-    if [[ -f $trace ]]; then gzip -c "$trace" >"$dir/trace_rank0.json.gz"; fi
+    if [[ -f $trace ]]; then
+        gzip -c "$trace" >"$dir/trace_rank0.json.gz" || first_failure
+    elif ((rc == 0)); then
+        note "$dir" "no trace: main.log names none, or it is not there"
+        rc=1
+    fi
     return "$rc"
 }
 
