@@ -7,6 +7,7 @@ each reduced over the ranks (all_reduce: every number reported is a global one).
 holds its meters as one `EpochMeters`. docs/metrics.md says what each field means.
 """
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -179,11 +180,11 @@ class StageTimer:
         return self.seconds + sum(s.elapsed_time(e) for s, e in self.pairs[: self.used]) / 1000
 
 
-def state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | None = None
-) -> int:
-    """Exact bytes of parameters, gradients and optimizer state held by this rank; with
-    `device`, those on it alone (--cpu-offload keeps them all in host memory).
+def state_bytes_by_device(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[torch.device, int]:
+    """Exact bytes of parameters, gradients and optimizer state held by this rank, by the device
+    that holds them (--cpu-offload keeps them all in host memory).
 
     Under FSDP, model.parameters() are this rank's shards (FSDP1: views of its flat shard;
     FSDP2: DTensors, whose local part is counted), so this shrinks with sharding.
@@ -191,9 +192,19 @@ def state_bytes(
     tensors = list(model.parameters())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    kept = [t for t in local if device is None or t.device == device]
-    return sum(t.numel() * t.element_size() for t in kept)
+    held = collections.Counter()
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        held[local.device] += local.numel() * local.element_size()
+    return dict(held)
+
+
+def state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | None = None
+) -> int:
+    """Exact bytes of this rank's state (state_bytes_by_device); with `device`, those on it."""
+    held = state_bytes_by_device(model, optimizer)
+    return sum(held.values()) if device is None else held.get(device, 0)
 
 
 def all_reduce(

@@ -35,7 +35,7 @@ from measure import (
     breakdown_warning,
     epoch_fields,
     gpu_busy,
-    state_bytes,
+    state_bytes_by_device,
     synchronize,
     time_breakdown,
 )
@@ -188,15 +188,10 @@ class Trainer(Learner):
         # is validation's, whose forward holds FSDP2's root gathered (reshard_after_forward=
         # False) until it ends: its parameters whole, without their gradients' shards.
         own_peak = meters.memory.training_peak(replay_peak)
+        state = state_bytes_by_device(self.model, self.optimizer)
         # The activations' share: what the peak held beyond the state on its device, per image.
-        held = own_peak - state_bytes(self.model, self.optimizer, device)
-        per_image = held / self.loaders.train.batch_size
-        memory = [
-            own_peak,
-            state_bytes(self.model, self.optimizer),
-            meters.memory.reserved_peak(),
-            per_image,
-        ]
+        per_image = (own_peak - state.get(device, 0)) / self.loaders.train.batch_size
+        memory = [own_peak, sum(state.values()), meters.memory.reserved_peak(), per_image]
         # Nothing is sent where the run trains on one device (a rank, not dp's or model's GPUs).
         sends = meters.flops.devices > 1
         breakdown = time_breakdown(segment, self.step_compute(), device, sends)
