@@ -23,9 +23,9 @@ import torch.nn as nn
 
 from distributed_utils import BACKENDS
 from measure import StageTimer, all_reduce, synchronize_device
-from model import own_units
+from model import unit_parameters
 from precision import wire_dtypes
-from utils import FSDP_ROOT_UNIT, format_comm, log0
+from utils import format_comm, log0
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # The new names of all_gather_into_tensor and reduce_scatter_tensor (the old ones warn on every
@@ -96,18 +96,11 @@ def ddp_buckets(model: nn.Module, gradient_bytes: int, rebuilt: bool = True) -> 
 
 
 def fsdp_units(model: nn.Module, element_bytes: int) -> dict[str, int]:
-    """The flat parameter bytes each FSDP unit gathers: one per block of model.own_units,
-    and the root for the parameters no such block holds."""
-    units, inside = {}, set()
-    for name, module in model.named_children():
-        if any(module is unit for unit in own_units(model)):
-            params = list(module.parameters())
-            inside |= {id(p) for p in params}
-            units[name] = sum(p.numel() for p in params) * element_bytes
-    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
-    if root:
-        units[FSDP_ROOT_UNIT] = root * element_bytes
-    return units
+    """The flat parameter bytes each FSDP unit gathers (model.unit_parameters)."""
+    return {
+        name: sum(p.numel() for p in params) * element_bytes
+        for name, params in unit_parameters(model).items()
+    }
 
 
 def sweep_sizes(device: torch.device, largest: int | None = None) -> list[int]:

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from config import FLAT_SHARDS, SHARDED, STAGED, Config
-from model import cut, own_units
-from precision import low_precision, storage_dtype
+from model import cut, unit_parameters
+from precision import compute_dtype, storage_dtype
 
 # Where FSDP1 starts each parameter in its flat buffer: a multiple of 16 bytes of the unit's
 # compute dtype (torch's _flat_param._get_aligned_numel, with use_orig_params).
@@ -104,15 +104,6 @@ def fsdp1_held(numels: list[int], align: int, ranks: int, index: int) -> list[in
     return [n if n > 0 else None for n in overlaps]
 
 
-def fsdp1_units(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The parameters of each FSDP1 unit, in the order it flattens them (module order): each of
-    model.own_units's, then the root's, which holds the rest."""
-    units = own_units(model)
-    inner = {id(p) for unit in units for p in unit.parameters()}
-    root = [p for p in model.parameters() if id(p) not in inner]
-    return [list(unit.parameters()) for unit in units] + [root]
-
-
 def held(cfg: Config, model: nn.Module, world_size: int, nodes: int, rank: int) -> list[int | None]:
     """What rank `rank` keeps of each parameter: its elements, or None for no part of it."""
     if cfg.strategy in STAGED:
@@ -123,11 +114,10 @@ def held(cfg: Config, model: nn.Module, world_size: int, nodes: int, rank: int) 
     index = rank % ranks  # ranks laid out in blocks, a node's consecutive
     if cfg.strategy not in FLAT_SHARDS:  # fully_shard: each parameter on its first dimension
         return [fsdp2_held(tuple(p.shape), ranks, index) for p in model.parameters()]
-    computes_in = low_precision(cfg.precision) or storage_dtype(cfg.precision)
-    align = FSDP1_ALIGNMENT // computes_in.itemsize
+    align = FSDP1_ALIGNMENT // compute_dtype(cfg.precision).itemsize
     return [
         n
-        for unit in fsdp1_units(model)
+        for unit in unit_parameters(model).values()  # FSDP1 flattens each in module order
         for n in fsdp1_held([p.numel() for p in unit], align, ranks, index)
     ]
 

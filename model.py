@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from utils import require_torchvision
+from utils import FSDP_ROOT_UNIT, require_torchvision
 
 IMAGE_SHAPE = (3, 32, 32)  # CIFAR-10's, the course CNN's default
 NUM_CLASSES = 10
@@ -148,6 +148,16 @@ def own_units(model: nn.Module) -> list[nn.Module]:
         for unit in model.shard_units()
         if sum(p.numel() for p in unit.parameters()) >= MIN_UNIT_PARAMS
     ]
+
+
+def unit_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """The parameters of each FSDP unit by name: each of own_units (the model's children), then
+    the root (utils.FSDP_ROOT_UNIT), which holds the rest, where there are any."""
+    units = own_units(model)
+    named = {name: list(m.parameters()) for name, m in model.named_children() if m in units}
+    inside = {id(p) for params in named.values() for p in params}
+    root = [p for p in model.parameters() if id(p) not in inside]
+    return {**named, **({FSDP_ROOT_UNIT: root} if root else {})}
 
 
 class Part(nn.Sequential):

@@ -49,6 +49,12 @@ def storage_dtype(precision: str) -> torch.dtype:
     return max(DTYPES[precision], torch.float32, key=lambda dtype: dtype.itemsize)
 
 
+def compute_dtype(precision: str) -> torch.dtype:
+    """What a step computes in: the 16-bit dtype under bf16 and fp16, else the storage dtype (what
+    FSDP gathers and aligns its flat parameters in)."""
+    return low_precision(precision) or storage_dtype(precision)
+
+
 def wire_dtypes(precision: str, strategy: str) -> tuple[torch.dtype, torch.dtype]:
     """What this strategy's collectives carry at this --precision: (the parameters FSDP
     gathers, the gradients every strategy reduces). FSDP gathers in its compute dtype where it
@@ -56,8 +62,7 @@ def wire_dtypes(precision: str, strategy: str) -> tuple[torch.dtype, torch.dtype
     hold the parameters' own gradients (under autocast too), FSDP's reduce_dtype is fp32 under
     bf16 and fp16 and the parameters' dtype otherwise; so 8 bytes a parameter in fp64."""
     stored = storage_dtype(precision)
-    low = low_precision(precision) if strategy in SHARDED else None
-    return low or stored, stored
+    return (compute_dtype(precision) if strategy in SHARDED else stored), stored
 
 
 def loss_input(logits: torch.Tensor) -> torch.Tensor:
