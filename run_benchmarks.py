@@ -275,11 +275,11 @@ def without_uncuttable(runs: list[Configuration]) -> list[Configuration]:
         fits = config.pipeline_world_sizes(model)
         own = [r for r in runs if r.model == model]
         skipped = sorted({r.gpus for r in own if r.strategy == "pipeline" and r.gpus not in fits})
+        cuts.append(config.pipeline_cut(model))
         if skipped:
             counts = ", ".join(map(str, skipped))
-            note(f"note: pipeline skipped at GPU counts {counts}: {config.pipeline_cut(model)}")
+            note(f"note: pipeline skipped at GPU counts {counts}: {cuts[-1]}")
         kept += [r for r in own if r.strategy != "pipeline" or r.gpus in fits]
-        cuts.append(config.pipeline_cut(model))
     if not kept:
         fail(f"nothing to run: {'; '.join(cuts)}")
     return kept
