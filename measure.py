@@ -30,6 +30,7 @@ from distributed_utils import barrier
 from mfu import UNKNOWN, ModelFlops
 from peer_failures import say_where
 from profiling import StepProfiler, quiet_kineto
+from utils import MB
 
 
 def synchronize_device(device: torch.device) -> None:
@@ -383,14 +384,14 @@ def epoch_fields(
         "time": reached.time,
         "val_loss": val["val_loss"],
         "acc": val["acc"],
-        "peak_mem": round(peak / 2**20),
+        "peak_mem": round(peak / MB),
         "train_loss": reached.loss_sum / max(reached.seen, 1),
         "val_time": val["val_time"],
         "throughput": reached.seen / reached.time,
         "data_wait": reached.data_wait,
         "state_mem": int(state),
-        "data_mem": round(data_bytes / 2**20),
-        "reserved_mem": round(reserved / 2**20),
+        "data_mem": round(data_bytes / MB),
+        "reserved_mem": round(reserved / MB),
         "act_per_image": round(per_image),
     }
 

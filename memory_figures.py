@@ -16,8 +16,7 @@ from plot_style import (
     log10_y_axis,
     plot_lines,
 )
-
-MB = 2**20  # as peak_mem's
+from utils import MB
 
 # What peak_mem measured, by the device the runs trained on (measure.MemoryMeter).
 # Two lines: one would be taller than a one-panel figure.

@@ -42,6 +42,7 @@ import torch.nn as nn
 from config import FLAT_SHARDS, SHARDED, STAGED, Config
 from model import cut, unit_parameters
 from precision import compute_dtype, storage_dtype
+from utils import MB
 
 # Where FSDP1 starts each parameter in its flat buffer: a multiple of 16 bytes of the unit's
 # compute dtype (torch's _flat_param._get_aligned_numel, with use_orig_params).
@@ -51,8 +52,6 @@ FSDP1_ALIGNMENT = 16
 # momentum_buffer), and its bytes of scalars a parameter (Adam's step count: a float32 scalar
 # in fused Adam, optim.make_optimizer, whatever the parameters' dtype).
 OPTIMIZER_STATE = {"adam": (2, 4), "sgd": (1, 0)}
-
-MB = 2**20  # as peak_mem's
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,9 @@ import math
 
 import pandas as pd
 
-GIB = 2**30  # --gpu-memory's GB are GiB, as the project's MB are MiB
+from utils import MB
+
+GIB = 1024 * MB  # --gpu-memory's GB are GiB, as the project's MB are MiB
 CPU_GPU_GB = 80  # the GPU a CPU run is projected onto: an A100's or H100's 80 GB
 # What the projection needs of each point: without them (logs older than act_per_image), it
 # says it cannot be made rather than guess.
@@ -106,7 +108,7 @@ def projection_markdown(table: pd.DataFrame, rank: str) -> str:
         lines.append(
             f"| {r.model} | {r.parameters:,.0f} | {r.strategy} | {r.gpus:.0f} | "
             f"{r.local_batch:.0f} | {r.bytes_per_param:.2f} | {predicted} | "
-            f"{r.activations / 2**20:.1f} | {r.largest / 1e6:,.1f} M | {r.times_model:,.0f} |"
+            f"{r.activations / MB:.1f} | {r.largest / 1e6:,.1f} M | {r.times_model:,.0f} |"
         )
     return "\n".join(lines)
 

@@ -102,6 +102,8 @@ LABEL = {f.name: f.label for f in METRIC if f.label}
 TIME_PARTS = tuple(name for name in METRIC_FIELDS if name.startswith("t_"))
 
 METRIC_TAG = "[METRIC]"
+MB = 2**20  # the [METRIC] line's MB (peak_mem, data_mem, reserved_mem) are MiB
+
 CONFIG_TAG = "[CONFIG]"  # one line per run, first: the whole resolved configuration
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _SRUN_PREFIX_RE = re.compile(r"^\s*\d+:\s?")  # `srun -l` writes "0: " before each line
