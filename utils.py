@@ -321,7 +321,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
 COMM_TAG = "[COMM]"
 COMM_FIELDS = ("op", "label", "bytes", "world_size", "time_us", "algbw_gbps", "busbw_gbps")
 
-# The FSDP unit of the parameters no unit of their own holds (comm_bench.fsdp_units; its
+# The FSDP unit of the parameters no unit of their own holds (model.unit_parameters; its
 # messages are labelled unit_root): kept from forward to backward (fsdp_utils), so full
 # sharding gathers it once a step, every other unit twice (results_summary.comm_model_time).
 FSDP_ROOT_UNIT = "root"

@@ -478,14 +478,15 @@ def test_the_resnet50_state_quoted_is_memory_models_prediction():
     FSDP (and FSDP2), and its largest FSDP unit, as memory_model counts them from the model's
     shapes; and the peaks the answer adds up from them, in MiB."""
     from config import Config
-    from memory_model import MB, fsdp1_units, state_mem
-    from model import count_parameters
+    from memory_model import state_mem
+    from model import count_parameters, unit_parameters
+    from utils import MB
 
     with torch.device("meta"):
         model = build_model("resnet50")
     psi, tensors = count_parameters(model), len(list(model.parameters()))
     state = {s: state_mem(Config(strategy=s), model, 8) for s in ("ddp", "fsdp", "fsdp2")}
-    largest = max(sum(p.numel() for p in unit) for unit in fsdp1_units(model))
+    largest = max(sum(p.numel() for p in unit) for unit in unit_parameters(model).values())
     assert state["ddp"] == 16 * psi + 4 * tensors
     concepts = " ".join(CONCEPTS.read_text().split())
     for quoted in (
