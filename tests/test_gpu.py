@@ -92,7 +92,7 @@ def test_cpu_offload_with_clipping_and_fp16(strategy, extra):
     assert metrics[-1]["device"] == "cuda"
 
 
-def offloaded_state(env, strategy: str) -> tuple[int, set[str]]:
+def offloaded_state(env, strategy: str) -> tuple[int, int, set[str]]:
     """One step of an FSDP run with --cpu-offload on this GPU: the bytes of state the rank keeps
     (measure.state_bytes), those of it on the GPU (which act_per_image takes from the GPU's
     peak), and the devices its parameters, gradients and optimizer state are on."""
