@@ -16,8 +16,10 @@
 # Each step writes the whole output (stderr, tracebacks) and the exit status of each of its
 # commands into $OUT/<stage>-<step>/, and one line into $OUT/summary.txt: PASS, REFUSED (an
 # option refused in one line, which a probe accepts), FAIL with its status, or SKIPPED where too
-# little of the deadline was left to start it. A failing step never stops the next one.
-# Then copy $OUT into a dated folder here, with this script, and write its README.
+# little of the deadline was left to start it; a step that ended before its verdict (its shell
+# gone) stays FAIL (no verdict). A failing step never stops the next one; the script's own status
+# is 1 where any step failed. Then copy $OUT into a dated folder here, with this script, and
+# write its README.
 #
 # It installs nothing (the GPU machines reach no package index). PY: the Python (default
 # python3, the machines' own); DEADLINE_S: the deadline in seconds, 540 by default and at most
@@ -389,6 +391,9 @@ EOF
 step() {
     local dir=$OUT/$1-$2 rc=0 verdict
     mkdir -p "$dir"
+    # Overwritten below: stays only where the step's shell ends first.
+    printf '%s %-26s %-18s %s\n' "$1" "$2" "FAIL (no verdict)" "ended before its verdict" \
+        >"$dir/verdict"
     case $2 in
     epochs-*)
         local parts
@@ -435,3 +440,4 @@ stage 2 parallel "${STAGE2[@]}"
 stage 3 serial "${STAGE3[@]}"
 stage 4 serial "${STAGE4[@]}"
 echo "== end at t=$(elapsed)s (deadline ${DEADLINE_S}s)" | tee -a "$SUMMARY"
+if grep -qE '^[0-9] \S+ +FAIL ' "$SUMMARY"; then exit 1; fi
