@@ -19,71 +19,37 @@ from utils import UsageError
 pytestmark = pytest.mark.fast  # make test-fast
 
 
+SRUN_STEP = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}
+
+
 @pytest.mark.parametrize(
     "env,expected",
     [
         ({}, (0, 0, 1)),  # plain `python main.py`
         ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, (3, 1, 4)),  # torchrun / run.sh
-        (
-            {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"},
-            (5, 1, 8),
-        ),  # plain srun
+        ({"RANK": "1", "WORLD_SIZE": "2"}, (1, 0, 2)),
+        (SRUN_STEP, (5, 1, 8)),  # plain srun
         # The batch script itself (no step): SLURM's task count is not ours to wait for.
-        ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8"}, (0, 0, 1)),
+        ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}, (0, 0, 1)),
+        ({"RANK": "1"}, (0, 0, 1)),  # a RANK without a WORLD_SIZE: no launcher
         # torchrun's variables win over SLURM's (torchrun inside an allocation).
-        (
-            {
-                "RANK": "1",
-                "LOCAL_RANK": "1",
-                "WORLD_SIZE": "2",
-                "SLURM_PROCID": "0",
-                "SLURM_LOCALID": "0",
-                "SLURM_NTASKS": "1",
-                "SLURM_STEP_ID": "0",
-            },
-            (1, 1, 2),
-        ),
+        ({**SRUN_STEP, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, (1, 1, 2)),
+        ({**SRUN_STEP, "RANK": "0", "WORLD_SIZE": "2"}, (0, 0, 2)),
     ],
 )
-def test_ranks_from_torchrun_or_slurm(env, expected):
-    assert utils.read_ranks(env) == expected
-
-
-RANK_ENVIRONMENTS = [
-    {},
-    {"RANK": "0", "WORLD_SIZE": "2"},
-    {"RANK": "1", "WORLD_SIZE": "2"},
-    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
-    # The batch script, and a RANK without a WORLD_SIZE: no launcher, so this is rank 0.
-    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
-    {"RANK": "1"},
-    # torchrun's rank 0 inside an srun task whose SLURM_PROCID is 1: torchrun's variables win.
-    {
-        "RANK": "0",
-        "WORLD_SIZE": "2",
-        "SLURM_PROCID": "1",
-        "SLURM_NTASKS": "2",
-        "SLURM_STEP_ID": "0",
-    },
-]
-
-
-@pytest.mark.parametrize("env", RANK_ENVIRONMENTS)
-def test_rank_zero_is_the_rank_read_ranks_reads(env):
+def test_ranks_from_torchrun_or_slurm_and_rank_zero_is_their_rank_0(env, expected):
     """One reading of the launchers' variables: who prints and writes alone (is_rank_zero) is
     the rank that joins the process group as rank 0 (read_ranks, distributed_utils.setup)."""
-    assert utils.is_rank_zero(env) == (utils.read_ranks(env)[0] == 0)
+    assert utils.read_ranks(env) == expected
+    assert utils.is_rank_zero(env) == (expected[0] == 0)
 
 
-def test_bad_rank_variables_make_every_process_speak():
-    assert utils.is_rank_zero({"RANK": "x", "WORLD_SIZE": "2"})
-
-
-def test_bad_rank_variables_are_usage_errors():
+def test_bad_rank_variables_are_usage_errors_and_make_every_process_speak():
     with pytest.raises(UsageError, match="outside world size"):
         utils.read_ranks({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
     with pytest.raises(UsageError, match="not an integer"):
         utils.read_ranks({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
+    assert utils.is_rank_zero({"RANK": "x", "WORLD_SIZE": "2"})
 
 
 def test_rendezvous_prefers_environment_then_slurm_job():
@@ -296,30 +262,19 @@ def test_the_oldest_torch_is_requirements_floor():
 def test_num_nodes():
     assert du.num_nodes({}) == 1
     assert du.num_nodes({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == 2
-    assert (
-        du.num_nodes(
-            {"SLURM_JOB_NUM_NODES": "3", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_ID": "0"}
-        )
-        == 2
-    )
+    step = {"SLURM_JOB_NUM_NODES": "3", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_ID": "0"}
+    assert du.num_nodes(step) == 2
 
 
-@pytest.mark.parametrize("batch", [1, 7, 256])
-def test_model_takes_any_batch_size(batch):
+def test_the_course_cnn_its_size_and_shapes():
     model = build_model("cnn")
-    assert model(torch.randn(batch, 3, 32, 32)).shape == (batch, 10)
-
-
-def test_model_rejects_wrong_image_shape():
-    with pytest.raises(AssertionError, match=r"\(N, 3, 32, 32\)"):
-        build_model("cnn")(torch.randn(2, 3, 28, 28))
-
-
-def test_course_cnn_size():
     # conv 3->16->32->64 (3x3) and fc 1024->512->10, with biases.
     expected = (3 * 16 + 16 * 32 + 32 * 64) * 9 + 16 + 32 + 64 + 1024 * 512 + 512 + 512 * 10 + 10
-    assert count_parameters(build_model("cnn")) == expected == 553_514
-    assert set(MODELS) >= {"cnn"}
+    assert count_parameters(model) == expected == 553_514
+    for batch in (1, 7, 256):  # any batch size
+        assert model(torch.randn(batch, 3, 32, 32)).shape == (batch, 10)
+    with pytest.raises(AssertionError, match=r"\(N, 3, 32, 32\)"):
+        model(torch.randn(2, 3, 28, 28))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -463,21 +418,7 @@ LAZY_IMPORTS = [
         "assert session.trainer_class(True).__name__ == 'PipelineTrainer'",
     ),
 ]
-DDP_RUN = [*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint"]
-
-
-@pytest.mark.parametrize("module,needing", LAZY_IMPORTS)
-def test_a_slow_import_waits_for_the_run_that_needs_it(module, needing):
-    probe = (
-        "import sys, main, session, strategies\n"
-        f"assert main.main({DDP_RUN!r}) == 0\n"
-        "assert session.trainer_class(False) is session.Trainer\n"
-        f"assert {module!r} not in sys.modules, 'loaded by a run that does not need it'\n"
-        f"{needing}\n"
-        f"assert {module!r} in sys.modules\n"
-    )
-    done = run([sys.executable, "-c", probe], timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+DDP_RUN = [*TINY, *"--batch-size 64 --epochs 1 --no-checkpoint".split()]
 
 
 # What a data-parallel run imports but `main.py --check` must not: FSDP, DTensor and DCP, most
@@ -517,13 +458,14 @@ def test_check_finds_device_data_and_checkpoint_without_the_sharding_imports(tmp
     assert "check: ok: strategy=fsdp2 world sizes 1 2" in done.stdout, done.stdout
 
 
-def test_a_rank_loads_torch_without_collecting_and_freezes_it():
+def test_a_rank_loads_torch_without_collecting_and_only_the_imports_its_run_needs():
     """main.py loads torch and the project with Python's collector off, and setup() freezes
     what they made and turns it back on: no collection runs between torch's import and the
     freeze, and the later ones (the training loop's, cleanup()'s) skip those objects
     (docs/development.md: what each saves, and what the thaw costs). At exit they thaw, so that
     Python's teardown frees them: frozen, triton's (torch 2.15) are reported by nanobind as
-    leaked, a line each on stderr. An exit hook registered first runs last, after the thaw."""
+    leaked, a line each on stderr. An exit hook registered first runs last, after the thaw. A
+    slow import (LAZY_IMPORTS) waits for the run that needs it."""
     probe = (
         "import atexit, gc, sys\n"
         "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
@@ -536,6 +478,12 @@ def test_a_rank_loads_torch_without_collecting_and_freezes_it():
         f"assert main.main({DDP_RUN!r}) == 0\n"
         "assert not early, f'{len(early)} collections while torch loaded, {early.count(2)} full'\n"
         "assert gc.isenabled() and gc.get_freeze_count() > 200_000, gc.get_freeze_count()\n"
+        "import session, strategies\n"
+        "assert session.trainer_class(False) is session.Trainer\n"
+        f"for module, needing in {LAZY_IMPORTS!r}:\n"
+        "    assert module not in sys.modules, f'{module}: loaded by a run that does not need it'\n"
+        "    exec(needing)\n"
+        "    assert module in sys.modules, module\n"
     )
     done = run([sys.executable, "-c", probe], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
