@@ -268,24 +268,7 @@ def test_tinyimagenet_without_files_says_where_to_get_it(tmp_path):
         assert TINY_URL in message and f"unzip it in {tmp_path / 'none'}" in message
 
 
-# ----------------------------------------------------------------------------- augmentation, model
-
-
-def test_crop_flip_and_classic_transform_keep_64x64_images():
-    gen = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8)
-    out = data.RandomCropFlip(images.shape[1:], images.device)(images, gen)
-    padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
-    for i in range(len(images)):
-        assert any(
-            torch.equal(out[i], w) or torch.equal(out[i], w.flip(2))
-            for w in (
-                padded[i, :, dy : dy + 64, dx : dx + 64] for dy in range(9) for dx in range(9)
-            )
-        ), i
-    spec = data.DATASETS["tinyimagenet"]
-    picture = Image.fromarray(images[0].permute(1, 2, 0).numpy())
-    assert data.classic_transform(spec, augment=True)(picture).shape == (3, 64, 64)
+# ----------------------------------------------------------------------------- the model
 
 
 @pytest.mark.parametrize("name", ["cnn", "resnet18"])
@@ -302,23 +285,8 @@ def test_models_take_the_data_sets_classes_and_image_size(name):
 
 
 def run_args(dataset: str, root, loader: str) -> list:
-    return [
-        "--dataset",
-        dataset,
-        "--data-dir",
-        root,
-        "--loader",
-        loader,
-        "--epochs",
-        "1",
-        "--batch-size",
-        "8",
-        "--num-workers",
-        "1",
-        "--print-every",
-        "1000",
-        "--no-checkpoint",
-    ]
+    options = "--epochs 1 --batch-size 8 --num-workers 1 --print-every 1000 --no-checkpoint"
+    return ["--dataset", dataset, "--data-dir", root, "--loader", loader, *options.split()]
 
 
 @pytest.mark.parametrize(
