@@ -69,13 +69,6 @@ def run_script(tmp_path: Path, **env) -> tuple[list[tuple[str, ...]], float]:
     return SUMMARY_STEP.findall((tmp_path / "out" / "summary.txt").read_text()), wall
 
 
-def test_the_readme_lists_the_steps_the_script_runs(tmp_path):
-    steps, _ = run_script(tmp_path)
-    listed = README_STEP.findall(README.read_text())
-    assert len(listed) > 20, "README.md lists no steps of next_run.sh"
-    assert [(stage, name) for stage, name, *_ in steps] == listed
-
-
 def test_its_deadline_fits_one_device_call():
     (deadline,) = DEADLINE.findall(SCRIPT.read_text())
     assert int(deadline) <= CALL_BUDGET_S
@@ -107,16 +100,17 @@ def test_a_failing_step_stops_no_other_and_its_status_is_in_the_summary(tmp_path
     assert {verdict for verdict, _ in verdicts.values()} == {"PASS"}
 
 
-def main_command_lines(tmp_path: Path) -> list[list[str]]:
-    run_script(tmp_path)
-    lines = (tmp_path / "args").read_text().splitlines()
-    return [line.split()[1:] for line in dict.fromkeys(lines) if line.startswith("main.py ")]
-
-
-def test_every_main_py_command_line_passes_check(tmp_path, capsys):
-    """As --check judges them on a CPU: eager (--cuda-graphs needs a GPU), and without the
+def test_the_readme_lists_its_steps_and_every_main_py_command_line_passes_check(tmp_path, capsys):
+    """--check judges them as on a CPU: eager (--cuda-graphs needs a GPU), and without the
     checkpoint to resume, which the script writes first."""
-    command_lines = main_command_lines(tmp_path)
+    steps, _ = run_script(tmp_path)
+    listed = README_STEP.findall(README.read_text())
+    assert len(listed) > 20, "README.md lists no steps of next_run.sh"
+    assert [(stage, name) for stage, name, *_ in steps] == listed
+    lines = (tmp_path / "args").read_text().splitlines()
+    command_lines = [
+        line.split()[1:] for line in dict.fromkeys(lines) if line.startswith("main.py ")
+    ]
     assert len(command_lines) > 20
     for args in command_lines:
         args = ["--no-cuda-graphs" if a == "--cuda-graphs" else a for a in args]
