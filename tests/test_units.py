@@ -77,10 +77,8 @@ def test_rendezvous_inside_srun_is_the_steps_first_node():
     job = {"SLURM_JOB_ID": "40001", "SLURM_JOB_NODELIST": "nid[001234-001237]"}
     assert du.rendezvous(job) == ("nid001234", 24001)
     # A step on part of the allocation: its task 0 runs on the step's first node.
-    assert du.rendezvous({**job, "SLURM_STEP_NODELIST": "nid[001236-001237]"}) == (
-        "nid001236",
-        24001,
-    )
+    step = {**job, "SLURM_STEP_NODELIST": "nid[001236-001237]"}
+    assert du.rendezvous(step) == ("nid001236", 24001)
     # torchrun's (or the user's) own MASTER_ADDR wins over SLURM's.
     assert du.rendezvous({**job, "MASTER_ADDR": "login1"}) == ("login1", 24001)
 
@@ -335,13 +333,11 @@ def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
     assert (layout.job_id({}), layout.job_id({"SLURM_JOB_ID": "42"})) == ("local", "42")
     assert layout.run_id({}) == "local-20260101-120000"
     assert layout.run_id({"SLURM_JOB_ID": "42"}) == "42"
-    log = layout.free_path(tmp_path, layout.log_stem("ddp_2gpu", layout.local_id()), ".log")
+    stem = layout.log_stem("ddp_2gpu", layout.local_id())
+    log = layout.free_path(tmp_path, stem, ".log")
     assert log.name == "ddp_2gpu_local-20260101-120000.log"
     log.touch()
-    assert (
-        layout.free_path(tmp_path, layout.log_stem("ddp_2gpu", layout.local_id()), ".log").name
-        == "ddp_2gpu_local-20260101-120000-2.log"
-    )
+    assert layout.free_path(tmp_path, stem, ".log").name == "ddp_2gpu_local-20260101-120000-2.log"
     assert layout.verify_folder("42") == tmp_path / "verify-42"
     assert layout.verify_folder(layout.LOCAL_JOB).name == "verify-local-20260101-120000"
     assert layout.next_sweep_folder(tmp_path).name == "sweep-20260101-120000"
