@@ -374,34 +374,25 @@ def test_a_forked_main_py_is_killed_as_a_process_is():
     assert forked.wait(timeout=30) == -9 and forked.pid != os.getpid()
 
 
-def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypatch):
-    """On GPUs each rank's last collectives are dumped on a timeout, named by job and rank; a
-    setting the job made itself is kept."""
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
-    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    du.turn_on_flight_recorder(tmp_path / "nccl-trace")
-    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
-    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl-trace" / "77_rank")
-    assert (tmp_path / "nccl-trace").is_dir()
-
-
 @pytest.mark.parametrize("own", [None, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"])
-def test_the_flight_recorders_buffer_goes_by_the_name_the_torch_reads(tmp_path, monkeypatch, own):
-    """torch 2.9 renamed the buffer's setting and warns, twice a rank, about the old name: every
+def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypatch, own):
+    """On GPUs each rank's last collectives are dumped on a timeout, named by job and rank.
+    torch 2.9 renamed the buffer's setting and warns, twice a rank, about the old name: every
     torch the project allows reads the new one, so the project sets that one alone, and never
     beside a size the job set under either name."""
     assert du.OLDEST_TORCH >= du.FR_BUFFER_SIZE_SINCE, "a torch that knows only the old name"
-    for name in (du.FR_BUFFER_SIZE, du.FR_BUFFER_SIZE_OLD):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    dump = ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    for name in (du.FR_BUFFER_SIZE, du.FR_BUFFER_SIZE_OLD, *dump):
         monkeypatch.delenv(name, raising=False)
     if own:
         monkeypatch.setenv(own, "50")
-    du.turn_on_flight_recorder(tmp_path)
+    du.turn_on_flight_recorder(tmp_path / "nccl-trace")
     sizes = {n: os.environ.get(n) for n in (du.FR_BUFFER_SIZE, du.FR_BUFFER_SIZE_OLD)}
     expected = {du.FR_BUFFER_SIZE: "2000", du.FR_BUFFER_SIZE_OLD: None}
     assert sizes == (expected if own is None else {n: "50" if n == own else None for n in sizes})
+    assert [os.environ[n] for n in dump] == ["1", str(tmp_path / "nccl-trace" / "77_rank")]
+    assert (tmp_path / "nccl-trace").is_dir()
 
 
 # Modules that take most of a second or more to import, on every rank of every launch: (the
