@@ -5,7 +5,6 @@ every run here is one process, as on one GPU of a cluster node.
 """
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import torch
 
 import data
 import peer_failures
-import stopping
 from config import Config
 from conftest import (
     LONG_RUN,
@@ -38,6 +36,7 @@ from dist_harness import (
     calibration_of,
     max_diff,
     mid_epoch_stop,
+    signal_rank_then_train,
     spawn,
     spawn_outcomes,
     steps_cfg,
@@ -512,18 +511,8 @@ def test_a_signal_to_one_rank_on_the_gpu_stops_both_and_the_resume_continues(tmp
     assert difference <= 1e-4
 
 
-def kill_rank1_mid_training(env, cfg) -> str | None:
-    """Rank 1 dies at its 5th step; rank 0 returns the line it would end with."""
-    if env.rank == 1:
-        poll, calls = stopping.StopRequest.poll, []
-
-        def poll_then_die(self):
-            calls.append(1)
-            if len(calls) == 5:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return poll(self)
-
-        stopping.StopRequest.poll = poll_then_die
+def line_of_a_peer_failure(env, cfg) -> str | None:
+    """The line this rank ends with where a peer fails under it (None: the run finished)."""
     try:
         run_session(cfg, env)
     except Exception as e:
@@ -534,8 +523,11 @@ def kill_rank1_mid_training(env, cfg) -> str | None:
 
 
 def test_a_rank_killed_on_the_gpu_ends_the_other_with_its_line():
+    """Rank 1 killed at its 5th step."""
     cfg = Config(**EQUAL_CFG, strategy="ddp")
-    outcomes = spawn_outcomes(kill_rank1_mid_training, 2, cfg, pg_timeout_s=30, share_gpu=True)
+    killed = (5, 1, line_of_a_peer_failure, signal.SIGKILL)
+    options = dict(pg_timeout_s=30, share_gpu=True)
+    outcomes = spawn_outcomes(signal_rank_then_train, 2, cfg, *killed, **options)
     status, line = outcomes[0]
     assert status == "ok" and line.startswith("rank 0: rank(s) 1 died or hung"), outcomes[0]
     assert outcomes[1] == ("died", -signal.SIGKILL), outcomes[1]
