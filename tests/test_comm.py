@@ -87,17 +87,11 @@ def _ddp_logged_buckets(env, models: dict[str, list[str]]) -> dict:
 @pytest.mark.timeout(180)
 def test_the_timed_buckets_are_those_ddp_logs():
     """What --comm-benchmark times as DDP's messages at each --precision (comm_bench.messages:
-    the whole gradient, then each rebuilt bucket) is what DDP logs. Measured (torch 2.14): in
-    fp32 the CNN's 2,214,056 bytes in one bucket, then 2,119,720 (the classifier) and 94,336 (the
-    convolutions); ResNet-18's 44,695,848 bytes, then 9,461,800, 26,494,976 and 8,739,072, whose
-    middle bucket passes the 25 MiB cap. In fp64, 8 bytes a gradient: the CNN's 4,428,112, then
-    4,239,440 and 188,672 (timed at fp32's 4 bytes, they were half of each).
-
-    Under bf16 autocast the gradients stay fp32 (4 bytes a parameter, as timed), but the
-    classifier's first bias (512 gradients, 2,048 bytes) reaches DDP after the first bucket's
-    1 MiB cap is reached: DDP's rebuilt buckets are 2,117,672 and 96,384 bytes (torch 2.14,
-    docs/metrics.md), where --comm-benchmark times 2,119,720 and 94,336, the parameters'
-    reverse order."""
+    the whole gradient, then each rebuilt bucket) is what DDP logs (the CNN's bytes, torch 2.14:
+    docs/concepts.md; ResNet-18's middle bucket passes the 25 MiB cap). Under bf16 autocast
+    the gradients stay fp32, as timed, but the classifier's first bias reaches DDP after the
+    first bucket's 1 MiB cap is reached: a bucket later than the parameters' reverse order,
+    which --comm-benchmark times."""
     models = {"fp32": ["cnn", "resnet18"], "fp64": ["cnn"], "bf16": ["cnn"]}
     (logged,) = spawn(_ddp_logged_buckets, 1, models, timeout=160)
     for precision, names in models.items():
