@@ -3,6 +3,7 @@
 import os
 import re
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -422,16 +423,9 @@ def test_check_finds_device_data_and_checkpoint_without_the_sharding_imports(tmp
     reads its meta.pt (or it would exit 2, or 5 for an unreadable one) and loads no wrapper and
     no DCP."""
     (tmp_path / "ckpt_e0002_s000000").mkdir()
-    meta = {  # what checkpoint.save writes of an FSDP2 run at world size 2, after epoch 1
-        "position": {"epoch": 2},
-        "identity": {
-            "strategy": "fsdp2",
-            "model": "cnn",
-            "parameters": count_parameters(build_model("cnn")),
-            "global_batch": 256,
-        },
-        "world_size": 2,
-    }
+    # What checkpoint.save writes of an FSDP2 run at world size 2, after epoch 1.
+    identity = checkpoint.Identity("fsdp2", "cnn", count_parameters(build_model("cnn")), 256)
+    meta = {"position": {"epoch": 2}, "identity": asdict(identity), "world_size": 2}
     torch.save(meta, tmp_path / "ckpt_e0002_s000000" / checkpoint.META_FILE)
     check = [*TINY, "--strategy", "fsdp2", "--resume", str(tmp_path), "--check", "1", "2"]
     probe = (
