@@ -28,35 +28,16 @@ START_TIMEOUT_S = 600  # on a clean machine, installing the packages comes first
 
 # A run of seconds: synthetic data (no download), few images, no progress lines. Tests add
 # --epochs, --batch-size and what they test.
-TINY = [
-    "--dataset",
-    "synthetic",
-    "--train-samples",
-    "256",
-    "--val-samples",
-    "64",
-    "--print-every",
-    "1000",
-]
+TINY = "--dataset synthetic --train-samples 256 --val-samples 64 --print-every 1000".split()
 # TINY as session.run's Config fields.
 TINY_CFG = dict(dataset="synthetic", train_samples=256, val_samples=64, print_every=1000)
 
 # A run long enough to be signalled during its first epoch (128 steps of 32 images), with a
 # progress line every 20 steps to signal it on.
-LONG_RUN = [
-    "--dataset",
-    "synthetic",
-    "--train-samples",
-    "4096",
-    "--val-samples",
-    "64",
-    "--batch-size",
-    "32",
-    "--epochs",
-    "2",
-    "--print-every",
-    "20",
-]
+LONG_RUN = (
+    "--dataset synthetic --train-samples 4096 --val-samples 64 --batch-size 32 --epochs 2 "
+    "--print-every 20"
+).split()
 
 # torchrun on this machine alone (its own rendezvous): add --nproc_per_node and the program.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

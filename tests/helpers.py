@@ -1,7 +1,7 @@
 """What several test files share that is not a fixture: logs and CSVs as the training program
-and the collector write them, a CIFAR-10 folder, and two ranks of which one dies or hangs.
-(conftest.py runs commands; dist_harness.py runs functions on real ranks.) No test file imports
-another: what two of them need lives here."""
+and the collector write them, a model for memory_model's predictions, a CIFAR-10 folder, and
+two ranks of which one dies or hangs. (conftest.py runs commands; dist_harness.py runs functions
+on real ranks.) No test file imports another: what two of them need lives here."""
 
 import os
 import pickle
@@ -118,6 +118,17 @@ def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
+def meta_model(name: str = "cnn", build=None):
+    """The model `name` (or what `build()` makes) on the meta device: its shapes, all that
+    memory_model's predictions read, without memory or random numbers."""
+    import torch
+
+    from model import build_model
+
+    with torch.device("meta"):
+        return build() if build else build_model(name)
+
+
 # ----------------------------------------------------------------------------- data
 
 
@@ -205,16 +216,7 @@ def on_path(folder: Path, **bodies: str) -> str:
 # ----------------------------------------------------------------------------- a peer fails
 
 # Long enough that training is still under way when rank 1 is stopped.
-ARGS = [
-    *LONG_RUN,
-    "--train-samples",
-    "40000",
-    "--val-samples",
-    "256",
-    "--epochs",
-    "1",
-    "--no-checkpoint",
-]
+ARGS = [*LONG_RUN, *"--train-samples 40000 --val-samples 256 --epochs 1 --no-checkpoint".split()]
 PG_TIMEOUT_S = 10
 # What the README promises: a dead peer is named within DEAD_S (measured 3.0-3.1 s on the 2-core
 # development machine: gloo sees the closed socket at once, then the survivors give the others

@@ -118,10 +118,8 @@ def test_each_strategy_sends_the_collectives_its_design_says_at_the_sizes_timed(
             continue  # the sizes: those of one micro-batch's step, below
         modelled = expected_messages(strategy, sharding, precision)
         if (strategy, precision) == ("ddp", "bf16"):
-            # Under autocast the classifier's first bias (2,048 bytes) reaches DDP after the
-            # 1 MiB cap is reached, not before (measured: 2,117,672 and 96,384 bytes): the
-            # rebuilt buckets follow the order the gradients arrive in, which ddp_buckets
-            # models as the parameters' reverse order. The bytes are fp32's all the same.
+            # Under autocast DDP buckets the classifier's first bias one bucket later than
+            # ddp_buckets models it (test_comm.py): the bytes are fp32's all the same.
             reduced = wire_dtypes(precision, strategy)[1].itemsize
             assert sum(size for _, size in found) == sum(ddp_buckets(model, reduced))
             continue

@@ -10,6 +10,7 @@ import torch
 import comm_bench
 from conftest import REPO, TINY, TORCHRUN, metrics_in, run_main
 from dist_harness import spawn
+from helpers import meta_model
 from model import build_model, count_parameters
 from precision import loss_input, make_precision, storage_dtype, wire_dtypes
 from utils import COMM_FIELDS, format_comm, parse_comm
@@ -56,63 +57,56 @@ def test_message_sizes_of_the_course_cnn():
     assert comm_bench.fsdp_units(model, 2)["root"] * 2 == units["root"]  # bf16 gathers halve
 
 
-def _ddp_logged_buckets(env, names: list[str], precision: str) -> dict:
-    """DDP's own record of its buckets (bytes, in the order it reduces them), for each model
-    built and stepped as a run of this --precision builds and steps it (session.build_trainer:
-    in its storage dtype; under autocast in bf16 and fp16) and wrapped as ddp_utils wraps it:
-    at construction, and as rebuilt after the first iteration."""
+def _ddp_logged_buckets(env, models: dict[str, list[str]]) -> dict:
+    """DDP's own record of its buckets (bytes, in the order it reduces them), for each
+    precision's models (models: --precision -> names) built and stepped as a run of that
+    --precision builds and steps them (session.build_trainer: in its storage dtype; under
+    autocast in bf16 and fp16) and wrapped as ddp_utils wraps them: at construction, and as
+    rebuilt after the first iteration."""
     from ddp_utils import get_ddp_model
 
-    torch.set_default_dtype(storage_dtype(precision))
-    steps = make_precision(precision, env.device, strategy="ddp")
     found = {}
-    for name in names:
-        model = get_ddp_model(build_model(name), env.device)
-        for _ in range(3):  # rebuilt in the second forward, logged by the third's
-            images, labels = torch.randn(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)
-            with steps.autocast(env.device):
-                logits = model(images)
-            torch.nn.functional.cross_entropy(loss_input(logits), labels).backward()
-        logged = model._get_ddp_logging_data()
-        found[name] = [
-            [int(size) for size in logged[key].split(",")]
-            for key in ("bucket_sizes", "rebuilt_bucket_sizes")
-        ]
+    for precision, names in models.items():
+        torch.set_default_dtype(storage_dtype(precision))
+        steps = make_precision(precision, env.device, strategy="ddp")
+        for name in names:
+            model = get_ddp_model(build_model(name), env.device)
+            for _ in range(3):  # rebuilt in the second forward, logged by the third's
+                images, labels = torch.randn(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)
+                with steps.autocast(env.device):
+                    logits = model(images)
+                torch.nn.functional.cross_entropy(loss_input(logits), labels).backward()
+            logged = model._get_ddp_logging_data()
+            found[precision, name] = [
+                [int(size) for size in logged[key].split(",")]
+                for key in ("bucket_sizes", "rebuilt_bucket_sizes")
+            ]
     return found
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("precision, models", [("fp32", ["cnn", "resnet18"]), ("fp64", ["cnn"])])
-def test_the_timed_buckets_are_those_ddp_logs(precision, models):
-    """What --comm-benchmark times as DDP's messages at this --precision (comm_bench.messages:
-    the whole gradient, then each rebuilt bucket) is what DDP logs. Measured (torch 2.14): in
-    fp32 the CNN's 2,214,056 bytes in one bucket, then 2,119,720 (the classifier) and 94,336 (the
-    convolutions); ResNet-18's 44,695,848 bytes, then 9,461,800, 26,494,976 and 8,739,072, whose
-    middle bucket passes the 25 MiB cap. In fp64, 8 bytes a gradient: the CNN's 4,428,112, then
-    4,239,440 and 188,672 (timed at fp32's 4 bytes, they were half of each)."""
-    (logged,) = spawn(_ddp_logged_buckets, 1, models, precision, timeout=100)
-    _, reduced = wire_dtypes(precision, "ddp")
-    for name in models:
-        model = build_model(name)
-        messages = comm_bench.messages(model, precision, "ddp", [])
-        timed = [size for op, _, size in messages if op == "all_reduce"]  # grad, bucket0, ...
-        assert [timed[:1], timed[1:]] == logged[name], name
-        assert sum(timed[1:]) == count_parameters(model) * reduced.itemsize
-
-
-@pytest.mark.timeout(120)
-def test_under_autocast_ddp_buckets_one_bias_later_than_timed():
-    """Under bf16 autocast the gradients stay fp32 (4 bytes a parameter, as timed), but the
-    classifier's first bias (512 gradients, 2,048 bytes) reaches DDP after the first bucket's
-    1 MiB cap is reached: DDP's rebuilt buckets are 2,117,672 and 96,384 bytes (torch 2.14,
-    docs/metrics.md), where --comm-benchmark times 2,119,720 and 94,336, the parameters'
-    reverse order."""
-    (logged,) = spawn(_ddp_logged_buckets, 1, ["cnn"], "bf16", timeout=100)
-    messages = comm_bench.messages(build_model("cnn"), "bf16", "ddp", [])
-    grad, first, second = [size for op, _, size in messages if op == "all_reduce"]
-    bias = build_model("cnn").classifier[1].bias.numel() * 4
-    assert logged["cnn"] == [[grad], [first - bias, second + bias]]
-    assert logged["cnn"][1] == [2_117_672, 96_384]
+@pytest.mark.timeout(180)
+def test_the_timed_buckets_are_those_ddp_logs():
+    """What --comm-benchmark times as DDP's messages at each --precision (comm_bench.messages:
+    the whole gradient, then each rebuilt bucket) is what DDP logs (the CNN's bytes, torch 2.14:
+    docs/concepts.md; ResNet-18's middle bucket passes the 25 MiB cap). Under bf16 autocast
+    the gradients stay fp32, as timed, but the classifier's first bias reaches DDP after the
+    first bucket's 1 MiB cap is reached: a bucket later than the parameters' reverse order,
+    which --comm-benchmark times."""
+    models = {"fp32": ["cnn", "resnet18"], "fp64": ["cnn"], "bf16": ["cnn"]}
+    (logged,) = spawn(_ddp_logged_buckets, 1, models, timeout=160)
+    for precision, names in models.items():
+        _, reduced = wire_dtypes(precision, "ddp")
+        for name in names:
+            model = build_model(name)
+            messages = comm_bench.messages(model, precision, "ddp", [])
+            timed = [size for op, _, size in messages if op == "all_reduce"]  # grad, bucket0, ...
+            assert sum(timed[1:]) == count_parameters(model) * reduced.itemsize
+            if precision == "bf16":  # the classifier's first bias a bucket later than timed
+                bias = model.classifier[1].bias.numel() * 4
+                grad, first, second = timed
+                timed = [grad, first - bias, second + bias]
+            assert [timed[:1], timed[1:]] == logged[precision, name], (precision, name)
+    assert logged["bf16", "cnn"][1] == [2_117_672, 96_384]
 
 
 def test_comm_line_round_trip():
@@ -136,10 +130,8 @@ def test_comm_line_round_trip():
 
 
 def _tiny_benchmark(env):
-    with torch.device("meta"):
-        model = build_model("cnn")
     return comm_bench.run_comm_benchmark(
-        model, env.device, "fp32", "ddp", largest=16 << 10, repeats=(1, 3, 2)
+        meta_model(), env.device, "fp32", "ddp", largest=16 << 10, repeats=(1, 3, 2)
     )
 
 

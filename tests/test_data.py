@@ -59,36 +59,26 @@ def seen_indices(loader, split) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["tensor", "classic"])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_every_sample_once_per_epoch_new_order_each_epoch(kind, world_size):
-    n, global_batch = 360, 24
+def test_each_rank_gets_what_distributed_sampler_assigns_in_a_new_order_each_epoch(
+    kind, world_size
+):
+    """Every sample once per epoch across the ranks, each rank exactly the samples, in the
+    order, that DistributedSampler assigns it, another order each epoch."""
+    n, global_batch = 240, 24
     split = indexed_split(n)
-    orders = []
-    for epoch in range(2):
-        per_rank = []
-        for rank in range(world_size):
-            loaders = cpu_loaders(split, global_batch, kind, rank, world_size, seed=3)
-            loaders.train_sampler.set_epoch(epoch)
-            per_rank.append(seen_indices(loaders.train, split))
-        everything = sorted(i for r in per_rank for i in r)
-        assert everything == list(range(n)), "each sample exactly once across ranks"
-        assert all(len(r) == n // world_size for r in per_rank)
-        orders.append(per_rank[0])
-    assert orders[0] != orders[1], "a new order every epoch"
-
-
-@pytest.mark.parametrize("kind", ["tensor", "classic"])
-def test_each_rank_gets_exactly_what_distributed_sampler_assigns(kind):
-    n, global_batch, world_size = 240, 24, 3
-    split = indexed_split(n)
+    seen = {}
     for rank in range(world_size):
-        loaders = cpu_loaders(
-            split, kind=kind, rank=rank, world_size=world_size, global_batch=global_batch, seed=9
-        )
+        loaders = cpu_loaders(split, global_batch, kind, rank, world_size, seed=9)
         reference = DistributedSampler(range(n), world_size, rank, shuffle=True, seed=9)
         for epoch in (0, 1):
             loaders.set_position(epoch)
             reference.set_epoch(epoch)
-            assert seen_indices(loaders.train, split) == list(reference), (kind, rank, epoch)
+            seen[rank, epoch] = seen_indices(loaders.train, split)
+            assert seen[rank, epoch] == list(reference), (rank, epoch)
+    for epoch in (0, 1):
+        everything = sorted(i for rank in range(world_size) for i in seen[rank, epoch])
+        assert everything == list(range(n)), "each sample exactly once across ranks"
+    assert seen[0, 0] != seen[0, 1], "a new order every epoch"
 
 
 def test_training_keeps_full_global_batches_only():
@@ -110,16 +100,21 @@ def test_a_short_last_validation_batch_is_gathered_without_a_resize():
     assert loaders.val.epoch_buffer.shape[0] == 64
 
 
-def test_random_crop_flip_takes_a_window_of_the_padded_image():
+@pytest.mark.parametrize("dataset", ["synthetic", "tinyimagenet"])  # 32x32 and 64x64 images
+def test_random_crop_flip_takes_a_window_of_the_padded_image(dataset):
+    """Of the padded image (4 pixels a side): every window, flipped or not, drawn per image; the
+    classic loader's transform keeps the size too."""
+    spec = data.DATASETS[dataset]
+    size = spec.image_shape[1]
     gen = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+    images = torch.randint(0, 256, (64, *spec.image_shape), dtype=torch.uint8)
     out = data.RandomCropFlip(images.shape[1:], images.device)(images, gen)
     assert out.shape == images.shape and out.dtype == torch.uint8
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     flips, shifts = 0, set()
     for i in range(len(images)):
         windows = [
-            ((dy, dx), padded[i, :, dy : dy + 32, dx : dx + 32])
+            ((dy, dx), padded[i, :, dy : dy + size, dx : dx + size])
             for dy in range(9)
             for dx in range(9)
         ]
@@ -134,6 +129,8 @@ def test_random_crop_flip_takes_a_window_of_the_padded_image():
         shifts.add(matches[0][:2])
     assert 10 < flips < 54, "about half the images flipped"
     assert len(shifts) > 20, "offsets vary over the 9x9 window"
+    picture = Image.fromarray(images[0].permute(1, 2, 0).numpy())
+    assert data.classic_transform(spec, augment=True)(picture).shape == images.shape[1:]
 
 
 def test_tensor_path_normalizes_like_torchvision():

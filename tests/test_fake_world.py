@@ -19,6 +19,10 @@ from model import build_model
 pytestmark = pytest.mark.fast  # make test-fast
 
 WORLD, PER_NODE = 8, 4
+ON_A_GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+]
 SETUPS = [(s, sh) for s in ("fsdp", "fsdp2") for sh in ("full", "grad_op", "hybrid")]
 
 
@@ -79,19 +83,7 @@ def one_rank_of_eight(device_type: str) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "device_type",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
 def test_one_rank_of_eight_holds_and_plans_its_share(device_type):
     found = in_fresh_process(one_rank_of_eight, device_type)
     whole = found.pop("whole")

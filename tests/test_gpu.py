@@ -5,7 +5,7 @@ every run here is one process, as on one GPU of a cluster node.
 """
 
 import json
-import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,11 +13,42 @@ import sys
 import pytest
 import torch
 
+import data
+import peer_failures
 from config import Config
-from conftest import REPO, TINY, TINY_CFG, config_in, metrics_in, run, run_main
-from dist_harness import spawn, steps_cfg
+from conftest import (
+    LONG_RUN,
+    REPO,
+    TINY,
+    TINY_CFG,
+    assert_breakdown_holds,
+    assert_one_line_error,
+    config_in,
+    metrics_in,
+    run,
+    run_main,
+    start_ranks,
+    stop_at_first_progress,
+)
+from cuda_graphs import GraphedStep
+from dist_harness import (
+    EQUAL_CFG,
+    calibration_of,
+    max_diff,
+    mid_epoch_stop,
+    signal_rank_then_train,
+    spawn,
+    spawn_outcomes,
+    steps_cfg,
+    stop_mid_epoch_then_resume,
+    train_and_gather,
+)
+from helpers import ARGS, DEAD_S, end_rank1_during_training, meta_model
+from measure import state_bytes
 from memory_model import rank_state
-from model import build_model
+from precision import set_deterministic
+from session import build_trainer
+from session import run as run_session
 from utils import parse_comm
 from verify import max_param_diffs
 
@@ -42,19 +73,8 @@ def test_one_gpu_trains_at_every_precision(strategy, precision):
     """And its state is memory_model's prediction (state_pred) there too."""
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
-    config, metrics = run_gpu(
-        [
-            *QUICK,
-            "--strategy",
-            strategy,
-            "--precision",
-            precision,
-            "--epochs",
-            "3",
-            "--train-samples",
-            "2048",
-        ]
-    )
+    args = [*QUICK, "--strategy", strategy, "--precision", precision]
+    config, metrics = run_gpu([*args, *"--epochs 3 --train-samples 2048".split()])
     assert config["backend"] == "nccl" and metrics[-1]["device"] == "cuda"
     assert config["gpu_memory"] == torch.cuda.get_device_properties(0).total_memory
     assert config["fp32_math"] == ("tf32" if precision == "tf32" else "ieee")
@@ -96,9 +116,6 @@ def offloaded_state(env, strategy: str) -> tuple[int, int, set[str]]:
     """One step of an FSDP run with --cpu-offload on this GPU: the bytes of state the rank keeps
     (measure.state_bytes), those of it on the GPU (which act_per_image takes from the GPU's
     peak), and the devices its parameters, gradients and optimizer state are on."""
-    from measure import state_bytes
-    from session import build_trainer
-
     trainer, _ = build_trainer(steps_cfg(8, 1, strategy=strategy, cpu_offload=True), env)
     images = torch.randn(8, 3, 32, 32, device=env.device)
     trainer.step(images, torch.randint(0, 10, (8,), device=env.device), trainer.loss_sum)
@@ -115,9 +132,7 @@ def test_cpu_offload_keeps_the_predicted_state_in_host_memory(strategy):
     """memory_model's prediction under --cpu-offload: the bytes, and where they are: every
     parameter, gradient and optimizer tensor in host memory, none on the GPU."""
     (found,) = spawn(offloaded_state, 1, strategy)
-    with torch.device("meta"):
-        model = build_model("cnn")
-    predicted = rank_state(Config(strategy=strategy, cpu_offload=True), model, 1)
+    predicted = rank_state(Config(strategy=strategy, cpu_offload=True), meta_model(), 1)
     assert predicted.on_device == 0
     assert found == (predicted.total, predicted.on_device, {"cpu"})
 
@@ -129,23 +144,8 @@ def test_a_cpu_run_on_a_gpu_machine_leaves_the_gpu_alone(tmp_path):
         "import sys, torch, main; status = main.main(sys.argv[1:]); "
         "print('cuda initialized:', torch.cuda.is_initialized()); sys.exit(status)"
     )
-    done = run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            *TINY,
-            "--batch-size",
-            "64",
-            "--epochs",
-            "1",
-            "--device",
-            "cpu",
-            "--checkpoint-dir",
-            tmp_path,
-        ],
-        timeout=300,
-    )
+    args = [*TINY, *"--batch-size 64 --epochs 1 --device cpu --checkpoint-dir".split(), tmp_path]
+    done = run([sys.executable, "-c", code, *args], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cuda initialized: False" in done.stdout
 
@@ -177,10 +177,6 @@ def fetch_with_device_work(env, cycles: int) -> tuple[float, int, float]:
     """An epoch whose every fetch also keeps the GPU busy for `cycles` clock cycles, work that
     the host only launches: (the last epoch's data_wait, its steps, one fetch's kernel time
     measured in this process right after)."""
-    import data
-    from dist_harness import steps_cfg
-    from session import run as run_session
-
     normalize = data.Normalize.__call__
 
     def busy_normalize(self, images):
@@ -198,36 +194,27 @@ def test_data_wait_is_device_time():
     (microseconds). The kernel's own time is measured in the same process, its fastest: on a
     GPU that other tests share, time-slicing stretches it (0.567 s expected against 0.163 s
     measured, H200 -n 8). Half of it still tells milliseconds from microseconds."""
-    from dist_harness import spawn
-
     ((data_wait, steps, per_fetch),) = spawn(fetch_with_device_work, 1, 10_000_000)
     print(f"data_wait {data_wait:.4f} s; the GPU was kept busy {steps * per_fetch:.4f} s")
     assert data_wait >= 0.5 * steps * per_fetch
 
 
-def test_checkpoint_and_resume_on_cuda_and_across_devices(tmp_path):
-    args = [*TINY, "--batch-size", "64", "--checkpoint-dir", str(tmp_path)]
-    run_gpu([*args, "--epochs", "1"])
-    config, metrics = run_gpu([*args, "--epochs", "2", "--resume", "auto"])
-    assert [m["epoch"] for m in metrics] == [2]
-    # The same checkpoint folder resumed on the CPU: fresh random streams, no traceback.
-    done = run_main([*args, "--epochs", "3", "--resume", "auto"], CUDA_VISIBLE_DEVICES="")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "written on another device type" in done.stdout
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_cpu_checkpoint_resumes_on_cuda(tmp_path, strategy):
-    """The other direction, for DDP's one file and FSDP's shards: written on the CPU (no GPU
-    visible), resumed on the GPU, with fresh random streams."""
+def test_checkpoints_resume_on_cuda_and_across_devices(tmp_path, strategy):
+    """DDP's one file and FSDP's shards: written on the CPU (no GPU visible), resumed on the
+    GPU, then on the GPU again, then on the CPU: across devices with fresh random streams and
+    no traceback."""
     args = [*TINY, "--batch-size", "64", "--strategy", strategy, "--checkpoint-dir", str(tmp_path)]
-    done = run_main([*args, "--epochs", "1"], CUDA_VISIBLE_DEVICES="")
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = run_main([*args, "--epochs", "2", "--resume", "auto"])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "written on another device type" in done.stdout
-    metrics = metrics_in(done.stdout)
-    assert [m["epoch"] for m in metrics] == [2] and metrics[0]["device"] == "cuda"
+    written_on = None
+    for epochs, device in enumerate(("cpu", "cuda", "cuda", "cpu"), 1):
+        hidden = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
+        done = run_main([*args, "--epochs", str(epochs), "--resume", "auto"], **hidden)
+        assert done.returncode == 0, done.stderr[-3000:]
+        across = written_on not in (None, device)
+        assert ("written on another device type" in done.stdout) == across, done.stdout[-3000:]
+        metrics = metrics_in(done.stdout)
+        assert [(m["epoch"], m["device"]) for m in metrics] == [(epochs, device)]
+        written_on = device
 
 
 def test_comm_benchmark_times_nccl_on_the_gpu():
@@ -250,32 +237,15 @@ def test_benchmark_runs_and_reports_the_one_gpu_epoch():
 def test_deterministic_runs_repeat_to_the_bit(tmp_path):
     """Two runs end with the same weights to the bit (the printed losses have too few digits
     to show a difference in the last bits)."""
-
-    def trained_weights(folder):
-        run_gpu(
-            [
-                *TINY,
-                "--batch-size",
-                "64",
-                "--epochs",
-                "2",
-                "--deterministic",
-                "--checkpoint-dir",
-                str(folder),
-            ]
-        )
-        return torch.load(folder / "ckpt_e0003_s000000" / "state.pt", map_location="cpu")["model"]
-
-    first, second = trained_weights(tmp_path / "a"), trained_weights(tmp_path / "b")
-    assert first.keys() == second.keys()
-    assert all(torch.equal(first[k], second[k]) for k in first)
+    args = [*TINY, *"--batch-size 64 --epochs 2 --deterministic --checkpoint-dir".split()]
+    for folder in ("a", "b"):
+        run_gpu([*args, tmp_path / folder])
+    assert list(max_param_diffs(tmp_path / "a", tmp_path / "b")) == [0]
 
 
 def test_two_ranks_on_one_gpu_are_refused_in_one_line():
     """Both ranks see one GPU as their local rank 0 (e.g. LOCAL_RANK lost, more tasks than
     GPUs): one clear line before NCCL's "Duplicate GPU detected", exit status 2."""
-    from conftest import assert_one_line_error, start_ranks
-
     ranks = start_ranks([*QUICK, "--epochs", "1"], 2, CUDA_VISIBLE_DEVICES="0", LOCAL_RANK="0")
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     rank0 = subprocess.CompletedProcess([], ranks[0].returncode, *outputs[0])
@@ -288,96 +258,43 @@ def test_two_ranks_on_one_gpu_are_refused_in_one_line():
 def test_a_dead_peer_on_nccl_ends_rank_0_with_one_line_and_status_1():
     """On NCCL too: the stop agreement's gloo all-reduce notices, rank 0 aborts its NCCL
     communicator (destroying it would wait for the dead peer's work) and exits."""
-    import signal
-
-    from helpers import ARGS, DEAD_S, end_rank1_during_training
-
     error, status, elapsed = end_rank1_during_training([*ARGS, "--device", "cuda"], signal.SIGKILL)
     assert error.startswith("error: rank 0: rank(s) 1 died or hung"), error
     assert status == 1
     assert elapsed < DEAD_S, elapsed
 
 
-def test_a_one_gpu_run_prints_nothing_on_stderr():
-    """Eager and graphed: no deprecated NCCL setting (TORCH_FR_BUFFER_SIZE is the name torch
-    reads), no stream mismatch warning from a graph's warm-up."""
-    for extra in (["--no-cuda-graphs"], []):  # eager, and graphed (the default)
-        done = run_main([*QUICK, "--epochs", "1", *extra])
-        assert done.returncode == 0 and done.stderr == "", (extra, done.stderr[-3000:])
-
-
-@pytest.mark.parametrize("batch", [32, 256])
-@pytest.mark.parametrize("extra", [["--no-cuda-graphs"], []])
-def test_the_time_breakdown_on_cuda_is_never_negative(batch, extra):
-    """As on a CPU (test_numbers): parts that are never negative and add up, or the epoch
-    said to be unreliable; the graphed run calibrated with a graph."""
-    from conftest import assert_breakdown_holds
-
-    _, metrics = run_gpu(
-        [
-            *TINY,
-            "--train-samples",
-            "4096",
-            "--batch-size",
-            str(batch),
-            "--epochs",
-            "3",
-            "--no-checkpoint",
-            "--augment",
-            *extra,
-        ]
-    )
-    for m in metrics:
-        assert_breakdown_holds(m)
-
-
-def test_gpu_busy_is_a_share_and_higher_graphed_than_eager():
-    """gpu_busy, from a kernel trace of the calibration's step: a share of the epoch in every
-    epoch (above 1 only by the trace's and the clock's error), and at a small local batch,
-    where the eager step is host-bound, higher graphed, which launches one graph a step."""
-    args = [*TINY, "--train-samples", "4096", "--batch-size", "32", "--epochs", "2"]
-    busy = {}
-    for extra in ("--no-cuda-graphs", "--cuda-graphs"):
-        _, metrics = run_gpu([*args, "--no-checkpoint", extra])
-        busy[extra] = [m["gpu_busy"] for m in metrics]
-    print("gpu_busy", busy)
-    for shares in busy.values():
-        assert all(isinstance(s, float) and 0 < s <= 1.05 for s in shares), busy
-    assert busy["--cuda-graphs"][-1] > busy["--no-cuda-graphs"][-1], busy
+@pytest.mark.timeout(900)
+def test_eager_and_graphed_runs_time_and_measure_their_epochs_alike():
+    """At a local batch of 32 (a host-bound eager step) and of 256, eager and graphed, on CUDA:
+    - the time breakdown, as on a CPU (test_numbers): parts that are never negative and add up,
+      or the epoch said to be unreliable; the graphed run calibrated with a graph;
+    - gpu_busy (a kernel trace of the calibration's step): a share of the epoch in every epoch
+      (above 1 only by the trace's and the clock's error), higher graphed at batch 32, where
+      the graphed step launches one graph;
+    - peak_mem: the graph's private memory, which its replays reuse and the allocator no longer
+      counts, is added back: graphed and eager report the same training memory (to the pool's
+      rounding), not 10x (the H200's first run: 824-856 MB against 76 MB)."""
+    args = [*TINY, *"--train-samples 4096 --epochs 3 --no-checkpoint --augment".split()]
+    runs = {
+        (batch, mode): run_gpu([*args, "--batch-size", str(batch), f"--{mode}"])[1]
+        for batch in (32, 256)
+        for mode in ("no-cuda-graphs", "cuda-graphs")
+    }
+    busy = {key: [m["gpu_busy"] for m in metrics] for key, metrics in runs.items()}
+    print("gpu_busy", busy, "peak_mem", {k: [m["peak_mem"] for m in ms] for k, ms in runs.items()})
+    for metrics in runs.values():
+        for m in metrics:
+            assert_breakdown_holds(m)
+            assert isinstance(m["gpu_busy"], float) and 0 < m["gpu_busy"] <= 1.05, busy
+    assert busy[32, "cuda-graphs"][-1] > busy[32, "no-cuda-graphs"][-1], busy
+    for e, g in zip(runs[256, "no-cuda-graphs"], runs[256, "cuda-graphs"], strict=True):
+        assert 0.8 * e["peak_mem"] <= g["peak_mem"] <= 1.25 * e["peak_mem"] + 8, (e, g)
 
 
 def test_a_graphed_runs_calibration_replays_a_graph():
-    from config import Config
-    from dist_harness import calibration_of, spawn
-
     facts = spawn(calibration_of, 1, Config(dataset="synthetic", cuda_graphs=True))[0]
     assert facts["graphed"] and facts["captured"], facts
-
-
-def test_a_graphed_runs_peak_mem_is_an_eager_runs():
-    """The graph's private memory, which its replays reuse and the allocator no longer counts,
-    is added back: graphed and eager report the same training memory (to the pool's rounding),
-    not 10x (the H200's first run: 824-856 MB against 76 MB)."""
-    args = [
-        *TINY,
-        "--train-samples",
-        "4096",
-        "--batch-size",
-        "256",
-        "--epochs",
-        "2",
-        "--no-checkpoint",
-    ]
-    _, eager = run_gpu([*args, "--no-cuda-graphs"])
-    _, graphed = run_gpu([*args, "--cuda-graphs"])
-    print(
-        "peak_mem eager",
-        [m["peak_mem"] for m in eager],
-        "graphed",
-        [m["peak_mem"] for m in graphed],
-    )
-    for e, g in zip(eager, graphed, strict=True):
-        assert 0.8 * e["peak_mem"] <= g["peak_mem"] <= 1.25 * e["peak_mem"] + 8, (e, g)
 
 
 # MemoryMeter.set_aside on CUDA, in a process of its own: 64 MB allocated and freed in the
@@ -408,8 +325,6 @@ def test_the_calibrations_rounds_are_left_out_of_peak_mem_on_cuda():
 
 def profiled_events(folder, *extra: str) -> tuple[str, list[dict]]:
     """--profile of 32 steps in a copy of the repository: the [PROFILE] line, the trace's events."""
-    import shutil
-
     for path in REPO.glob("*.py"):
         shutil.copy2(path, folder / path.name)
     args = [*QUICK, "--epochs", "1", "--train-samples", "2048", "--profile", *extra]
@@ -420,18 +335,16 @@ def profiled_events(folder, *extra: str) -> tuple[str, list[dict]]:
     return line, json.loads(trace.read_text())["traceEvents"]
 
 
-def test_profile_records_cuda_kernels(tmp_path):
-    """--profile on a GPU: the trace holds the device's kernels, not only the CPU's operators."""
-    line, events = profiled_events(tmp_path, "--no-cuda-graphs")
+def test_profile_traces_the_gpus_kernels_and_the_graphs_replays(tmp_path):
+    """--profile on a GPU: eager, the trace holds the device's kernels, not only the CPU's
+    operators; graphed, the traced steps come after the capture, each one graph launch (the
+    H200's first traces held eager warm-up steps only)."""
+    (tmp_path / "eager").mkdir()
+    line, events = profiled_events(tmp_path / "eager", "--no-cuda-graphs")
     assert "steps 4-6 (eager)" in line, line
-    categories = {e.get("cat") for e in events}
-    assert "kernel" in categories, categories
-
-
-def test_a_graphed_profile_traces_the_graphs_replays(tmp_path):
-    """With --cuda-graphs the traced steps come after the capture: each is one graph launch
-    (the H200's first traces held eager warm-up steps only)."""
-    line, events = profiled_events(tmp_path, "--cuda-graphs")
+    assert "kernel" in {e.get("cat") for e in events}, {e.get("cat") for e in events}
+    (tmp_path / "graphed").mkdir()
+    line, events = profiled_events(tmp_path / "graphed", "--cuda-graphs")
     assert "(replays of the captured CUDA graph)" in line, line
     launches = [e for e in events if str(e.get("name")).startswith("cudaGraphLaunch")]
     assert len(launches) >= 3, sorted({e.get("name") for e in events})[:40]
@@ -471,10 +384,6 @@ def test_a_graphed_run_trains_as_the_eager_one(tmp_path, strategy, precision):
 def validations(env, cfg) -> tuple[list[tuple[float, float]], bool]:
     """(val_loss, acc) of each epoch of a run of cfg, to the last bit, and whether its step was
     captured."""
-    from cuda_graphs import GraphedStep
-    from precision import set_deterministic
-    from session import run as run_session
-
     set_deterministic(cfg.deterministic)  # as main.py does: session.run does not
     outcome = run_session(cfg, env)
     step = outcome.trainer.train_step
@@ -489,9 +398,6 @@ def test_a_graphed_fsdp2_run_validates_as_the_eager_one():
     Validation left the root gathered, and replays run no FSDP2 hook, so from epoch 2 on the
     graphed run evaluated the root's convolutions with the previous validation's weights, until
     train.Trainer.evaluate resharded every unit."""
-    from config import Config
-    from dist_harness import spawn
-
     fields = dict(TINY_CFG, train_samples=2048, batch_size=64, deterministic=True, epochs=3)
     fields.update(strategy="fsdp2", checkpoint=False)  # as --no-checkpoint
     ((eager, eager_captured),) = spawn(validations, 1, Config(**fields, cuda_graphs=False))
@@ -505,8 +411,13 @@ def test_a_graphed_fsdp2_run_validates_as_the_eager_one():
 
 
 def test_graphs_are_the_default_on_a_gpu_and_an_eager_run_says_why():
-    config, _ = run_gpu([*QUICK, "--epochs", "1"])
-    assert config["cuda_graphs"] == "True"
+    """And a one-GPU run, graphed or eager, prints nothing on stderr: no deprecated NCCL setting
+    (TORCH_FR_BUFFER_SIZE is the name torch reads), no stream mismatch warning from a graph's
+    warm-up."""
+    for extra, graphed in (([], "True"), (["--no-cuda-graphs"], "False")):
+        done = run_main([*QUICK, "--epochs", "1", *extra])
+        assert done.returncode == 0 and done.stderr == "", (extra, done.stderr[-3000:])
+        assert config_in(done.stdout)["cuda_graphs"] == graphed
     done = run_main([*QUICK, "--epochs", "1", "--precision", "fp16"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[CONFIG] note: the step runs eager, not as one CUDA graph: fp16" in done.stdout
@@ -557,8 +468,6 @@ def test_an_eager_cpu_checkpoint_resumes_graphed_on_its_schedule(tmp_path, optim
 
 
 def test_a_graphed_run_stops_at_a_step_on_sigusr1_and_finishes_after_resume(repo_copy):
-    from conftest import LONG_RUN, stop_at_first_progress
-
     # Progress at step 40: past the capture (after step 11), replaying.
     stopped = stop_at_first_progress([*LONG_RUN, "--cuda-graphs", "--print-every", "40"], repo_copy)
     assert stopped.returncode == 3, stopped.stderr[-2000:]
@@ -581,9 +490,6 @@ def test_a_graphed_run_stops_at_a_step_on_sigusr1_and_finishes_after_resume(repo
 def test_two_ranks_on_one_gpu_train_as_one_process_and_report_global_numbers():
     """DDP at world size 2 ends with one process's parameters (IEEE fp32; cuDNN's kernels may
     sum in another order: 1e-4 allowed) and reports the same global losses and accuracy."""
-    from config import Config
-    from dist_harness import EQUAL_CFG, max_diff, spawn, train_and_gather
-
     cfg = Config(**EQUAL_CFG, strategy="ddp", deterministic=True)
     one_state, one_history = spawn(train_and_gather, 1, cfg)[0]
     two_state, two_history = spawn(train_and_gather, 2, cfg, share_gpu=True)[0]
@@ -599,31 +505,14 @@ def test_two_ranks_on_one_gpu_train_as_one_process_and_report_global_numbers():
 def test_a_signal_to_one_rank_on_the_gpu_stops_both_and_the_resume_continues(tmp_path):
     """SIGUSR1 to rank 1 alone: both stop at one step mid-epoch with a checkpoint; resumed, the
     run ends as an uninterrupted one (1e-4, as above). test_resume runs the same on a CPU."""
-    from config import Config
-    from dist_harness import EQUAL_CFG, mid_epoch_stop, stop_mid_epoch_then_resume
-
     cfg = Config(**{**EQUAL_CFG, "strategy": "ddp", "deterministic": True, "epochs": 2})
     reached, difference = stop_mid_epoch_then_resume(tmp_path, cfg, share_gpu=True)
     assert reached == mid_epoch_stop(cfg.train_samples // cfg.batch_size)[1]
     assert difference <= 1e-4
 
 
-def kill_rank1_mid_training(env, cfg) -> str | None:
-    """Rank 1 dies at its 5th step; rank 0 returns the line it would end with."""
-    import peer_failures
-    import stopping
-    from session import run as run_session
-
-    if env.rank == 1:
-        poll, calls = stopping.StopRequest.poll, []
-
-        def poll_then_die(self):
-            calls.append(1)
-            if len(calls) == 5:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return poll(self)
-
-        stopping.StopRequest.poll = poll_then_die
+def line_of_a_peer_failure(env, cfg) -> str | None:
+    """The line this rank ends with where a peer fails under it (None: the run finished)."""
     try:
         run_session(cfg, env)
     except Exception as e:
@@ -634,11 +523,11 @@ def kill_rank1_mid_training(env, cfg) -> str | None:
 
 
 def test_a_rank_killed_on_the_gpu_ends_the_other_with_its_line():
-    from config import Config
-    from dist_harness import EQUAL_CFG, spawn_outcomes
-
+    """Rank 1 killed at its 5th step."""
     cfg = Config(**EQUAL_CFG, strategy="ddp")
-    outcomes = spawn_outcomes(kill_rank1_mid_training, 2, cfg, pg_timeout_s=30, share_gpu=True)
+    killed = (5, 1, line_of_a_peer_failure, signal.SIGKILL)
+    options = dict(pg_timeout_s=30, share_gpu=True)
+    outcomes = spawn_outcomes(signal_rank_then_train, 2, cfg, *killed, **options)
     status, line = outcomes[0]
     assert status == "ok" and line.startswith("rank 0: rank(s) 1 died or hung"), outcomes[0]
     assert outcomes[1] == ("died", -signal.SIGKILL), outcomes[1]

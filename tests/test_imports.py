@@ -2,6 +2,7 @@
 docs/architecture.md, the map of it, says what each module imports."""
 
 import ast
+import importlib.util
 import re
 
 import pytest
@@ -128,3 +129,45 @@ def test_no_test_file_imports_another():
         name: sorted(n for n in names if n.startswith("test_")) for name, names in found.items()
     }
     assert not any(imports.values()), imports
+
+
+# ----------------------------------------------------------------------------- .ci/cfg_walk.py
+
+# Three modules: build_trainer hands `a.make` a field of cfg (twice: walked once), `helper` no
+# part of it; `make` hands `b.build` the keys of a dict that carry it, and comes back.
+WALKED = {
+    "session": (
+        "import a\nfrom b import helper\n"
+        "def build_trainer(cfg, env):\n"
+        "    a.make(cfg.model, cfg)\n    a.make(cfg.model, cfg)\n    helper(env)\n"
+    ),
+    "a": (
+        "import b\n"
+        "def make(name, cfg):\n"
+        "    options = dict(width=cfg.width, seed=1)\n    return b.build(**options)\n"
+    ),
+    "b": "def build(width=0, seed=0):\n    return width\ndef helper(env):\n    return env\n",
+}
+
+
+def test_the_cfg_walk_follows_cfg_into_each_function_once_and_counts_the_climbs(
+    monkeypatch, capsys
+):
+    spec = importlib.util.spec_from_file_location("cfg_walk", REPO / ".ci" / "cfg_walk.py")
+    cfg_walk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg_walk)
+    trees = {module: ast.parse(text) for module, text in WALKED.items()}
+    assert cfg_walk.walk(trees) == [
+        ("call", "a", "make"),
+        ("call", "b", "build"),
+        ("return", "a", "make"),
+        ("return", "session", "build_trainer"),
+    ]
+    monkeypatch.setattr(cfg_walk, "sources", lambda commit: WALKED)
+    cfg_walk.main(["-v"])
+    assert capsys.readouterr().out.splitlines() == [
+        "a.make",
+        "  b.build",
+        "session -> a -> b -> a -> session",
+        "2 modules entered (a, b); 4 moves, 2 returns, 1 climbs back up",
+    ]

@@ -24,6 +24,7 @@ import torch
 from config import SHARDED, Config, pipeline_world_sizes
 from conftest import TINY, run_main
 from dist_harness import spawn, steps_cfg
+from helpers import meta_model
 from memory_model import rank_state, state_mem
 from model import CNN, build_model
 
@@ -132,8 +133,7 @@ def measured_states(env, cases: list[Case]) -> list[int]:
 
 
 def predicted(case: Case, world_size: int, rank: int) -> int:
-    with torch.device("meta"):
-        model = BUILDERS[case.model]()
+    model = meta_model(build=BUILDERS[case.model])
     return rank_state(case.cfg, model, world_size, case.nodes, rank).total
 
 
@@ -160,9 +160,7 @@ def test_the_formula_gives_the_recorded_runs_state_mem(strategy, world_size, rec
     """The state_mem of real runs of the CNN recorded in README.md's [METRIC] line and in
     docs/performance.md (a pipeline's largest stage: the classifier's at 4 stages), from the
     formula."""
-    with torch.device("meta"):
-        model = build_model("cnn")
-    assert state_mem(Config(strategy=strategy), model, world_size) == recorded
+    assert state_mem(Config(strategy=strategy), meta_model(), world_size) == recorded
 
 
 @pytest.mark.fast

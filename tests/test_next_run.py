@@ -75,14 +75,6 @@ def run_script(tmp_path: Path, **env) -> tuple[list[tuple[str, ...]], float, int
     return steps, wall, done.returncode
 
 
-def test_the_readme_lists_the_steps_the_script_runs(tmp_path):
-    steps, _, status = run_script(tmp_path)
-    listed = README_STEP.findall(README.read_text())
-    assert len(listed) > 20, "README.md lists no steps of next_run.sh"
-    assert [(stage, name) for stage, name, *_ in steps] == listed
-    assert status == 0
-
-
 def test_its_deadline_fits_one_device_call():
     (deadline,) = DEADLINE.findall(SCRIPT.read_text())
     assert int(deadline) <= CALL_BUDGET_S
@@ -125,16 +117,18 @@ def test_a_step_whose_shell_ends_early_is_in_the_summary_as_failed(tmp_path):
     assert status == 1
 
 
-def main_command_lines(tmp_path: Path) -> list[list[str]]:
-    run_script(tmp_path)
-    lines = (tmp_path / "args").read_text().splitlines()
-    return [line.split()[1:] for line in dict.fromkeys(lines) if line.startswith("main.py ")]
-
-
-def test_every_main_py_command_line_passes_check(tmp_path, capsys):
-    """As --check judges them on a CPU: eager (--cuda-graphs needs a GPU), and without the
+def test_the_readme_lists_its_steps_and_every_main_py_command_line_passes_check(tmp_path, capsys):
+    """--check judges them as on a CPU: eager (--cuda-graphs needs a GPU), and without the
     checkpoint to resume, which the script writes first."""
-    command_lines = main_command_lines(tmp_path)
+    steps, _, status = run_script(tmp_path)
+    assert status == 0
+    listed = README_STEP.findall(README.read_text())
+    assert len(listed) > 20, "README.md lists no steps of next_run.sh"
+    assert [(stage, name) for stage, name, *_ in steps] == listed
+    lines = (tmp_path / "args").read_text().splitlines()
+    command_lines = [
+        line.split()[1:] for line in dict.fromkeys(lines) if line.startswith("main.py ")
+    ]
     assert len(command_lines) > 20
     for args in command_lines:
         args = ["--no-cuda-graphs" if a == "--cuda-graphs" else a for a in args]

@@ -60,13 +60,8 @@ def test_run_sh_and_plot_results_sh_take_the_same_python(repo_copy, tmp_path, ch
     stand-in that has no module at all shows which one each script ran."""
     venv = repo_copy / ".venv" if chooser == ".venv" else tmp_path / "venv"
     python = executable(venv / "bin" / "python", "exit 1")
-    env = environment(
-        **{
-            "PYTHON": {"PYTHON": str(python)},
-            "VIRTUAL_ENV": {"VIRTUAL_ENV": str(venv)},
-            ".venv": {},
-        }[chooser]
-    )
+    choosers = {"PYTHON": str(python), "VIRTUAL_ENV": str(venv)}  # .venv: neither set
+    env = environment(**{name: value for name, value in choosers.items() if name == chooser})
     run_sh = script(repo_copy, "run.sh", env, "--epochs", "1")
     assert_one_line_error(run_sh, f"{python} cannot import torch", "make install")
     plots = script(repo_copy, "plot_results.sh", env)

@@ -11,6 +11,7 @@ from config import Config
 from conftest import TINY, assert_one_line_error, metrics_in, run_main
 from dist_harness import EQUAL_CFG as CFG
 from dist_harness import max_diff, signal_rank_then_train, spawn, train_and_gather
+from model import build_model, count_parameters
 from session import build_trainer, run
 
 # fp32 on the CPU: the pipeline sums a step's gradient over its micro-batches, one process over
@@ -53,9 +54,14 @@ def one_process():
 
 @pytest.mark.parametrize("stages,schedule", [(2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")])
 def test_pipeline_ends_where_one_process_ends(one_process, stages, schedule):
+    """Each stage holds its own units' parameters alone: at 4 stages the classifier's holds
+    nearly all of the state, and state_mem is the largest stage's, the last one's."""
     ref_state, ref_history = one_process
     results = spawn(stage_state, stages, Config(**CFG, strategy="pipeline", schedule=schedule))
     assert [held for held, _, _ in results] == STAGES[stages]
+    model = build_model("cnn")
+    own = [sum(count_parameters(getattr(model, u)) for u in units) for units in STAGES[stages]]
+    assert [sum(v.numel() for v in state.values()) for _, state, _ in results] == own
     diff = max_diff(merged(results), ref_state)
     print(f"pipeline {stages} stages {schedule}: max |param diff| = {diff:.3g}")
     assert diff <= TOLERANCE
@@ -68,6 +74,8 @@ def test_pipeline_ends_where_one_process_ends(one_process, stages, schedule):
         assert mine["microbatches"] == 2 * stages  # the default
         assert mine["bubble_ideal"] == pytest.approx((stages - 1) / (3 * stages - 1))
         assert 0 < mine["bubble"] < 1
+        # parameters, gradients and SGD's momentum: 3 fp32 copies of the largest stage
+        assert mine["state_mem"] == 3 * 4 * max(own) == 3 * 4 * own[-1]
     # Every rank has the same numbers (the last stage's loss, the max of the stages' memory),
     # but for its own clock's validation time: any rank's [METRIC] line would say the same.
     for history in histories:
@@ -86,21 +94,8 @@ def test_clipping_takes_the_norm_over_every_stage():
     assert max_diff(merged(results), single) <= TOLERANCE
 
 
-def test_a_pipeline_stage_holds_only_its_own_layers():
-    """At 4 stages the classifier's stage holds nearly all of the state, the first stage a
-    conv block's: state_mem is the max over stages, the classifier's."""
-    results = spawn(stage_state, 4, Config(**{**CFG, "epochs": 1}, strategy="pipeline"))
-    counts = [sum(v.numel() for v in state.values()) for _, state, _ in results]
-    assert counts == [3 * 16 * 9 + 16, 16 * 32 * 9 + 32, 32 * 64 * 9 + 64, 1024 * 512 + 512 + 5130]
-    # parameters, gradients and SGD's momentum: 3 fp32 copies of the largest stage
-    assert results[0][2][0]["state_mem"] == 3 * 4 * max(counts)
-
-
 def schedule_order(env, cfg) -> str:
     """The order in which this stage ran one training step's forwards (F) and backwards (B)."""
-    from checkpoint import Position
-    from session import build_trainer
-
     trainer, _ = build_trainer(cfg, env)
     trainer.train_epoch(Position(1))  # one-off work (buffers, shapes) out of the step recorded
     order, stage = [], trainer.stage
@@ -221,7 +216,6 @@ def test_naive_model_parallel_ends_where_one_process_ends(one_process):
 def test_model_parallel_places_consecutive_parts_and_computes_the_model():
     """Four 'devices' (the CPU four times: the placement logic without GPUs): four parts, one
     unit each, in order, and the model's output; the rank computes on all four (mfu's count)."""
-    from model import build_model
     from model_parallel import ModelParallel
     from strategies import devices_per_rank
 
@@ -327,13 +321,12 @@ def test_check_takes_the_world_sizes_the_model_cuts_into():
         (["--check", "4", "--microbatches", "2"], "at least one micro-batch per stage: 2 < 4"),
         (["--check", "2", "--grad-accum", "2"], "--grad-accum: use --microbatches"),
         (["--check", "2", "--precision", "bf16"], "fp32 or tf32 only"),
+        (
+            ["--check", "2", "--strategy", "ddp", "--microbatches", "4"],
+            "is for --strategy pipeline",
+        ),
     ],
 )
 def test_check_refuses_what_a_pipeline_cannot_run(args, fragment):
-    done = run_main([*args, *TINY, "--batch-size", "64", "--strategy", "pipeline"])
+    done = run_main([*TINY, "--batch-size", "64", "--strategy", "pipeline", *args])
     assert_one_line_error(done, fragment)
-
-
-def test_microbatches_are_for_the_pipeline_only():
-    done = run_main(["--check", "2", *TINY, "--microbatches", "4"])
-    assert_one_line_error(done, "--microbatches is for --strategy pipeline")

@@ -44,13 +44,8 @@ def test_process_summary_is_cpu_seconds_over_wall_seconds(tmp_path):
     )
     _, processes = samples.summarize([tmp_path])
     p7, p8 = processes.to_dict("records")
-    assert (p7["pid"], p7["samples"], p7["seconds"], p7["mean_cpu_pct"], p7["peak_rss_mb"]) == (
-        7,
-        3,
-        4.0,
-        150.0,
-        900.5,
-    )  # 6 CPU seconds in 4 s: one and a half cores
+    assert (p7["pid"], p7["samples"], p7["seconds"], p7["peak_rss_mb"]) == (7, 3, 4.0, 900.5)
+    assert p7["mean_cpu_pct"] == 150.0  # 6 CPU seconds in 4 s: one and a half cores
     assert p8["mean_cpu_pct"] == 25.0 and p8["peak_rss_mb"] == 250.0
 
 

@@ -87,34 +87,27 @@ def test_where_an_fp16_step_makes_the_host_wait(strategy, optimizer, synchronise
     assert (ops.get(HOST_SYNC, 0) > 0) == synchronises, ops.get(HOST_SYNC)
 
 
-def benchmark_table(call: str) -> list:
-    """The rows of one of benchmark.py's tables, `benchmark.<call>`, made in a fresh process as
-    benchmark.py makes them (header first)."""
-    code = f"import benchmark, torch, json; print(json.dumps(benchmark.{call}))"
+@pytest.mark.timeout(300)
+def test_benchmark_pys_tables_time_each_local_batch_and_strategy_and_no_graph_without_a_gpu():
+    """The sweep's floor: one row per GPU count of the sweep, at global batch / N images a step,
+    whose epoch time is its step time x the CIFAR-10 epoch's steps. The per-strategy table:
+    each strategy of the study, its operations per step as operations_per_epoch_step counts
+    them, eager steps at both local batches. Neither has a graphed column without a GPU (never
+    a number that did not run)."""
+    code = (  # in a fresh process, as benchmark.py makes them (header first)
+        "import benchmark, torch, json; cpu = torch.device('cpu'); print(json.dumps("
+        "[benchmark.sweep_floor(64, 4, cpu), benchmark.strategy_steps(64, 2, cpu)]))"
+    )
     done = run([sys.executable, "-c", code], timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
-
-
-@pytest.mark.timeout(300)
-def test_the_sweeps_floor_table_times_each_local_batch_of_strong_scaling():
-    """benchmark.py's floor: one row per GPU count of the sweep, at global batch / N images a
-    step, whose epoch time is its step time x the CIFAR-10 epoch's steps; no graphed column
-    without a GPU (never a number that did not run)."""
-    header, *rows = benchmark_table("sweep_floor(64, 4, torch.device('cpu'))")
+    floor, steps = json.loads(done.stdout.splitlines()[-1])
+    _, *rows = floor
     assert [(n, local) for n, local, *_ in rows] == [(1, 64), (2, 32), (4, 16), (8, 8)]
     for _, _, operations, step_ms, epoch_s, graph_step, graph_epoch in rows:
         assert float(operations) <= BUDGET
         assert float(epoch_s) == pytest.approx(float(step_ms) / 1000 * (50_000 // 64), abs=0.01)
         assert graph_step == graph_epoch == "no GPU"
-
-
-@pytest.mark.timeout(300)
-def test_the_per_strategy_table_has_a_row_per_strategy_and_no_graph_without_a_gpu():
-    """benchmark.py's per-strategy table: each strategy of the study, its operations per step
-    as operations_per_epoch_step counts them, eager steps at both local batches, and no
-    graphed column without a GPU (never a number that did not run)."""
-    header, *rows = benchmark_table("strategy_steps(64, 2, torch.device('cpu'))")
+    header, *rows = steps
     assert header[2:] == [
         "step at 64, eager (ms)",
         "step at 32, eager (ms)",

@@ -37,9 +37,7 @@ def test_one_process_baselines_refuse_several_processes(strategy):
 
 
 def test_dp_without_a_gpu_says_it_runs_on_the_cpu():
-    done = run_main(
-        [*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint", "--strategy", "dp"]
-    )
+    done = run_main([*TINY, *"--batch-size 64 --epochs 1 --no-checkpoint --strategy dp".split()])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "DataParallel runs the model on the CPU as one device" in done.stdout
 
@@ -60,23 +58,28 @@ def test_grad_accum_must_split_the_local_batch():
     assert_one_line_error(done, "do not split into --grad-accum 5")
 
 
+CLIPPED = dict(EQUAL, clip_grad=0.05)  # far below the norm: every step is scaled
+
+
+@pytest.fixture(scope="module")
+def clipped_in_one_process(one_process):
+    state, _ = spawn(train_and_gather, 1, Config(**CLIPPED))[0]
+    assert max_diff(state, one_process) > 1e-3, "clipping must change the run"
+    return state
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
-def test_clipping_uses_the_global_norm_over_ranks_and_shards(strategy):
-    """Clipped hard (the norm is far above 0.05, so every step is scaled), two ranks end where
-    one process ends: the norm was taken over all of the gradient, not one rank's shard."""
-    clipped = dict(EQUAL, clip_grad=0.05)
-    single, _ = spawn(train_and_gather, 1, Config(**clipped))[0]
-    unclipped, _ = spawn(train_and_gather, 1, Config(**EQUAL))[0]
-    assert max_diff(single, unclipped) > 1e-3, "clipping must change the run"
-    state, _ = spawn(train_and_gather, 2, Config(**clipped, strategy=strategy))[0]
-    assert max_diff(state, single) <= 1e-5
+def test_clipping_uses_the_global_norm_over_ranks_and_shards(clipped_in_one_process, strategy):
+    """Clipped hard, two ranks end where one process ends: the norm was taken over all of the
+    gradient, not one rank's shard."""
+    state, _ = spawn(train_and_gather, 2, Config(**CLIPPED, strategy=strategy))[0]
+    assert max_diff(state, clipped_in_one_process) <= 1e-5
 
 
 def learning_rates(env, cfg):
     outcome = run(cfg, env)
-    return [g["lr"] for g in outcome.trainer.optimizer.param_groups], full_state(
-        env, outcome.trainer.model
-    )
+    rates = [g["lr"] for g in outcome.trainer.optimizer.param_groups]
+    return rates, full_state(env, outcome.trainer.model)
 
 
 @pytest.mark.parametrize("schedule", ["step", "cosine"])
@@ -126,23 +129,8 @@ def test_resnets_are_sharded_per_residual_stage(model, parameters):
 
 
 def test_resnet18_trains():
-    done = run_main(
-        [
-            *TINY,
-            "--model",
-            "resnet18",
-            "--train-samples",
-            "128",
-            "--val-samples",
-            "32",
-            "--batch-size",
-            "16",
-            "--epochs",
-            "2",
-            "--no-checkpoint",
-        ],
-        timeout=400,
-    )
+    options = "--model resnet18 --train-samples 128 --val-samples 32 --batch-size 16 --epochs 2"
+    done = run_main([*TINY, *options.split(), "--no-checkpoint"], timeout=400)
     assert done.returncode == 0, done.stderr[-2000:]
     metrics = metrics_in(done.stdout)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
@@ -154,18 +142,15 @@ def test_resnet18_trains():
 def test_keep_last_keeps_the_newest_and_the_one_resumed_from(tmp_path):
     args = [*TINY, "--batch-size", "64", "--checkpoint-dir", str(tmp_path), "--keep-last", "2"]
     assert run_main([*args, "--epochs", "4"]).returncode == 0
-    assert [p.name for p in checkpoint.finished(tmp_path)] == [
-        "ckpt_e0004_s000000",
-        "ckpt_e0005_s000000",
-    ]
+
+    def kept() -> list[str]:
+        return [p.name for p in checkpoint.finished(tmp_path)]
+
+    assert kept() == ["ckpt_e0004_s000000", "ckpt_e0005_s000000"]
     resumed_from = tmp_path / "ckpt_e0004_s000000"
     done = run_main([*args, "--epochs", "6", "--resume", str(resumed_from)])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert [p.name for p in checkpoint.finished(tmp_path)] == [
-        "ckpt_e0004_s000000",
-        "ckpt_e0006_s000000",
-        "ckpt_e0007_s000000",
-    ]
+    assert kept() == ["ckpt_e0004_s000000", "ckpt_e0006_s000000", "ckpt_e0007_s000000"]
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_an_older_one(tmp_path):

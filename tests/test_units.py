@@ -3,6 +3,7 @@
 import os
 import re
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -19,71 +20,37 @@ from utils import UsageError
 pytestmark = pytest.mark.fast  # make test-fast
 
 
+SRUN_STEP = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}
+
+
 @pytest.mark.parametrize(
     "env,expected",
     [
         ({}, (0, 0, 1)),  # plain `python main.py`
         ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, (3, 1, 4)),  # torchrun / run.sh
-        (
-            {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"},
-            (5, 1, 8),
-        ),  # plain srun
+        ({"RANK": "1", "WORLD_SIZE": "2"}, (1, 0, 2)),
+        (SRUN_STEP, (5, 1, 8)),  # plain srun
         # The batch script itself (no step): SLURM's task count is not ours to wait for.
-        ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8"}, (0, 0, 1)),
+        ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}, (0, 0, 1)),
+        ({"RANK": "1"}, (0, 0, 1)),  # a RANK without a WORLD_SIZE: no launcher
         # torchrun's variables win over SLURM's (torchrun inside an allocation).
-        (
-            {
-                "RANK": "1",
-                "LOCAL_RANK": "1",
-                "WORLD_SIZE": "2",
-                "SLURM_PROCID": "0",
-                "SLURM_LOCALID": "0",
-                "SLURM_NTASKS": "1",
-                "SLURM_STEP_ID": "0",
-            },
-            (1, 1, 2),
-        ),
+        ({**SRUN_STEP, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, (1, 1, 2)),
+        ({**SRUN_STEP, "RANK": "0", "WORLD_SIZE": "2"}, (0, 0, 2)),
     ],
 )
-def test_ranks_from_torchrun_or_slurm(env, expected):
-    assert utils.read_ranks(env) == expected
-
-
-RANK_ENVIRONMENTS = [
-    {},
-    {"RANK": "0", "WORLD_SIZE": "2"},
-    {"RANK": "1", "WORLD_SIZE": "2"},
-    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
-    # The batch script, and a RANK without a WORLD_SIZE: no launcher, so this is rank 0.
-    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
-    {"RANK": "1"},
-    # torchrun's rank 0 inside an srun task whose SLURM_PROCID is 1: torchrun's variables win.
-    {
-        "RANK": "0",
-        "WORLD_SIZE": "2",
-        "SLURM_PROCID": "1",
-        "SLURM_NTASKS": "2",
-        "SLURM_STEP_ID": "0",
-    },
-]
-
-
-@pytest.mark.parametrize("env", RANK_ENVIRONMENTS)
-def test_rank_zero_is_the_rank_read_ranks_reads(env):
+def test_ranks_from_torchrun_or_slurm_and_rank_zero_is_their_rank_0(env, expected):
     """One reading of the launchers' variables: who prints and writes alone (is_rank_zero) is
     the rank that joins the process group as rank 0 (read_ranks, distributed_utils.setup)."""
-    assert utils.is_rank_zero(env) == (utils.read_ranks(env)[0] == 0)
+    assert utils.read_ranks(env) == expected
+    assert utils.is_rank_zero(env) == (expected[0] == 0)
 
 
-def test_bad_rank_variables_make_every_process_speak():
-    assert utils.is_rank_zero({"RANK": "x", "WORLD_SIZE": "2"})
-
-
-def test_bad_rank_variables_are_usage_errors():
+def test_bad_rank_variables_are_usage_errors_and_make_every_process_speak():
     with pytest.raises(UsageError, match="outside world size"):
         utils.read_ranks({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
     with pytest.raises(UsageError, match="not an integer"):
         utils.read_ranks({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
+    assert utils.is_rank_zero({"RANK": "x", "WORLD_SIZE": "2"})
 
 
 def test_rendezvous_prefers_environment_then_slurm_job():
@@ -111,10 +78,8 @@ def test_rendezvous_inside_srun_is_the_steps_first_node():
     job = {"SLURM_JOB_ID": "40001", "SLURM_JOB_NODELIST": "nid[001234-001237]"}
     assert du.rendezvous(job) == ("nid001234", 24001)
     # A step on part of the allocation: its task 0 runs on the step's first node.
-    assert du.rendezvous({**job, "SLURM_STEP_NODELIST": "nid[001236-001237]"}) == (
-        "nid001236",
-        24001,
-    )
+    step = {**job, "SLURM_STEP_NODELIST": "nid[001236-001237]"}
+    assert du.rendezvous(step) == ("nid001236", 24001)
     # torchrun's (or the user's) own MASTER_ADDR wins over SLURM's.
     assert du.rendezvous({**job, "MASTER_ADDR": "login1"}) == ("login1", 24001)
 
@@ -296,30 +261,19 @@ def test_the_oldest_torch_is_requirements_floor():
 def test_num_nodes():
     assert du.num_nodes({}) == 1
     assert du.num_nodes({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == 2
-    assert (
-        du.num_nodes(
-            {"SLURM_JOB_NUM_NODES": "3", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_ID": "0"}
-        )
-        == 2
-    )
+    step = {"SLURM_JOB_NUM_NODES": "3", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_ID": "0"}
+    assert du.num_nodes(step) == 2
 
 
-@pytest.mark.parametrize("batch", [1, 7, 256])
-def test_model_takes_any_batch_size(batch):
+def test_the_course_cnn_its_size_and_shapes():
     model = build_model("cnn")
-    assert model(torch.randn(batch, 3, 32, 32)).shape == (batch, 10)
-
-
-def test_model_rejects_wrong_image_shape():
-    with pytest.raises(AssertionError, match=r"\(N, 3, 32, 32\)"):
-        build_model("cnn")(torch.randn(2, 3, 28, 28))
-
-
-def test_course_cnn_size():
     # conv 3->16->32->64 (3x3) and fc 1024->512->10, with biases.
     expected = (3 * 16 + 16 * 32 + 32 * 64) * 9 + 16 + 32 + 64 + 1024 * 512 + 512 + 512 * 10 + 10
-    assert count_parameters(build_model("cnn")) == expected == 553_514
-    assert set(MODELS) >= {"cnn"}
+    assert count_parameters(model) == expected == 553_514
+    for batch in (1, 7, 256):  # any batch size
+        assert model(torch.randn(batch, 3, 32, 32)).shape == (batch, 10)
+    with pytest.raises(AssertionError, match=r"\(N, 3, 32, 32\)"):
+        model(torch.randn(2, 3, 28, 28))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -380,13 +334,11 @@ def test_time_stamped_names_are_never_an_earlier_ones(tmp_path, monkeypatch):
     assert (layout.job_id({}), layout.job_id({"SLURM_JOB_ID": "42"})) == ("local", "42")
     assert layout.run_id({}) == "local-20260101-120000"
     assert layout.run_id({"SLURM_JOB_ID": "42"}) == "42"
-    log = layout.free_path(tmp_path, layout.log_stem("ddp_2gpu", layout.local_id()), ".log")
+    stem = layout.log_stem("ddp_2gpu", layout.local_id())
+    log = layout.free_path(tmp_path, stem, ".log")
     assert log.name == "ddp_2gpu_local-20260101-120000.log"
     log.touch()
-    assert (
-        layout.free_path(tmp_path, layout.log_stem("ddp_2gpu", layout.local_id()), ".log").name
-        == "ddp_2gpu_local-20260101-120000-2.log"
-    )
+    assert layout.free_path(tmp_path, stem, ".log").name == "ddp_2gpu_local-20260101-120000-2.log"
     assert layout.verify_folder("42") == tmp_path / "verify-42"
     assert layout.verify_folder(layout.LOCAL_JOB).name == "verify-local-20260101-120000"
     assert layout.next_sweep_folder(tmp_path).name == "sweep-20260101-120000"
@@ -423,34 +375,25 @@ def test_a_forked_main_py_is_killed_as_a_process_is():
     assert forked.wait(timeout=30) == -9 and forked.pid != os.getpid()
 
 
-def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypatch):
-    """On GPUs each rank's last collectives are dumped on a timeout, named by job and rank; a
-    setting the job made itself is kept."""
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
-    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    du.turn_on_flight_recorder(tmp_path / "nccl-trace")
-    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
-    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl-trace" / "77_rank")
-    assert (tmp_path / "nccl-trace").is_dir()
-
-
 @pytest.mark.parametrize("own", [None, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"])
-def test_the_flight_recorders_buffer_goes_by_the_name_the_torch_reads(tmp_path, monkeypatch, own):
-    """torch 2.9 renamed the buffer's setting and warns, twice a rank, about the old name: every
+def test_nccls_flight_recorder_dumps_into_the_jobs_log_folder(tmp_path, monkeypatch, own):
+    """On GPUs each rank's last collectives are dumped on a timeout, named by job and rank.
+    torch 2.9 renamed the buffer's setting and warns, twice a rank, about the old name: every
     torch the project allows reads the new one, so the project sets that one alone, and never
     beside a size the job set under either name."""
     assert du.OLDEST_TORCH >= du.FR_BUFFER_SIZE_SINCE, "a torch that knows only the old name"
-    for name in (du.FR_BUFFER_SIZE, du.FR_BUFFER_SIZE_OLD):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    dump = ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    for name in (du.FR_BUFFER_SIZE, du.FR_BUFFER_SIZE_OLD, *dump):
         monkeypatch.delenv(name, raising=False)
     if own:
         monkeypatch.setenv(own, "50")
-    du.turn_on_flight_recorder(tmp_path)
+    du.turn_on_flight_recorder(tmp_path / "nccl-trace")
     sizes = {n: os.environ.get(n) for n in (du.FR_BUFFER_SIZE, du.FR_BUFFER_SIZE_OLD)}
     expected = {du.FR_BUFFER_SIZE: "2000", du.FR_BUFFER_SIZE_OLD: None}
     assert sizes == (expected if own is None else {n: "50" if n == own else None for n in sizes})
+    assert [os.environ[n] for n in dump] == ["1", str(tmp_path / "nccl-trace" / "77_rank")]
+    assert (tmp_path / "nccl-trace").is_dir()
 
 
 # Modules that take most of a second or more to import, on every rank of every launch: (the
@@ -463,21 +406,7 @@ LAZY_IMPORTS = [
         "assert session.trainer_class(True).__name__ == 'PipelineTrainer'",
     ),
 ]
-DDP_RUN = [*TINY, "--batch-size", "64", "--epochs", "1", "--no-checkpoint"]
-
-
-@pytest.mark.parametrize("module,needing", LAZY_IMPORTS)
-def test_a_slow_import_waits_for_the_run_that_needs_it(module, needing):
-    probe = (
-        "import sys, main, session, strategies\n"
-        f"assert main.main({DDP_RUN!r}) == 0\n"
-        "assert session.trainer_class(False) is session.Trainer\n"
-        f"assert {module!r} not in sys.modules, 'loaded by a run that does not need it'\n"
-        f"{needing}\n"
-        f"assert {module!r} in sys.modules\n"
-    )
-    done = run([sys.executable, "-c", probe], timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+DDP_RUN = [*TINY, *"--batch-size 64 --epochs 1 --no-checkpoint".split()]
 
 
 # What a data-parallel run imports but `main.py --check` must not: FSDP, DTensor and DCP, most
@@ -494,16 +423,9 @@ def test_check_finds_device_data_and_checkpoint_without_the_sharding_imports(tmp
     reads its meta.pt (or it would exit 2, or 5 for an unreadable one) and loads no wrapper and
     no DCP."""
     (tmp_path / "ckpt_e0002_s000000").mkdir()
-    meta = {  # what checkpoint.save writes of an FSDP2 run at world size 2, after epoch 1
-        "position": {"epoch": 2},
-        "identity": {
-            "strategy": "fsdp2",
-            "model": "cnn",
-            "parameters": count_parameters(build_model("cnn")),
-            "global_batch": 256,
-        },
-        "world_size": 2,
-    }
+    # What checkpoint.save writes of an FSDP2 run at world size 2, after epoch 1.
+    identity = checkpoint.Identity("fsdp2", "cnn", count_parameters(build_model("cnn")), 256)
+    meta = {"position": {"epoch": 2}, "identity": asdict(identity), "world_size": 2}
     torch.save(meta, tmp_path / "ckpt_e0002_s000000" / checkpoint.META_FILE)
     check = [*TINY, "--strategy", "fsdp2", "--resume", str(tmp_path), "--check", "1", "2"]
     probe = (
@@ -517,13 +439,14 @@ def test_check_finds_device_data_and_checkpoint_without_the_sharding_imports(tmp
     assert "check: ok: strategy=fsdp2 world sizes 1 2" in done.stdout, done.stdout
 
 
-def test_a_rank_loads_torch_without_collecting_and_freezes_it():
+def test_a_rank_loads_torch_without_collecting_and_only_the_imports_its_run_needs():
     """main.py loads torch and the project with Python's collector off, and setup() freezes
     what they made and turns it back on: no collection runs between torch's import and the
     freeze, and the later ones (the training loop's, cleanup()'s) skip those objects
     (docs/development.md: what each saves, and what the thaw costs). At exit they thaw, so that
     Python's teardown frees them: frozen, triton's (torch 2.15) are reported by nanobind as
-    leaked, a line each on stderr. An exit hook registered first runs last, after the thaw."""
+    leaked, a line each on stderr. An exit hook registered first runs last, after the thaw. A
+    slow import (LAZY_IMPORTS) waits for the run that needs it."""
     probe = (
         "import atexit, gc, sys\n"
         "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
@@ -536,6 +459,12 @@ def test_a_rank_loads_torch_without_collecting_and_freezes_it():
         f"assert main.main({DDP_RUN!r}) == 0\n"
         "assert not early, f'{len(early)} collections while torch loaded, {early.count(2)} full'\n"
         "assert gc.isenabled() and gc.get_freeze_count() > 200_000, gc.get_freeze_count()\n"
+        "import session, strategies\n"
+        "assert session.trainer_class(False) is session.Trainer\n"
+        f"for module, needing in {LAZY_IMPORTS!r}:\n"
+        "    assert module not in sys.modules, f'{module}: loaded by a run that does not need it'\n"
+        "    exec(needing)\n"
+        "    assert module in sys.modules, module\n"
     )
     done = run([sys.executable, "-c", probe], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -31,14 +31,9 @@ node2:2:2 [0] NCCL INFO Channel 00/0 : 1[1] -> 2[2] via SHM/direct/direct
 
 @pytest.mark.fast
 def test_nccl_transports_are_read_from_nccl_debug_info():
-    assert verify.nccl_transports(NCCL_LOG) == [
-        "network IB",
-        "P2P/IPC",
-        "NET/IB",
-        "NET/AWS Libfabric",
-        "SHM/direct",
-    ]
-    assert not verify.over_sockets(verify.nccl_transports(NCCL_LOG))
+    transports = verify.nccl_transports(NCCL_LOG)
+    assert transports == ["network IB", "P2P/IPC", "NET/IB", "NET/AWS Libfabric", "SHM/direct"]
+    assert not verify.over_sockets(transports)
     sockets = "x NCCL INFO Channel 00/0 : 1[1] -> 2[0] [send] via NET/Socket/0\n"
     assert verify.over_sockets(verify.nccl_transports(sockets))
     assert verify.over_sockets(verify.nccl_transports("x NCCL INFO Using network Socket\n"))
@@ -47,11 +42,10 @@ def test_nccl_transports_are_read_from_nccl_debug_info():
 
 @pytest.mark.fast
 def test_report_rows_read_back_as_written_and_a_fail_is_one_line():
+    failed = "the benchmark ended with exit status 1"
     rows = [
         verify_job.Row("equivalence", True, "ddp 1e-08 | fsdp 2e-08", "logs/verify-7/a.log"),
-        verify_job.Row(
-            "comm", False, "the benchmark ended with exit status 1", "logs/verify-7/c.log"
-        ),
+        verify_job.Row("comm", False, failed, "logs/verify-7/c.log"),
     ]
     text = verify_job.report_text(rows, {"nodes": "node1 node2"}, [f"{verify_job.WARNING}sockets"])
     assert verify_job.read_rows(text) == rows
