@@ -30,8 +30,8 @@ FLAT_SHARDS = ("fsdp",)
 # fully_shard's parameters are DTensors, for which torch has fused Adam but no fused SGD
 # (optim.make_optimizer: foreach), which reads its rate and a scaler's inf check on the host.
 DTENSOR_PARAMETERS = ("fsdp2",)
-# The strategies whose step a CUDA graph can capture (cuda_graphs.refusal), and the torch from
-# which it can where that is newer than the oldest the project runs on. FSDP2 (fully_shard)
+# The strategies whose step a CUDA graph can capture (feasibility.graph_refusal), and the torch
+# from which it can where that is newer than the oldest the project runs on. FSDP2 (fully_shard)
 # gathers and reshards each unit on streams of its own, from hooks that only queue work; its
 # all-gather's copy-in takes pinned host memory, which a capture may allocate since
 # pytorch#167507, and torch's own tests capture a sharded step since 2.11
@@ -391,7 +391,7 @@ def pipeline_cut(model: str) -> str:
 
 def pipeline_refusal(cfg: Config, world_size: int) -> str | None:
     """Why --strategy pipeline cannot run this way on world_size ranks, or None (the
-    precisions its stages compute in are precision.refusal's to say)."""
+    precisions its stages compute in are feasibility.refusal's to say)."""
     if world_size not in pipeline_world_sizes(cfg.model):
         return f"{pipeline_cut(cfg.model)}, not {world_size}"
     m = microbatches(cfg, world_size)

@@ -147,13 +147,13 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
 
 
 def describe_step(cfg: Config, device, world_sizes: list[int]) -> str:
-    """`--check`'s word on the step at each world size (cuda_graphs.decide: the default may
-    differ between them), one phrase where they agree."""
-    import cuda_graphs
+    """`--check`'s word on the step at each world size (feasibility.decide_graphs: the default
+    may differ between them), one phrase where they agree."""
+    import feasibility
 
     said = {}
     for size in world_sizes:
-        graphed, why = cuda_graphs.decide(cfg, device, size)
+        graphed, why = feasibility.decide_graphs(cfg, device, size)
         said[size] = "one CUDA graph" if graphed else f"eager ({why})" if why else "eager"
     if len(set(said.values())) == 1:
         return said[world_sizes[0]]

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from config import FLAT_SHARDS, SHARDED, STAGED, Config
 from model import cut, unit_parameters
-from precision import compute_dtype, storage_dtype
+from precision import DTYPES, storage_dtype
 from utils import MB
 
 # Where FSDP1 starts each parameter in its flat buffer: a multiple of 16 bytes of the unit's
@@ -113,7 +113,7 @@ def held(cfg: Config, model: nn.Module, world_size: int, nodes: int, rank: int) 
     index = rank % ranks  # ranks laid out in blocks, a node's consecutive
     if cfg.strategy not in FLAT_SHARDS:  # fully_shard: each parameter on its first dimension
         return [fsdp2_held(tuple(p.shape), ranks, index) for p in model.parameters()]
-    align = FSDP1_ALIGNMENT // compute_dtype(cfg.precision).itemsize
+    align = FSDP1_ALIGNMENT // DTYPES[cfg.precision].itemsize
     return [
         n
         for unit in unit_parameters(model).values()  # FSDP1 flattens each in module order

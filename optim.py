@@ -28,7 +28,7 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     torch has it for the parameters, else foreach (one per operation over all of them): torch's
     default on a CPU is a loop of about ten operations per parameter and step. FSDP2's DTensor
     parameters have sharding rules for fused Adam (since torch 2.4), not for fused SGD (whose
-    foreach kernels read a tensor rate on the host: cuda_graphs.refusal)."""
+    foreach kernels read a tensor rate on the host: feasibility.graph_refusal)."""
     optimizer, options = (
         (torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else (torch.optim.Adam, {})
     )

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import cuda_graphs
 import data
 import distributed_utils
 import feasibility
@@ -57,7 +56,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         cfg.dataset, cfg.data_dir, cfg.seed, cfg.train_samples, cfg.val_samples, cfg.download
     )
     feasibility.check(cfg, [env.world_size], len(train_set), env.device)
-    graphed, _ = cuda_graphs.decide(cfg, env.device, env.world_size)
+    graphed, _ = feasibility.decide_graphs(cfg, env.device, env.world_size)
     cfg = replace(cfg, cuda_graphs=graphed)  # the default, resolved
     precision = make_precision(cfg.precision, env.device, cfg.cuda_graphs, cfg.strategy)
     fp32_math = set_process_precision(cfg.precision)
@@ -256,7 +255,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
     if note := validation_note(cfg, resolved["train_size"], resolved["val_size"]):
         log0(note)
-    if why_eager := cuda_graphs.decide(cfg, env.device, env.world_size)[1]:
+    if why_eager := feasibility.decide_graphs(cfg, env.device, env.world_size)[1]:
         log0(f"[CONFIG] note: the step runs eager, not as one CUDA graph: {why_eager}")
     if warning := distributed_utils.network_warning(resolved["nodes"], env.backend):
         log0(warning)

@@ -15,8 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from checkpoint import Position
 from config import Config
 from conftest import TINY, assert_one_line_error, run_main
-from cuda_graphs import GraphedStep, decide, refusal
+from cuda_graphs import GraphedStep
 from dist_harness import EQUAL_CFG, full_state, spawn
+from feasibility import decide_graphs as decide
+from feasibility import graph_refusal as refusal
 from fsdp_utils import get_fsdp2_model
 from model import build_model
 from optim import make_optimizer, make_scheduler

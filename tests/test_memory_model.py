@@ -28,7 +28,7 @@ from memory_model import rank_state, state_mem
 from model import CNN, build_model
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp64")
-PIPELINE_PRECISIONS = ("fp32", "tf32", "fp64")  # precision.refusal: no 16-bit stages
+PIPELINE_PRECISIONS = ("fp32", "tf32", "fp64")  # feasibility.refusal: no 16-bit stages
 ONE_PROCESS = ("single", "dp", "model")
 # The CNN at width 5: conv1's 135 weights leave FSDP1's next parameter unaligned, by a number of
 # elements that differs with the compute dtype's size (fp64, fp32, 16-bit).
