@@ -247,7 +247,7 @@ class Config:
     peak_tflops: float | None = option(
         None,
         "one device's dense peak TFLOP/s at the run's --precision, for the mfu field of "
-        "[METRIC] (default: from mfu.PEAK_TFLOPS for the GPUs listed there; none on a CPU)",
+        "[METRIC] (default: from cost_model.PEAK_TFLOPS for the GPUs listed there; none on a CPU)",
         minimum=0,
         metavar="TFLOPS",
     )

@@ -117,10 +117,10 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import torch  # loads here, once the options are known to be readable
 
     import checkpoint
+    import cost_model
     import data
     import distributed_utils
     import feasibility
-    import memory_model
     from model import build_model, count_parameters
 
     distributed_utils.check_torch()
@@ -131,7 +131,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     device, where = distributed_utils.check_device(cfg.device)
     feasibility.check(cfg, world_sizes, train_size, device)
     step = describe_step(cfg, device, world_sizes)
-    state = memory_model.describe(cfg, model, world_sizes, distributed_utils.num_nodes())
+    state = cost_model.describe(cfg, model, world_sizes, distributed_utils.num_nodes())
     if cfg.resume:  # the checkpoint's meta.pt: does it fit this run, as session.run asks
         fits = checkpoint.run_identity(cfg, count_parameters(model))
         folder = checkpoint.folder_for(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint else None

@@ -135,7 +135,7 @@ def build_model(
 # The fewest parameters a shard unit needs for an FSDP unit of its own (as torch's
 # size_based_auto_wrap_policy's min_num_params, 1e8 by default, sized for this project's models):
 # 400 KB in fp32, a few microseconds on NVLink, less than the fixed cost of gathering it. Here,
-# not in fsdp_utils.py, so that memory_model.py (and `main.py --check`) can ask without loading
+# not in fsdp_utils.py, so that cost_model.py (and `main.py --check`) can ask without loading
 # FSDP.
 MIN_UNIT_PARAMS = 100_000
 

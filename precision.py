@@ -32,9 +32,9 @@ DTYPES = {
 MIXED = tuple(name for name, dtype in DTYPES.items() if dtype.itemsize < 4)
 LOSS_SCALED = ("fp16",)
 
-# The arithmetic each --precision runs on, which sets a device's peak (mfu.PEAK_TFLOPS): IEEE
-# fp32 on the CUDA cores (set_process_precision), TF32 and 16-bit on the tensor cores, bf16 and
-# fp16 at the same rate. fp64 has none in the table.
+# The arithmetic each --precision runs on, which sets a device's peak (cost_model.PEAK_TFLOPS):
+# IEEE fp32 on the CUDA cores (set_process_precision), TF32 and 16-bit on the tensor cores, bf16
+# and fp16 at the same rate. fp64 has none in the table.
 PEAK_KEYS = {"fp32": "fp32", "tf32": "tf32", "bf16": "16-bit", "fp16": "16-bit"}
 
 

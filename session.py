@@ -17,12 +17,11 @@ import data
 import distributed_utils
 import feasibility
 import layout
-import memory_model
-import mfu
 import peer_failures
 import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, STAGED, Config, data_world, microbatches
+from cost_model import UNKNOWN, ModelFlops, device_peak_tflops, state_mem, training_flops_per_image
 from fsdp_utils import effective_sharding
 from measure import ComputeCalibration, EpochMeters, MemoryMeter
 from model import build_model, count_parameters
@@ -87,14 +86,14 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     parameters = count_parameters(model)
-    state_pred = memory_model.state_mem(cfg, model, env.world_size, nodes)
+    state_pred = state_mem(cfg, model, env.world_size, nodes)
     model = wrap_model(cfg, model, env.device, env.rank, env.world_size, nodes)
     optimizer = make_optimizer(cfg, model)
     devices = env.world_size * devices_per_rank(model)
-    flops = mfu.ModelFlops(
-        per_image=mfu.training_flops_per_image(cfg.model, spec.num_classes, spec.image_shape),
+    flops = ModelFlops(
+        per_image=training_flops_per_image(cfg.model, spec.num_classes, spec.image_shape),
         devices=devices,
-        peak_tflops=cfg.peak_tflops or mfu.device_peak_tflops(env.device, cfg.precision),
+        peak_tflops=cfg.peak_tflops or device_peak_tflops(env.device, cfg.precision),
     )
 
     # The [METRIC] line's fields that are not measured (their order is utils.METRIC_FIELDS'):
@@ -119,7 +118,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         if cfg.strategy in LAYER_SPLIT and devices > 1
         else effective_sharding(model, cfg.sharding),
         "train_images": len(loaders.train) * cfg.batch_size,
-        "microbatches": stage_microbatches or mfu.UNKNOWN,
+        "microbatches": stage_microbatches or UNKNOWN,
         "state_pred": state_pred,
     }
     resolved = {
@@ -138,7 +137,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **gpu_memory(env.device),
         **built,  # as [METRIC] reads them: the sharding that ran, not --sharding's default
         "flops_per_image": flops.per_image,
-        "peak_tflops": flops.peak_tflops or mfu.UNKNOWN,
+        "peak_tflops": flops.peak_tflops or UNKNOWN,
         "torch": torch.__version__,
         **setting,
     }

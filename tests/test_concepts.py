@@ -436,7 +436,7 @@ def unit_flop_shares() -> dict[str, float]:
     FlopCounterMode per module, as mfu.training_flops_per_image counts the whole."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from mfu import training_flops_per_image
+    from cost_model import training_flops_per_image
 
     with torch.device("meta"):
         model = build_model("cnn")
@@ -478,7 +478,7 @@ def test_the_resnet50_state_quoted_is_memory_models_prediction():
     FSDP (and FSDP2), and its largest FSDP unit, as memory_model counts them from the model's
     shapes; and the peaks the answer adds up from them, in MiB."""
     from config import Config
-    from memory_model import state_mem
+    from cost_model import state_mem
     from model import count_parameters, unit_parameters
     from utils import MB
 

@@ -16,8 +16,8 @@ import torch
 from checkpoint import Position
 from config import Config
 from conftest import TINY, TINY_CFG, config_in, main_on_ranks, metrics_in, run_main
+from cost_model import state_mem
 from dist_harness import spawn
-from memory_model import state_mem
 from model import build_model
 from session import build_trainer
 

@@ -15,8 +15,8 @@ import torch
 
 from config import Config
 from conftest import REPO, TINY, TINY_CFG, config_in, metrics_in, run, run_main
+from cost_model import rank_state
 from dist_harness import spawn, steps_cfg
-from memory_model import rank_state
 from model import build_model
 from utils import parse_comm
 from verify import max_param_diffs

@@ -23,8 +23,8 @@ import torch
 
 from config import SHARDED, Config, pipeline_world_sizes
 from conftest import TINY, run_main
+from cost_model import rank_state, state_mem
 from dist_harness import spawn, steps_cfg
-from memory_model import rank_state, state_mem
 from model import CNN, build_model
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp64")

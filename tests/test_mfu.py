@@ -8,7 +8,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import collect_results
-import mfu
+import cost_model as mfu
 import plot_results
 import results_summary
 from conftest import TINY, config_in, main_on_ranks, metrics_in

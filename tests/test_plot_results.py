@@ -715,7 +715,7 @@ def test_a_gpu_memory_that_is_no_size_is_one_line(tmp_path, capsys):
 def test_without_torch_the_state_per_parameter_is_left_out_in_one_line(monkeypatch):
     """plot_results.sh asks for pandas and matplotlib alone: where memory_model (torch) cannot
     load, that figure is not written, and the others are."""
-    monkeypatch.setitem(sys.modules, "memory_model", None)  # import memory_model: ImportError
+    monkeypatch.setitem(sys.modules, "cost_model", None)  # import cost_model: ImportError
     summary = results_summary.summarize(two_models())
-    with pytest.raises(plot_results.NotPlottable, match="memory_model.py's, which needs torch"):
+    with pytest.raises(plot_results.NotPlottable, match="cost_model.py's, which needs torch"):
         memory_figures.plot_bytes_per_parameter(summary)

@@ -1,48 +1,138 @@
-"""The state one rank keeps between steps (its parameters, their gradients, the optimizer's
-state) predicted in bytes from the model's parameter shapes, for each --strategy, --sharding,
---precision, --optimizer and --cpu-offload at a world size: what measure.state_bytes measures
-after a training step (the [METRIC] line's state_mem), to the byte (tests/test_memory_model.py).
-The ZeRO paper's count (Rajbhandari et al. 2020: 16 bytes a parameter with Adam, 16/N sharded
-over N ranks) made exact for this project's wrappers.
+"""The model's cost, predicted from its parameter shapes alone (no weights, no data): the FLOPs
+of a training image, against a device's peak (the `[METRIC]` line's tflops and mfu), and the
+bytes of state one rank keeps between steps (state_pred, which measure.state_bytes's state_mem
+meets to the byte: tests/test_memory_model.py).
 
-What a rank keeps of each parameter (`held`: its elements there, or None where it keeps no part
-of it, and so no gradient and no optimizer state for it either):
-- replicated (ddp, dp, single, model): the whole of every parameter (model: the one process's,
-  over the GPUs it spreads them on).
+FLOPs: a step's useful arithmetic is the model's convolutions and matrix products, forward and
+backward, which torch's FlopCounterMode counts once per image on the meta device. Each epoch:
+
+    tflops  the model TFLOP/s each device achieved: FLOPs per image x images / time / devices
+    mfu     model FLOPs utilisation, percent: tflops against the device's dense peak for the
+            run's precision (PEAK_TFLOPS, or --peak-tflops); `na` where the peak is unknown
+
+What the framework adds (augmentation, element-wise layers, the optimizer, communication) is the
+overhead MFU measures.
+
+State: the ZeRO paper's count (Rajbhandari et al. 2020: 16 bytes a parameter with Adam, 16/N
+sharded over N ranks) made exact for each --strategy, --sharding, --precision, --optimizer and
+--cpu-offload. What a rank keeps of each parameter (`held`: its elements, or None for no part of
+it, and so no gradient and no optimizer state for it either):
+- replicated (ddp, dp, single, model): the whole of every parameter.
 - pipeline: the whole of each parameter of its own stage (model.cut).
 - fsdp2 (fully_shard): its chunk of the parameter's rows, cut as torch.chunk cuts: N chunks of
-  ceil(rows / N) rows, the last ones shorter or empty (torch's _fsdp_param stores each chunk
-  padded to the full chunk for the all-gather: padding, no parameter's).
+  ceil(rows / N) rows, the last ones shorter or empty (torch's _fsdp_param pads each chunk for
+  the all-gather: padding, no parameter's).
 - fsdp (FSDP1, use_orig_params): each unit's parameters flattened in module order, each starting
   at a multiple of 16 bytes of the dtype the unit computes in, the whole padded to a multiple of
   N and cut into N equal chunks (torch's _flat_param); the rank keeps each parameter's overlap
   with its chunk, and one with none is no parameter of its optimizer.
-N: the ranks a shard is cut over: every rank, or under hybrid sharding a node's.
+N: the ranks a shard is cut over: every rank, or under hybrid sharding a node's. Each element in
+the storage dtype (precision.storage_dtype: mixed precision holds its 16-bit copies only while a
+unit runs), parameters and gradients one each, the optimizer OPTIMIZER_STATE's; on the device,
+or with FSDP's --cpu-offload in host memory.
 
-Bytes an element: the storage dtype's (precision.storage_dtype: float64 under fp64, float32
-under every other precision, mixed precision included: it computes from fp32 parameters,
-reduces gradients in fp32, and holds its 16-bit copies only while a unit runs). Parameters and
-gradients one element each; the optimizer OPTIMIZER_STATE's. All of it on the device, or with
---cpu-offload (FSDP) in host memory.
-
-Not counted, as state_bytes counts none of it: FSDP's padding (FSDP2: the rows a rank's chunk
-lacks, on the last ranks; FSDP1: under 16 bytes a parameter and N elements a unit); the buffers
-(BatchNorm's statistics); and the transient: a unit's gathered parameters (FSDP's grad_op keeps
-them from forward to backward: the difference from full is there; both reshard after backward,
-and keep the same state between steps), activations, the loss scaler. DDP's buckets are its
-gradients (gradient_as_bucket_view). Gradients exist only after a backward, and the optimizer's
-state only after its first step.
+Not counted, as state_bytes counts none of it: FSDP's padding, the buffers (BatchNorm's
+statistics), and the transient: a unit's gathered parameters (grad_op keeps them from forward to
+backward), activations, the loss scaler. DDP's buckets are its gradients
+(gradient_as_bucket_view).
 """
 
 import math
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from config import FLAT_SHARDS, SHARDED, STAGED, Config
-from model import cut, unit_parameters
-from precision import DTYPES, storage_dtype
+from model import build_model, cut, unit_parameters
+from precision import DTYPES, PEAK_KEYS, storage_dtype
 from utils import MB
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def peaks(fp32: float, tf32: float, half: float) -> dict[str, float]:
+    """A device's peaks by the arithmetic a precision runs on (precision.PEAK_KEYS)."""
+    return {"fp32": fp32, "tf32": tf32, "16-bit": half}
+
+
+# Dense (no sparsity) peak TFLOP/s of one device, from NVIDIA's data sheets: IEEE fp32 on the
+# CUDA cores (what --precision fp32 runs: precision.set_process_precision), TF32 and 16-bit on the
+# tensor cores. Matched against torch.cuda.get_device_name() in this order, first match wins: GH200
+# before H200 before H100, the PCIe and NVL parts before the SXM part they name.
+PEAK_TFLOPS = (
+    ("GH200", peaks(67.0, 494.5, 989.5)),
+    ("H200 NVL", peaks(60.0, 417.5, 835.5)),
+    ("H200", peaks(67.0, 494.5, 989.5)),
+    ("H100 PCIe", peaks(51.0, 378.0, 756.5)),
+    ("H100 NVL", peaks(60.0, 417.5, 835.5)),
+    ("H100", peaks(67.0, 494.5, 989.5)),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("A100", peaks(19.5, 156.0, 312.0)),  # SXM and PCIe alike
+)
+
+UNKNOWN = "na"  # the field's value where no peak is known
+
+
+def training_flops_per_image(
+    model_name: str, num_classes: int, image_shape: tuple[int, int, int]
+) -> int:
+    """FLOPs of one training image: forward and backward through the model (the backward of
+    each layer computes its weight gradient and, but for the first, its input gradient)."""
+    batch = 2  # more than one image: BatchNorm's training forward needs it
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = build_model(model_name, num_classes, image_shape)
+        images = torch.empty(batch, *image_shape)
+        labels = torch.zeros(batch, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(images), labels).backward()
+    return counter.get_total_flops() // batch
+
+
+def device_peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The device's dense peak TFLOP/s at this precision, or None where the table has none
+    (CPUs, GPUs not listed)."""
+    if device.type != "cuda":
+        return None
+    return peak_for_name(torch.cuda.get_device_name(device), precision)
+
+
+def peak_for_name(name: str, precision: str) -> float | None:
+    key = PEAK_KEYS.get(precision)
+    return next((by.get(key) for part, by in PEAK_TFLOPS if part in name), None)
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """What a run needs to turn its images/s into tflops and mfu."""
+
+    per_image: int  # training_flops_per_image
+    devices: int  # the devices that computed those images (strategies.devices_per_rank)
+    peak_tflops: float | None  # of one device (device_peak_tflops or --peak-tflops)
+
+    def fields(self, images_per_second: float) -> dict:
+        """The `[METRIC]` fields: tflops per device, and mfu in percent (UNKNOWN without a
+        peak)."""
+        tflops = self.per_image * images_per_second / self.devices / 1e12
+        mfu = 100 * tflops / self.peak_tflops if self.peak_tflops else UNKNOWN
+        return {"tflops": tflops, "mfu": mfu}
+
+
+def implausible(fields: dict) -> str | None:
+    """A warning where the MFU is over 100%: the peak is wrong for this device (--peak-tflops),
+    or the time is."""
+    mfu = fields.get("mfu")
+    if isinstance(mfu, float) and mfu > 100:
+        return (
+            f"warning: epoch {fields['epoch']}: mfu={mfu:.0f}% is above the device's peak of "
+            f"{fields['tflops'] / mfu * 100:.4g} TFLOP/s: the peak is wrong for this device "
+            "(set --peak-tflops) or the epoch's time is"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------- state
 
 # Where FSDP1 starts each parameter in its flat buffer: a multiple of 16 bytes of the unit's
 # compute dtype (torch's _flat_param._get_aligned_numel, with use_orig_params).
