@@ -1,40 +1,20 @@
 """The model's cost, predicted from its parameter shapes alone (no weights, no data): the FLOPs
-of a training image, against a device's peak (the `[METRIC]` line's tflops and mfu), and the
-bytes of state one rank keeps between steps (state_pred, which measure.state_bytes's state_mem
-meets to the byte: tests/test_memory_model.py).
+of a training image against a device's peak (the `[METRIC]` line's tflops and mfu), and the
+bytes of state one rank keeps between steps (state_pred).
 
 FLOPs: a step's useful arithmetic is the model's convolutions and matrix products, forward and
-backward, which torch's FlopCounterMode counts once per image on the meta device. Each epoch:
-
-    tflops  the model TFLOP/s each device achieved: FLOPs per image x images / time / devices
-    mfu     model FLOPs utilisation, percent: tflops against the device's dense peak for the
-            run's precision (PEAK_TFLOPS, or --peak-tflops); `na` where the peak is unknown
-
-What the framework adds (augmentation, element-wise layers, the optimizer, communication) is the
-overhead MFU measures.
+backward, which torch's FlopCounterMode counts once per image on the meta device. tflops is that
+times the images a second per device; mfu, in percent, is tflops against the device's dense peak
+at the run's precision (PEAK_TFLOPS, or --peak-tflops; `na` where none is known). What the
+framework adds (augmentation, element-wise layers, the optimizer, communication) is the overhead
+MFU measures.
 
 State: the ZeRO paper's count (Rajbhandari et al. 2020: 16 bytes a parameter with Adam, 16/N
-sharded over N ranks) made exact for each --strategy, --sharding, --precision, --optimizer and
---cpu-offload. What a rank keeps of each parameter (`held`: its elements, or None for no part of
-it, and so no gradient and no optimizer state for it either):
-- replicated (ddp, dp, single, model): the whole of every parameter.
-- pipeline: the whole of each parameter of its own stage (model.cut).
-- fsdp2 (fully_shard): its chunk of the parameter's rows, cut as torch.chunk cuts: N chunks of
-  ceil(rows / N) rows, the last ones shorter or empty (torch's _fsdp_param pads each chunk for
-  the all-gather: padding, no parameter's).
-- fsdp (FSDP1, use_orig_params): each unit's parameters flattened in module order, each starting
-  at a multiple of 16 bytes of the dtype the unit computes in, the whole padded to a multiple of
-  N and cut into N equal chunks (torch's _flat_param); the rank keeps each parameter's overlap
-  with its chunk, and one with none is no parameter of its optimizer.
-N: the ranks a shard is cut over: every rank, or under hybrid sharding a node's. Each element in
-the storage dtype (precision.storage_dtype: mixed precision holds its 16-bit copies only while a
-unit runs), parameters and gradients one each, the optimizer OPTIMIZER_STATE's; on the device,
-or with FSDP's --cpu-offload in host memory.
-
-Not counted, as state_bytes counts none of it: FSDP's padding, the buffers (BatchNorm's
-statistics), and the transient: a unit's gathered parameters (grad_op keeps them from forward to
-backward), activations, the loss scaler. DDP's buckets are its gradients
-(gradient_as_bucket_view).
+sharded over N ranks) made exact for this project's wrappers: parameters, gradients and the
+optimizer's state, in the storage dtype, of what each rank keeps of each parameter (`held`:
+whole, its stage's, FSDP2's rows or FSDP1's overlap with its flat chunk). It equals what
+measure.state_bytes measures after a step, to the byte (tests/test_memory_model.py); what it
+leaves out, as state_bytes does (padding, buffers, what is transient): docs/metrics.md.
 """
 
 import math
