@@ -278,13 +278,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         try:
             history, stopped_at = trainer.fit(position, cfg.epochs, stop, save)
         except Diverged as e:
-            return Outcome(
-                trainer,
-                [],
-                None,
-                folder,
-                f"{e}: training diverged (try a lower --lr); {last_good_checkpoint(folder)}",
-            )
+            why = f"{e}: training diverged (try a lower --lr); {last_good_checkpoint(folder)}"
+            return Outcome(trainer, [], None, folder, why)
     if trainer.meters.profiler:
         log0(profile_report(trainer.meters.profiler))
     return Outcome(trainer, history, stopped_at, folder)
@@ -304,10 +299,5 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
     spec = data.DATASETS[cfg.dataset]
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(cfg.model, spec.num_classes, spec.image_shape)
-    run_comm_benchmark(
-        model,
-        env.device,
-        cfg.precision,
-        cfg.strategy,
-        extra={"job_id": layout.job_id()},
-    )
+    job = {"job_id": layout.job_id()}
+    run_comm_benchmark(model, env.device, cfg.precision, cfg.strategy, extra=job)
