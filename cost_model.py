@@ -226,12 +226,8 @@ def describe(cfg: Config, model: nn.Module, world_sizes: list[int], nodes: int) 
             said.append(f"{state_mem(cfg, model, size, nodes) / MB:.1f} MB at {size}")
         except ValueError:  # hybrid sharding of a world that does not split over the nodes
             said.append(f"n/a at {size}")
-    where = " in host memory" if offloaded(cfg) else ""
-    return (
-        "state per rank (parameters, gradients, optimizer state), predicted: "
-        + ", ".join(said)
-        + where
-    )
+    where = ", ".join(said) + (" in host memory" if offloaded(cfg) else "")
+    return f"state per rank (parameters, gradients, optimizer state), predicted: {where}"
 
 
 def bytes_per_parameter(optimizer: str, precision: str) -> int:

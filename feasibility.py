@@ -89,16 +89,14 @@ def graph_refusal(cfg: Config, device: torch.device) -> str | None:
         )
     foreach_sgd = cfg.strategy in DTENSOR_PARAMETERS and cfg.optimizer == "sgd"
     if foreach_sgd and scheduled(cfg):
-        # torch has no sharding rule for fused SGD on DTensors (optim.make_optimizer), and
         # foreach SGD takes a tensor rate as `alpha=-lr`: a host read (torch/optim/sgd.py).
         return (
             f"{name}'s SGD (foreach: torch has no fused SGD for sharded parameters) reads a "
             "scheduled rate on the host at every step: use --optimizer adam, or a constant rate"
         )
     if foreach_sgd and cfg.precision in LOSS_SCALED:
-        # GradScaler hands a fused optimizer its inf check as a device tensor; it steps any
-        # other only after reading the check on the host (torch/amp/grad_scaler.py,
-        # _maybe_opt_step).
+        # GradScaler hands a fused optimizer its inf check as a device tensor, any other steps
+        # only after reading it on the host (torch/amp/grad_scaler.py, _maybe_opt_step).
         return (
             f"{cfg.precision}'s gradient scaler reads {name}'s SGD's inf check on the host "
             "(foreach: torch has no fused SGD for sharded parameters): use --optimizer adam, "
@@ -107,11 +105,9 @@ def graph_refusal(cfg: Config, device: torch.device) -> str | None:
     if cfg.compile:
         return "torch.compile makes CUDA graphs of its own (mode='reduce-overhead'): use one"
     if cfg.loader == "classic" and cfg.num_workers > 0:
-        # With workers, DataLoader pins each batch in a thread of its own (utils/data/
-        # _utils/pin_memory.py), also while the step is captured, and the host allocator then
-        # queries CUDA events (ATen/core/CachingHostAllocator.h, process_events): a call from
-        # another thread that a capture in torch's default (global) mode forbids. Without
-        # workers the loop's own thread pins, between steps.
+        # DataLoader's workers pin each batch in a thread of their own (pin_memory.py), also
+        # during a capture, whose default (global) mode forbids that thread's CUDA calls (the host
+        # allocator's process_events). Without workers the loop's own thread pins, between steps.
         return (
             "--loader classic pins batches in a thread of its own, whose CUDA calls a capture "
             "forbids: use --loader tensor (or --num-workers 0)"
