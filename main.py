@@ -37,8 +37,7 @@ if TYPE_CHECKING:  # only named here: session.py loads torch
 
 # How long a rank other than 0 whose command line is bad waits for its launcher to end it once
 # rank 0 has said why and exited (stopping.await_stop_signal): rank 0 may still be starting
-# Python. A few seconds cover a loaded machine's start; plain srun (no --kill-on-bad-exit) waits
-# them out.
+# Python on a loaded machine; plain srun (no --kill-on-bad-exit) waits them out.
 PEER_EXIT_WAIT_S = 5.0
 
 # ----------------------------------------------------------------------------- parse
@@ -66,14 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(f"{EXIT_STATUS[name]} {meaning}" for name, meaning in EXIT_MEANING.items()),
     )
     add_options(parser)
-    parser.add_argument(
-        "--check",
-        nargs="*",
-        type=int,
-        metavar="N",
-        help="validate the configuration for world sizes N (default: the "
-        "launcher's) and find the data, then exit without training",
+    check = (
+        "validate the configuration for world sizes N (default: the launcher's) and find the "
+        "data, then exit without training"
     )
+    parser.add_argument("--check", nargs="*", type=int, metavar="N", help=check)
     return parser
 
 

@@ -175,9 +175,9 @@ def gpu_memory(device: torch.device) -> dict:
 
 def validation_note(cfg: Config, train_size: int, val_size: int) -> str | None:
     """Said where a run trains on fewer images (--train-samples) than it validates on every
-    epoch (all of them, without --val-samples): validation then takes longer than training
-    (ResNet-18 on 512 of 10,000 on a CPU: 3.6 times; docs/performance.md). It is not scaled with
-    --train-samples: its accuracy would become another measure, noisier the fewer it reads."""
+    epoch (all, without --val-samples): validation then takes longer than training (3.6 times
+    for ResNet-18 on 512 of 10,000 on a CPU; docs/performance.md). Not scaled with
+    --train-samples: its accuracy would become another measure."""
     if cfg.train_samples is None or cfg.val_samples is not None or val_size <= train_size:
         return None
     return (
