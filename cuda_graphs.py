@@ -74,9 +74,7 @@ class GraphedStep:
         self.images = self.labels = self.loss_sum = None  # static, made at the first step
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_steps = 0
-        # The memory a replay holds, as the allocator counted it at the capture's peak: see
-        # _capture. Bytes, 0 until captured.
-        self.replay_peak = 0
+        self.replay_peak = 0  # the bytes a replay holds: the capture's peak (_capture)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor):
         if self.images is None:
@@ -98,11 +96,9 @@ class GraphedStep:
 
     def _capture(self) -> None:
         """Record the step into a graph, on the side stream its warm-up ran on, and measure the
-        memory a replay holds: the tensors a step makes and frees live in the graph's private
-        pool, which the allocator counts while capturing but not while replaying, so the
-        capture's peak is every replay's (peak_mem: train.Trainer.replay_peak). The capture's
-        step is the warm-up's: the epoch's peak before it, which measuring resets, was the
-        same step's."""
+        memory a replay holds: a step's temporaries live in the graph's private pool, which the
+        allocator counts while capturing but not while replaying, so the capture's peak is every
+        replay's (peak_mem: train.Trainer.replay_peak)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.graph = torch.cuda.CUDAGraph()

@@ -81,11 +81,10 @@ class Precision:
 def make_precision(
     precision: str, device: torch.device, cuda_graphs: bool = False, strategy: str | None = None
 ) -> Precision:
-    """How a step of this strategy runs at this --precision (None: of one process running the
-    whole model, as the compute calibration's copy does): a sharded model casts through its
-    wrapper's mixed precision policy (fsdp_utils); every unsharded one (DDP, DP, single) needs
-    autocast, without its cache of cast weights where the step is a CUDA graph (torch's notes:
-    the cache would hold tensors of the capture)."""
+    """How a step of this strategy (None: one process, the whole model) runs at this
+    --precision: a sharded model casts through its wrapper's policy (fsdp_utils); every other
+    needs autocast, without its cache of cast weights in a CUDA graph (torch's notes: the cache
+    would hold tensors of the capture)."""
     scaled = precision in LOSS_SCALED
     if strategy in FLAT_SHARDS:
         # Imported here: FSDP's modules take seconds to import, which `main.py --check` never
@@ -100,10 +99,9 @@ def make_precision(
 
 
 def set_process_precision(precision: str) -> str:
-    """This process computes at --precision from here on: every tensor made without a dtype
-    (the models, the batches, the sums) in the storage dtype, and fp32 math as asked. GPUs
-    compute fp32 convolutions in TF32 unless told otherwise (cuDNN's default): fp32 means IEEE
-    fp32, and tf32 asks for TF32 in convolutions and matrix products alike (no effect on a
+    """This process computes at --precision from here on: every tensor made without a dtype in
+    the storage dtype, and fp32 math as asked: IEEE fp32 for fp32 (cuDNN's default is TF32
+    convolutions), TF32 for tf32 in convolutions and matrix products alike (no effect on a
     CPU). Returns what fp32 operations run as."""
     torch.set_default_dtype(storage_dtype(precision))
     math = "tf32" if precision == "tf32" else "ieee"
