@@ -98,7 +98,8 @@ class GraphedStep:
         """Record the step into a graph, on the side stream its warm-up ran on, and measure the
         memory a replay holds: a step's temporaries live in the graph's private pool, which the
         allocator counts while capturing but not while replaying, so the capture's peak is every
-        replay's (peak_mem: train.Trainer.replay_peak)."""
+        replay's (peak_mem: train.Trainer.replay_peak). The peak it resets was the same step's,
+        run eager in warm-up."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.graph = torch.cuda.CUDAGraph()
