@@ -280,15 +280,11 @@ def _value_type(f) -> type:
     return next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
 
 
-def _default_text(f) -> str:
-    if f.metadata["flag"] or f.default is None:
-        return ""  # the help says what happens by default
-    return f" (default: {f.default})"
-
-
 def _add_option(parser: argparse.ArgumentParser, f) -> None:
     meta = f.metadata
-    named = dict(dest=f.name, help=meta["help"] + _default_text(f))
+    # A switch's help, and one without a default value, say what happens by default.
+    unsaid = meta["flag"] or f.default is None
+    named = dict(dest=f.name, help=meta["help"] + ("" if unsaid else f" (default: {f.default})"))
     if meta["flag"] and f.default is None:  # --x and --no-x; unset: the situation's default
         parser.add_argument(meta["flag"], action="store_true", default=None, **named)
         opposite = dict(dest=f.name, help=f"the opposite of {meta['flag']}")
