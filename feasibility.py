@@ -163,3 +163,15 @@ def decide_graphs(cfg: Config, device: torch.device, world_size: int) -> tuple[b
     if why is None and (unshown := not_yet_shown(cfg, world_size)):
         why = f"{unshown} has not yet run captured on a GPU (--cuda-graphs asks for it)"
     return why is None, why
+
+
+def describe_graphs(cfg: Config, device: torch.device, world_sizes: list[int]) -> str:
+    """`main.py --check`'s word on the step at each world size (the default may differ between
+    them), one phrase where they agree."""
+    said = {}
+    for size in world_sizes:
+        graphed, why = decide_graphs(cfg, device, size)
+        said[size] = "one CUDA graph" if graphed else f"eager ({why})" if why else "eager"
+    if len(set(said.values())) == 1:
+        return said[world_sizes[0]]
+    return "; ".join(f"at world size {size}: {says}" for size, says in said.items())

@@ -126,7 +126,7 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     device, where = distributed_utils.check_device(cfg.device)
     feasibility.check(cfg, world_sizes, train_size, device)
-    step = describe_step(cfg, device, world_sizes)
+    step = feasibility.describe_graphs(cfg, device, world_sizes)
     state = cost_model.describe(cfg, model, world_sizes, distributed_utils.num_nodes())
     if cfg.resume:  # the checkpoint's meta.pt: does it fit this run, as session.run asks
         fits = checkpoint.run_identity(cfg, count_parameters(model))
@@ -140,20 +140,6 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         f"the step: {step}; {state}"
     )
     return EXIT_STATUS["finished"]
-
-
-def describe_step(cfg: Config, device, world_sizes: list[int]) -> str:
-    """`--check`'s word on the step at each world size (feasibility.decide_graphs: the default
-    may differ between them), one phrase where they agree."""
-    import feasibility
-
-    said = {}
-    for size in world_sizes:
-        graphed, why = feasibility.decide_graphs(cfg, device, size)
-        said[size] = "one CUDA graph" if graphed else f"eager ({why})" if why else "eager"
-    if len(set(said.values())) == 1:
-        return said[world_sizes[0]]
-    return "; ".join(f"at world size {size}: {says}" for size, says in said.items())
 
 
 # ----------------------------------------------------------------------------- build, run
