@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from config import FLAT_SHARDS, SHARDED, STAGED, Config
 from model import build_model, cut, unit_parameters
@@ -60,6 +59,10 @@ def training_flops_per_image(
 ) -> int:
     """FLOPs of one training image: forward and backward through the model (the backward of
     each layer computes its weight gradient and, but for the first, its input gradient)."""
+    # Imported here: about 0.15 s that `main.py --check`, which asks this module for the state
+    # alone, need not pay (mfu.py's FLOPs and memory_model.py's bytes were two modules).
+    from torch.utils.flop_counter import FlopCounterMode
+
     batch = 2  # more than one image: BatchNorm's training forward needs it
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(model_name, num_classes, image_shape)
