@@ -60,7 +60,7 @@ def training_flops_per_image(
     """FLOPs of one training image: forward and backward through the model (the backward of
     each layer computes its weight gradient and, but for the first, its input gradient)."""
     # Imported here: about 0.15 s that `main.py --check`, which asks this module for the state
-    # alone, need not pay (mfu.py's FLOPs and memory_model.py's bytes were two modules).
+    # alone, need not pay.
     from torch.utils.flop_counter import FlopCounterMode
 
     batch = 2  # more than one image: BatchNorm's training forward needs it
