@@ -91,7 +91,8 @@ class Config:
     lr_schedule: str = option(
         "none",
         "learning rate over the run: constant, divided by 10 at half and three quarters of the "
-        "epochs (step), or a cosine to zero; after --warmup-epochs of linear warm-up",
+        "epochs (step), or a cosine to zero; "
+        "after --warmup-epochs of linear warm-up",
         choices=LR_SCHEDULES,
     )
     warmup_epochs: int = option(
