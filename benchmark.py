@@ -11,7 +11,7 @@
    that implies: the best each sweep point can do before any communication;
 5. each strategy of the study (single, ddp, fsdp, fsdp2) on one rank: the operations it
    dispatches per step, and its step at local batch 256 and 32, eager and, where it can be
-   captured (cuda_graphs.refusal), as one CUDA graph;
+   captured (feasibility.graph_refusal), as one CUDA graph;
 6. DDP and FSDP at world sizes 1, 2 and 4, one GPU each, as many as there are GPUs (1 and 2
    on a CPU), launched by torchrun as users do: images/s and scaling efficiency.
 
@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import cuda_graphs
 import data
 import distributed_utils
+import feasibility
 from checkpoint_files import Position
 from comm_bench import run_comm_benchmark
 from config import SWEEP_GPUS, Config
@@ -279,7 +279,7 @@ SMALL_BATCH = 32  # the local batch of the sweep's 8-GPU point at the default gl
 def strategy_steps(batch: int, steps: int, device: torch.device) -> list[tuple]:
     """Rows of the per-strategy table: one rank's operations per step (the epoch's own shared
     out, operations_per_epoch_step) at `batch`, and its step at `batch` and SMALL_BATCH, eager
-    and, where cuda_graphs.refusal allows, as one CUDA graph."""
+    and, where feasibility.graph_refusal allows, as one CUDA graph."""
     local_batches = (batch, SMALL_BATCH)
     rows = [
         (
@@ -312,7 +312,7 @@ def graphed_step(cfg: Config, env, device: torch.device) -> str:
     """The step of cfg as one CUDA graph in ms, or why it is not measured."""
     if device.type != "cuda":
         return "no GPU"
-    if cuda_graphs.refusal(cfg, device):
+    if feasibility.graph_refusal(cfg, device):
         return "eager only"
     try:
         seconds, _ = seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)

@@ -30,12 +30,9 @@ FLAT_SHARDS = ("fsdp",)
 # fully_shard's parameters are DTensors, for which torch has fused Adam but no fused SGD
 # (optim.make_optimizer: foreach), which reads its rate and a scaler's inf check on the host.
 DTENSOR_PARAMETERS = ("fsdp2",)
-# The strategies whose step a CUDA graph can capture (cuda_graphs.refusal), and the torch from
-# which it can where that is newer than the oldest the project runs on. FSDP2 (fully_shard)
-# gathers and reshards each unit on streams of its own, from hooks that only queue work; its
-# all-gather's copy-in takes pinned host memory, which a capture may allocate since
-# pytorch#167507, and torch's own tests capture a sharded step since 2.11
-# (TestFullyShardCudaGraph, pytorch#171835).
+# The strategies whose step a CUDA graph can capture (feasibility.graph_refusal), and the torch
+# from which it can. FSDP2's hooks only queue work on streams of its own, and a capture may take
+# its all-gather's pinned memory since pytorch#167507: torch's tests capture it since 2.11.
 CAPTURABLE = ("single", "ddp", "fsdp2")
 CAPTURED_SINCE = {"fsdp2": (2, 11)}
 # The units each model is cut at (len(model.shard_units()), which tests/test_units.py checks):
@@ -77,12 +74,11 @@ def option(default, help: str, *, choices=None, aliases=(), metavar=None, minimu
 class Config:
     strategy: str = option(
         "ddp",
-        "ddp replicates the model on every rank; fsdp (FSDP1, the "
-        "course's) and fsdp2 (fully_shard) shard it; pipeline gives each rank consecutive "
-        "layers (a stage) fed with micro-batches; model (naive model parallel: one process "
-        "places consecutive layers on the visible GPUs), dp (DataParallel: one "
-        "process drives every visible GPU) and single (one device, no "
-        "wrapper) are one-process baselines",
+        "ddp replicates the model on every rank; fsdp (FSDP1, the course's) and fsdp2 "
+        "(fully_shard) shard it; pipeline gives each rank consecutive layers (a stage) fed with "
+        "micro-batches; model (naive model parallel: one process places consecutive layers on the "
+        "visible GPUs), dp (DataParallel: one process drives every visible GPU) and single (one "
+        "device, no wrapper) are one-process baselines",
         choices=STRATEGIES,
         aliases=("--method",),
     )
@@ -94,9 +90,9 @@ class Config:
     optimizer: str = option("adam", "Adam, or SGD with momentum 0.9", choices=OPTIMIZERS)
     lr_schedule: str = option(
         "none",
-        "learning rate over the run: constant, divided by 10 at "
-        "half and three quarters of the epochs (step), or a cosine to "
-        "zero; after --warmup-epochs of linear warm-up",
+        "learning rate over the run: constant, divided by 10 at half and three quarters of the "
+        "epochs (step), or a cosine to zero; "
+        "after --warmup-epochs of linear warm-up",
         choices=LR_SCHEDULES,
     )
     warmup_epochs: int = option(
@@ -104,24 +100,23 @@ class Config:
     )
     grad_accum: int = option(
         1,
-        "micro-batches per optimizer step: each rank splits its share "
-        "of the global batch into K and all-reduces gradients only after "
-        "the last (--batch-size stays the global batch of one step)",
+        "micro-batches per optimizer step: each rank splits its share of the global batch into K "
+        "and all-reduces gradients only after the last (--batch-size stays the global batch of one "
+        "step)",
         minimum=1,
         metavar="K",
     )
     microbatches: int | None = option(
         None,
-        "pipeline: micro-batches per step, each global batch split into M equal ones "
-        "(default: twice the number of stages)",
+        "pipeline: micro-batches per step, each global batch split into M equal ones (default: "
+        "twice the number of stages)",
         minimum=1,
         metavar="M",
     )
     schedule: str = option(
         "1f1b",
-        "pipeline: the order of forwards and backwards: gpipe (all forwards, then all "
-        "backwards) or 1f1b (one forward, one backward once the pipeline is full: fewer "
-        "activations held)",
+        "pipeline: the order of forwards and backwards: gpipe (all forwards, then all backwards) "
+        "or 1f1b (one forward, one backward once the pipeline is full: fewer activations held)",
         choices=SCHEDULES,
     )
     clip_grad: float | None = option(
@@ -132,30 +127,28 @@ class Config:
     )
     sync_bn: bool = option(
         False,
-        "DDP: synchronize BatchNorm statistics over all ranks (models "
-        "with BatchNorm: the ResNets; needs GPUs)",
+        "DDP: synchronize BatchNorm statistics over all ranks (models with BatchNorm: the ResNets; "
+        "needs GPUs)",
         flag="--sync-bn",
     )
     precision: str = option(
         "fp32",
-        "compute precision, comparable numerics for DDP (autocast) "
-        "and FSDP (MixedPrecision; gradients reduced in fp32 by both): fp32 "
-        "is IEEE fp32 also on GPUs, tf32 lets them use TensorFloat-32 for "
-        "matrix products and convolutions, fp16 adds a gradient scaler; fp64 "
+        "compute precision, comparable numerics for DDP (autocast) and FSDP (MixedPrecision; "
+        "gradients reduced in fp32 by both): fp32 is IEEE fp32 also on GPUs, tf32 lets them use "
+        "TensorFloat-32 for matrix products and convolutions, fp16 adds a gradient scaler; fp64 "
         "stores and computes everything in float64 (verify.py's equivalence check)",
         choices=PRECISIONS,
     )
     device: str = option(
         "auto",
-        "auto: a GPU where torch sees one, else the CPU, but an error "
-        "where the job was given GPUs that torch cannot see; cuda: a GPU or "
-        "an error; cpu: the CPU even where there are GPUs",
+        "auto: a GPU where torch sees one, else the CPU, but an error where the job was given GPUs "
+        "that torch cannot see; cuda: a GPU or an error; cpu: the CPU even where there are GPUs",
         choices=DEVICES,
     )
     sharding: str = option(
         "full",
-        "FSDP sharding strategy: full (ZeRO-3), grad_op (ZeRO-2), "
-        "hybrid (full within a node, replicated across nodes)",
+        "FSDP sharding strategy: full (ZeRO-3), grad_op (ZeRO-2), hybrid (full within a node, "
+        "replicated across nodes)",
         choices=SHARDINGS,
     )
     cpu_offload: bool = option(
@@ -163,18 +156,15 @@ class Config:
     )
     model: str = option(
         "cnn",
-        "the course CNN (its classifier sized for the data set's images), "
-        "the same with 4x its channels, or a ResNet adapted to small images "
-        "(3x3 stem, no max-pool)",
+        "the course CNN (its classifier sized for the data set's images), the same with 4x its "
+        "channels, or a ResNet adapted to small images (3x3 stem, no max-pool)",
         choices=MODELS,
     )
     dataset: str = option(
         "cifar10",
-        "CIFAR-10; Fashion-MNIST (28x28 grey, padded to 32x32 "
-        "and made 3-channel); Tiny ImageNet (200 classes, 64x64, no download: "
-        "unzip it into --data-dir); or a learnable synthetic stand-in generated "
-        "from the seed (no download: smoke tests, benchmarks, offline "
-        "machines)",
+        "CIFAR-10; Fashion-MNIST (28x28 grey, padded to 32x32 and made 3-channel); Tiny ImageNet "
+        "(200 classes, 64x64, no download: unzip it into --data-dir); or a learnable synthetic "
+        "stand-in generated from the seed (no download: smoke tests, benchmarks, offline machines)",
         choices=DATASETS,
     )
     data_dir: str = option(
@@ -182,14 +172,14 @@ class Config:
     )
     download: bool = option(
         True,
-        "fail instead of downloading when CIFAR-10 or Fashion-MNIST "
-        "is missing (default: rank 0 downloads it)",
+        "fail instead of downloading when CIFAR-10 or Fashion-MNIST is missing (default: rank 0 "
+        "downloads it)",
         flag="--no-download",
     )
     train_samples: int | None = option(
         None,
-        "use the first N training images (default: all); validation still reads every "
-        "validation image, each epoch, unless --val-samples",
+        "use the first N training images (default: all); validation still reads every validation "
+        "image, each epoch, unless --val-samples",
         minimum=1,
         metavar="N",
     )
@@ -203,8 +193,8 @@ class Config:
     )
     loader: str = option(
         "tensor",
-        "tensor: data set on the device, batched augmentation; "
-        "classic: torchvision transforms in DataLoader workers",
+        "tensor: data set on the device, batched augmentation; classic: torchvision transforms in "
+        "DataLoader workers",
         choices=LOADERS,
     )
     num_workers: int = option(
@@ -218,36 +208,34 @@ class Config:
     )
     cuda_graphs: bool | None = option(
         None,
-        "capture the whole training step as one CUDA graph after a few eager steps and replay "
-        "it (single, ddp and fsdp2 on a GPU). Default: on a GPU wherever it applies and has "
-        "been shown to (the [CONFIG] line notes why a run stays eager); off on a CPU",
+        "capture the whole training step as one CUDA graph after a few eager steps and replay it "
+        "(single, ddp and fsdp2 on a GPU). Default: on a GPU wherever it applies and has been "
+        "shown to (the [CONFIG] line notes why a run stays eager); off on a CPU",
         flag="--cuda-graphs",
     )
     seed: int = option(42, "seed for weights, data order and synthetic data", minimum=0)
     deterministic: bool = option(
         False,
-        "deterministic kernels only: on a GPU, runs repeat to the "
-        "bit (slower; an op without one is an error)",
+        "deterministic kernels only: on a GPU, runs repeat to the bit (slower; an op without one "
+        "is an error)",
         flag="--deterministic",
     )
     profile: bool = option(
         False,
-        "trace a few training steps of each rank with "
-        "torch.profiler: logs/profiles/<job id>_rank<R>.json, for "
-        "ui.perfetto.dev",
+        "trace a few training steps of each rank with torch.profiler: logs/profiles/<job "
+        "id>_rank<R>.json, for ui.perfetto.dev",
         flag="--profile",
     )
     comm_benchmark: bool = option(
         False,
-        "before training, time the collectives this model's "
-        "DDP and FSDP send, and a sweep of message sizes: one [COMM] "
-        "line each (comm_bench.py)",
+        "before training, time the collectives this model's DDP and FSDP send, and a sweep of "
+        "message sizes: one [COMM] line each (comm_bench.py)",
         flag="--comm-benchmark",
     )
     peak_tflops: float | None = option(
         None,
-        "one device's dense peak TFLOP/s at the run's --precision, for the mfu field of "
-        "[METRIC] (default: from mfu.PEAK_TFLOPS for the GPUs listed there; none on a CPU)",
+        "one device's dense peak TFLOP/s at the run's --precision, for the mfu field of [METRIC] "
+        "(default: from cost_model.PEAK_TFLOPS for the GPUs listed there; none on a CPU)",
         minimum=0,
         metavar="TFLOPS",
     )
@@ -260,16 +248,16 @@ class Config:
     )
     checkpoint_dir: str | None = option(
         None,
-        "where checkpoints go, one per epoch and one on SIGUSR1/SIGUSR2/SIGTERM (default: "
-        "beside the checkpoint resumed from, else checkpoints/<SLURM job id>, else "
+        "where checkpoints go, one per epoch and one on SIGUSR1/SIGUSR2/SIGTERM (default: beside "
+        "the checkpoint resumed from, else checkpoints/<SLURM job id>, else "
         "checkpoints/local-<time>)",
         metavar="DIR",
     )
     resume: str | None = option(
         None,
-        "continue from the latest checkpoint in --checkpoint-dir (auto: start fresh, "
-        "saying so, if there is none; pass over unreadable ones to an older one, an error if "
-        "none can be read), or from a checkpoint or folder PATH",
+        "continue from the latest checkpoint in --checkpoint-dir (auto: start fresh, saying so, if "
+        "there is none; pass over unreadable ones to an older one, an error if none can be read), "
+        "or from a checkpoint or folder PATH",
         metavar="auto|PATH",
     )
     checkpoint: bool = option(
@@ -277,8 +265,8 @@ class Config:
     )
     keep_last: int = option(
         3,
-        "keep the newest N checkpoints of the run, delete older ones "
-        "(never the one resumed from; 0: keep all)",
+        "keep the newest N checkpoints of the run, delete older ones (never the one resumed from; "
+        "0: keep all)",
         minimum=0,
         metavar="N",
     )
@@ -293,45 +281,28 @@ def _value_type(f) -> type:
     return next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
 
 
-def _default_text(f) -> str:
-    if f.metadata["flag"] or f.default is None:
-        return ""  # the help says what happens by default
-    return f" (default: {f.default})"
-
-
 def _add_option(parser: argparse.ArgumentParser, f) -> None:
     meta = f.metadata
-    help_text = meta["help"] + _default_text(f)
-    if meta["flag"]:
-        if f.default is None:  # --x and --no-x, unset meaning "the default for the situation"
-            parser.add_argument(
-                meta["flag"], dest=f.name, action="store_true", default=None, help=help_text
-            )
-            parser.add_argument(
-                "--no-" + meta["flag"][2:],
-                dest=f.name,
-                action="store_false",
-                help=f"the opposite of {meta['flag']}",
-            )
-        else:
-            parser.add_argument(
-                meta["flag"],
-                dest=f.name,
-                default=f.default,
-                action="store_false" if f.default else "store_true",
-                help=help_text,
-            )
-        return
-    parser.add_argument(
-        option_flag(f.name),
-        *meta["aliases"],
-        dest=f.name,
-        type=_value_type(f),
-        default=f.default,
-        choices=meta["choices"],
-        metavar=meta["metavar"],
-        help=help_text,
-    )
+    # A switch's help, and one without a default value, say what happens by default.
+    unsaid = meta["flag"] or f.default is None
+    named = dict(dest=f.name, help=meta["help"] + ("" if unsaid else f" (default: {f.default})"))
+    if meta["flag"] and f.default is None:  # --x and --no-x; unset: the situation's default
+        parser.add_argument(meta["flag"], action="store_true", default=None, **named)
+        opposite = dict(dest=f.name, help=f"the opposite of {meta['flag']}")
+        parser.add_argument("--no-" + meta["flag"][2:], action="store_false", **opposite)
+    elif meta["flag"]:
+        action = "store_false" if f.default else "store_true"
+        parser.add_argument(meta["flag"], default=f.default, action=action, **named)
+    else:
+        parser.add_argument(
+            option_flag(f.name),
+            *meta["aliases"],
+            type=_value_type(f),
+            default=f.default,
+            choices=meta["choices"],
+            metavar=meta["metavar"],
+            **named,
+        )
 
 
 def add_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -391,7 +362,7 @@ def pipeline_cut(model: str) -> str:
 
 def pipeline_refusal(cfg: Config, world_size: int) -> str | None:
     """Why --strategy pipeline cannot run this way on world_size ranks, or None (the
-    precisions its stages compute in are precision.refusal's to say)."""
+    precisions its stages compute in are feasibility.refusal's to say)."""
     if world_size not in pipeline_world_sizes(cfg.model):
         return f"{pipeline_cut(cfg.model)}, not {world_size}"
     m = microbatches(cfg, world_size)

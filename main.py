@@ -37,8 +37,7 @@ if TYPE_CHECKING:  # only named here: session.py loads torch
 
 # How long a rank other than 0 whose command line is bad waits for its launcher to end it once
 # rank 0 has said why and exited (stopping.await_stop_signal): rank 0 may still be starting
-# Python. A few seconds cover a loaded machine's start; plain srun (no --kill-on-bad-exit) waits
-# them out.
+# Python on a loaded machine; plain srun (no --kill-on-bad-exit) waits them out.
 PEER_EXIT_WAIT_S = 5.0
 
 # ----------------------------------------------------------------------------- parse
@@ -66,14 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(f"{EXIT_STATUS[name]} {meaning}" for name, meaning in EXIT_MEANING.items()),
     )
     add_options(parser)
-    parser.add_argument(
-        "--check",
-        nargs="*",
-        type=int,
-        metavar="N",
-        help="validate the configuration for world sizes N (default: the "
-        "launcher's) and find the data, then exit without training",
+    check = (
+        "validate the configuration for world sizes N (default: the launcher's) and find the "
+        "data, then exit without training"
     )
+    parser.add_argument("--check", nargs="*", type=int, metavar="N", help=check)
     return parser
 
 
@@ -117,10 +113,10 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
     import torch  # loads here, once the options are known to be readable
 
     import checkpoint
+    import cost_model
     import data
     import distributed_utils
     import feasibility
-    import memory_model
     from model import build_model, count_parameters
 
     distributed_utils.check_torch()
@@ -130,8 +126,8 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     device, where = distributed_utils.check_device(cfg.device)
     feasibility.check(cfg, world_sizes, train_size, device)
-    step = describe_step(cfg, device, world_sizes)
-    state = memory_model.describe(cfg, model, world_sizes, distributed_utils.num_nodes())
+    step = feasibility.describe_graphs(cfg, device, world_sizes)
+    state = cost_model.describe(cfg, model, world_sizes, distributed_utils.num_nodes())
     if cfg.resume:  # the checkpoint's meta.pt: does it fit this run, as session.run asks
         fits = checkpoint.run_identity(cfg, count_parameters(model))
         folder = checkpoint.folder_for(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint else None
@@ -144,20 +140,6 @@ def check(cfg: Config, world_sizes: list[int]) -> int:
         f"the step: {step}; {state}"
     )
     return EXIT_STATUS["finished"]
-
-
-def describe_step(cfg: Config, device, world_sizes: list[int]) -> str:
-    """`--check`'s word on the step at each world size (cuda_graphs.decide: the default may
-    differ between them), one phrase where they agree."""
-    import cuda_graphs
-
-    said = {}
-    for size in world_sizes:
-        graphed, why = cuda_graphs.decide(cfg, device, size)
-        said[size] = "one CUDA graph" if graphed else f"eager ({why})" if why else "eager"
-    if len(set(said.values())) == 1:
-        return said[world_sizes[0]]
-    return "; ".join(f"at world size {size}: {says}" for size, says in said.items())
 
 
 # ----------------------------------------------------------------------------- build, run

@@ -25,9 +25,9 @@ import torch.nn as nn
 from torch.autograd import DeviceType
 
 from checkpoint_files import Position
+from cost_model import UNKNOWN, ModelFlops
 from cuda_graphs import GraphedStep
 from distributed_utils import barrier
-from mfu import UNKNOWN, ModelFlops
 from peer_failures import say_where
 from profiling import StepProfiler, quiet_kineto
 from utils import MB

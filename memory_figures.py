@@ -54,19 +54,19 @@ def state_settings(summary: pd.DataFrame) -> list[tuple[str, str]]:
 
 def plot_ideal_state(ax, summary: pd.DataFrame) -> list[float]:
     """The ZeRO paper's lines for each optimizer and precision the runs used: a replicated
-    rank's bytes per parameter (memory_model.bytes_per_parameter: 16 with Adam in fp32) at every
+    rank's bytes per parameter (cost_model.bytes_per_parameter: 16 with Adam in fp32) at every
     GPU count, and that over N, a rank of N holding an N-th (full sharding). Returns their
     values: the y axis' ticks."""
     try:
-        import memory_model  # loads torch: only where a figure of state is drawn
+        import cost_model  # loads torch: only where a figure of state is drawn
     except ImportError as e:  # plot_results.sh needs pandas and matplotlib alone
         raise NotPlottable(
-            f"its ideal lines are memory_model.py's, which needs torch ({e})"
+            f"its ideal lines are cost_model.py's, which needs torch ({e})"
         ) from None
 
     gpus, ticks = sorted(summary["gpus"].unique()), []
     for optimizer, precision in state_settings(summary):
-        whole = memory_model.bytes_per_parameter(optimizer, precision)
+        whole = cost_model.bytes_per_parameter(optimizer, precision)
         setting = f"{optimizer}, {precision} state"
         for label, color, line in (
             (f"replicated: {whole} B ({setting})", "black", [whole] * len(gpus)),

@@ -135,19 +135,14 @@ def build_model(
 # The fewest parameters a shard unit needs for an FSDP unit of its own (as torch's
 # size_based_auto_wrap_policy's min_num_params, 1e8 by default, sized for this project's models):
 # 400 KB in fp32, a few microseconds on NVLink, less than the fixed cost of gathering it. Here,
-# not in fsdp_utils.py, so that memory_model.py (and `main.py --check`) can ask without loading
-# FSDP.
+# not in fsdp_utils.py: cost_model.py (and `main.py --check`) ask without loading FSDP.
 MIN_UNIT_PARAMS = 100_000
 
 
 def own_units(model: nn.Module) -> list[nn.Module]:
     """The shard units that become FSDP units of their own (fsdp_utils.py); the root holds the
     others."""
-    return [
-        unit
-        for unit in model.shard_units()
-        if sum(p.numel() for p in unit.parameters()) >= MIN_UNIT_PARAMS
-    ]
+    return [unit for unit in model.shard_units() if count_parameters(unit) >= MIN_UNIT_PARAMS]
 
 
 def unit_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:

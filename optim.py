@@ -2,11 +2,10 @@
 --lr-schedule, --warmup-epochs), built as the step needs them: fused or foreach kernels, and
 a learning rate a CUDA graph can read (--cuda-graphs).
 
-Both keep the form this run built them in when a checkpoint is loaded into them, whatever kind
-of run wrote it (a CPU's, an eager one's, a graphed one's): torch's load_state_dict would take
-the writer's settings along with its state, and a graphed run resumed from an eager checkpoint
-would then fail at its capture (`capturable` False), or read a rate that its schedule no
-longer writes.
+Both keep the form this run built them in when a checkpoint of any kind of run is loaded into
+them: torch's load_state_dict would take the writer's settings along, and a graphed run resumed
+from an eager checkpoint would fail at its capture (`capturable` False) or read a rate that its
+schedule no longer writes.
 """
 
 import math
@@ -28,7 +27,7 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     torch has it for the parameters, else foreach (one per operation over all of them): torch's
     default on a CPU is a loop of about ten operations per parameter and step. FSDP2's DTensor
     parameters have sharding rules for fused Adam (since torch 2.4), not for fused SGD (whose
-    foreach kernels read a tensor rate on the host: cuda_graphs.refusal)."""
+    foreach kernels read a tensor rate on the host: feasibility.graph_refusal)."""
     optimizer, options = (
         (torch.optim.SGD, {"momentum": 0.9}) if cfg.optimizer == "sgd" else (torch.optim.Adam, {})
     )
@@ -50,13 +49,10 @@ def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def keep_as_built(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer, made to keep its own ways through every load_state_dict (a checkpoint's:
-    torch.distributed.checkpoint's set_state_dict ends in it for every wrapper), which copies
-    the saved parameter groups over its own: KEPT_ON_RESUME stay as built, and the rate is the
-    checkpoint's, written into this run's own object (the tensor a CUDA graph reads at its
-    address and the scheduler fills in place, or a number). Torch's load then also puts the
-    step counts where this run's settings put them: for a capturable or fused optimizer, on the
-    parameter's device."""
+    """The optimizer, made to keep its own ways through every load_state_dict (DCP's
+    set_state_dict ends in it for every wrapper): KEPT_ON_RESUME stay as built, and the
+    checkpoint's rate is written into this run's own object (the tensor a CUDA graph reads, or
+    a number). Torch's load then puts the step counts where this run's settings put them."""
     own: list[dict] = []  # the groups as they stood before the load
 
     def settings_as_built(optimizer, state_dict: dict) -> dict:

@@ -162,7 +162,7 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     plot_ideal_scaling(axes[0], summary, "throughput", 1)
     axes[0].set_title(f"Training throughput ({steady(summary)}) vs ideal N x")
     if has_tflops:
-        rows = plot_lines(axes[1], summary, "tflops", f"model TFLOP/s per {one} (mfu.py)")
+        rows = plot_lines(axes[1], summary, "tflops", f"model TFLOP/s per {one} (cost_model.py)")
         for _, row in rows.dropna(subset=["mfu"]).iterrows():
             axes[1].annotate(
                 f"MFU {row['mfu']:.1f}%",

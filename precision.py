@@ -1,8 +1,6 @@
-"""What numbers a step computes with, for each `--precision`: the dtype table, the 16-bit dtype
-of autocast and FSDP's mixed precision, the loss scaler, what fp32 means on a GPU, which devices
-can compute in bf16, the device peak a precision runs at (mfu), and whether kernels must be
-deterministic. The wrappers, the trainer, the metrics and the checks ask this module; it asks
-only torch (and config.py for the strategies' traits).
+"""What numbers a step computes with, for each `--precision`: the dtypes, autocast and FSDP's
+mixed precision, the loss scaler, what fp32 means on a GPU, the device peak a precision runs at,
+and deterministic kernels. It asks only torch (and config.py for the strategies' traits).
 
 Mixed precision computes in bf16 or fp16 from fp32 parameters and reduces gradients in fp32:
 autocast for an unsharded model (DDP, DP, single), FSDP's own policy for a sharded one
@@ -16,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from config import FLAT_SHARDS, SHARDED, STAGED
+from config import FLAT_SHARDS, SHARDED
 
-# The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs).
+# The compute dtype of each --precision (tf32 is fp32 storage with TF32 matrix math on GPUs), what
+# FSDP gathers and aligns its flat parameters in.
 DTYPES = {
     "fp32": torch.float32,
     "tf32": torch.float32,
@@ -27,32 +26,27 @@ DTYPES = {
     "fp64": torch.float64,
 }
 
-# The precisions whose step scales its loss (a gradient scaler): fp16's narrow exponent range
-# lets small gradients underflow; bf16 has fp32's.
+# Mixed precision: those that compute in a 16-bit dtype from fp32 parameters. Of them, those
+# whose step scales its loss: fp16's narrow exponent range lets small gradients underflow; bf16
+# has fp32's.
+MIXED = tuple(name for name, dtype in DTYPES.items() if dtype.itemsize < 4)
 LOSS_SCALED = ("fp16",)
 
-# The arithmetic each --precision runs on, which sets a device's peak (mfu.PEAK_TFLOPS): IEEE
-# fp32 on the CUDA cores (set_process_precision), TF32 and 16-bit on the tensor cores, bf16 and
-# fp16 at the same rate. fp64 has none in the table.
+# The arithmetic each --precision runs on, which sets a device's peak (cost_model.PEAK_TFLOPS):
+# IEEE fp32 on the CUDA cores (set_process_precision), TF32 and 16-bit on the tensor cores, bf16
+# and fp16 at the same rate. fp64 has none in the table.
 PEAK_KEYS = {"fp32": "fp32", "tf32": "tf32", "bf16": "16-bit", "fp16": "16-bit"}
 
 
 def low_precision(precision: str) -> torch.dtype | None:
     """The 16-bit dtype a step computes in (autocast, FSDP's mixed precision), or None."""
-    dtype = DTYPES[precision]
-    return dtype if dtype.itemsize < 4 else None
+    return DTYPES[precision] if precision in MIXED else None
 
 
 def storage_dtype(precision: str) -> torch.dtype:
     """What parameters, gradients, batches and sums are held in: float64 for fp64; float32
     otherwise (bf16 and fp16 compute in theirs from fp32 parameters)."""
     return max(DTYPES[precision], torch.float32, key=lambda dtype: dtype.itemsize)
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """What a step computes in: the 16-bit dtype under bf16 and fp16, else the storage dtype (what
-    FSDP gathers and aligns its flat parameters in)."""
-    return low_precision(precision) or storage_dtype(precision)
 
 
 def wire_dtypes(precision: str, strategy: str) -> tuple[torch.dtype, torch.dtype]:
@@ -62,7 +56,7 @@ def wire_dtypes(precision: str, strategy: str) -> tuple[torch.dtype, torch.dtype
     hold the parameters' own gradients (under autocast too), FSDP's reduce_dtype is fp32 under
     bf16 and fp16 and the parameters' dtype otherwise; so 8 bytes a parameter in fp64."""
     stored = storage_dtype(precision)
-    return (compute_dtype(precision) if strategy in SHARDED else stored), stored
+    return (DTYPES[precision] if strategy in SHARDED else stored), stored
 
 
 def loss_input(logits: torch.Tensor) -> torch.Tensor:
@@ -87,15 +81,14 @@ class Precision:
 def make_precision(
     precision: str, device: torch.device, cuda_graphs: bool = False, strategy: str | None = None
 ) -> Precision:
-    """How a step of this strategy runs at this --precision (None: of one process running the
-    whole model, as the compute calibration's copy does): a sharded model casts through its
-    wrapper's mixed precision policy (fsdp_utils); every unsharded one (DDP, DP, single) needs
-    autocast, without its cache of cast weights where the step is a CUDA graph (torch's notes:
-    the cache would hold tensors of the capture)."""
+    """How a step of this strategy (None: one process, the whole model) runs at this
+    --precision: a sharded model casts through its wrapper's policy (fsdp_utils); every other
+    needs autocast, without its cache of cast weights in a CUDA graph (torch's notes: the cache
+    would hold tensors of the capture)."""
     scaled = precision in LOSS_SCALED
     if strategy in FLAT_SHARDS:
-        # Imported here: FSDP's modules take seconds to import, which `main.py --check` (it
-        # asks `refusal`) never needs.
+        # Imported here: FSDP's modules take seconds to import, which `main.py --check` never
+        # needs.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler(device.type, enabled=scaled)
@@ -105,29 +98,10 @@ def make_precision(
     return Precision(autocast, scaler, cache=not cuda_graphs)
 
 
-def refusal(precision: str, strategy: str, device: torch.device) -> str | None:
-    """Why this strategy or this device cannot compute at this --precision, or None. A
-    pipeline's stages (pipeline_utils) run neither autocast nor a loss scaler."""
-    if strategy in STAGED and low_precision(precision) is not None:
-        return f"--strategy {strategy}: --precision: fp32 or tf32 only"
-    if (
-        precision == "bf16"
-        and device.type == "cuda"
-        and torch.cuda.is_available()
-        and not torch.cuda.is_bf16_supported()
-    ):
-        return (
-            f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
-            "use --precision fp16 or fp32"
-        )
-    return None
-
-
 def set_process_precision(precision: str) -> str:
-    """This process computes at --precision from here on: every tensor made without a dtype
-    (the models, the batches, the sums) in the storage dtype, and fp32 math as asked. GPUs
-    compute fp32 convolutions in TF32 unless told otherwise (cuDNN's default): fp32 means IEEE
-    fp32, and tf32 asks for TF32 in convolutions and matrix products alike (no effect on a
+    """This process computes at --precision from here on: every tensor made without a dtype in
+    the storage dtype, and fp32 math as asked: IEEE fp32 for fp32 (cuDNN's default is TF32
+    convolutions), TF32 for tf32 in convolutions and matrix products alike (no effect on a
     CPU). Returns what fp32 operations run as."""
     torch.set_default_dtype(storage_dtype(precision))
     math = "tf32" if precision == "tf32" else "ieee"

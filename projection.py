@@ -5,7 +5,7 @@ batch, for report.md and plot_results.py's figure.
 The measurement it projects from, per point (the largest over the point's epochs and runs):
 - bytes per parameter: state_mem (the parameters, gradients and optimizer state one rank keeps,
   measured after a step) / the model's parameters ([CONFIG]). Replicated (DDP) it stays at
-  memory_model's per-parameter bytes (16 with Adam in fp32) at every GPU count; sharded (FSDP)
+  cost_model's per-parameter bytes (16 with Adam in fp32) at every GPU count; sharded (FSDP)
   it falls as 1/N.
 - bytes per image: act_per_image, the training peak above the state per image of the rank's
   batch (local_batch); times that batch, the activations a step holds.
@@ -83,7 +83,7 @@ def missing(summary: pd.DataFrame) -> list[str]:
 
 def projection_table(summary: pd.DataFrame, gpu: float) -> pd.DataFrame:
     """Per point with every column NEEDED: bytes per parameter measured and, where logged,
-    predicted (state_pred, memory_model.py), activations, and the largest model that fits."""
+    predicted (state_pred, cost_model.py), activations, and the largest model that fits."""
     rows = summary.dropna(subset=list(NEEDED)).copy()
     rows["bytes_per_param"] = rows["state_mem"] / rows["parameters"]
     predicted = rows["state_pred"] if "state_pred" in rows else math.nan
@@ -130,7 +130,7 @@ def projection_section(summary: pd.DataFrame, given_gb: float | None, rank: str)
         f"Onto {where}: per point, the parameters P of the largest model whose state and "
         "activations fit, P = (GPU memory - act_per_image x batch per "
         f"{rank}) / (state_mem / parameters), the model scaled in its parameters with its "
-        "activations per image as measured (projection.py). Predicted: memory_model.py's "
+        "activations per image as measured (projection.py). Predicted: cost_model.py's "
         "state_pred / parameters.",
         "",
         projection_markdown(projection_table(summary, gpu), rank),

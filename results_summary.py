@@ -143,7 +143,7 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-# Bytes a rank keeps between steps, measured and predicted (memory_model.py), and the training
+# Bytes a rank keeps between steps, measured and predicted (cost_model.py), and the training
 # peak above them per image of the rank's batch: the largest of each over a run's epochs.
 MEMORY = ("state_mem", "state_pred", "act_per_image")
 # What a run's memory scales with: its model's parameters ([CONFIG]), its rank's batch, and
@@ -158,7 +158,7 @@ def joined(values: pd.Series) -> str:
     return "/".join(sorted(set(values.dropna())))
 
 
-# How close to the hardware (mfu.py): model TFLOP/s per device, MFU in percent (empty where
+# How close to the hardware (cost_model.py): model TFLOP/s per device, MFU in percent (empty where
 # the run knew no peak for its device), and the share of the epoch the GPU ran the steps'
 # kernels (measure.gpu_busy; empty on a CPU).
 UTILISATION = ("tflops", "mfu", "gpu_busy")

@@ -13,17 +13,15 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import cuda_graphs
 import data
 import distributed_utils
 import feasibility
 import layout
-import memory_model
-import mfu
 import peer_failures
 import stopping
 from comm_bench import run_comm_benchmark
 from config import LAYER_SPLIT, STAGED, Config, data_world, microbatches
+from cost_model import UNKNOWN, ModelFlops, device_peak_tflops, state_mem, training_flops_per_image
 from fsdp_utils import effective_sharding
 from measure import ComputeCalibration, EpochMeters, MemoryMeter
 from model import build_model, count_parameters
@@ -57,7 +55,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         cfg.dataset, cfg.data_dir, cfg.seed, cfg.train_samples, cfg.val_samples, cfg.download
     )
     feasibility.check(cfg, [env.world_size], len(train_set), env.device)
-    graphed, _ = cuda_graphs.decide(cfg, env.device, env.world_size)
+    graphed, _ = feasibility.decide_graphs(cfg, env.device, env.world_size)
     cfg = replace(cfg, cuda_graphs=graphed)  # the default, resolved
     precision = make_precision(cfg.precision, env.device, cfg.cuda_graphs, cfg.strategy)
     fp32_math = set_process_precision(cfg.precision)
@@ -88,14 +86,14 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model, spec.num_classes, spec.image_shape)
     parameters = count_parameters(model)
-    state_pred = memory_model.state_mem(cfg, model, env.world_size, nodes)
+    state_pred = state_mem(cfg, model, env.world_size, nodes)
     model = wrap_model(cfg, model, env.device, env.rank, env.world_size, nodes)
     optimizer = make_optimizer(cfg, model)
     devices = env.world_size * devices_per_rank(model)
-    flops = mfu.ModelFlops(
-        per_image=mfu.training_flops_per_image(cfg.model, spec.num_classes, spec.image_shape),
+    flops = ModelFlops(
+        per_image=training_flops_per_image(cfg.model, spec.num_classes, spec.image_shape),
         devices=devices,
-        peak_tflops=cfg.peak_tflops or mfu.device_peak_tflops(env.device, cfg.precision),
+        peak_tflops=cfg.peak_tflops or device_peak_tflops(env.device, cfg.precision),
     )
 
     # The [METRIC] line's fields that are not measured (their order is utils.METRIC_FIELDS'):
@@ -120,7 +118,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         if cfg.strategy in LAYER_SPLIT and devices > 1
         else effective_sharding(model, cfg.sharding),
         "train_images": len(loaders.train) * cfg.batch_size,
-        "microbatches": stage_microbatches or mfu.UNKNOWN,
+        "microbatches": stage_microbatches or UNKNOWN,
         "state_pred": state_pred,
     }
     resolved = {
@@ -139,7 +137,7 @@ def build_trainer(cfg: Config, env: distributed_utils.DistEnv) -> tuple[Trainer,
         **gpu_memory(env.device),
         **built,  # as [METRIC] reads them: the sharding that ran, not --sharding's default
         "flops_per_image": flops.per_image,
-        "peak_tflops": flops.peak_tflops or mfu.UNKNOWN,
+        "peak_tflops": flops.peak_tflops or UNKNOWN,
         "torch": torch.__version__,
         **setting,
     }
@@ -177,9 +175,9 @@ def gpu_memory(device: torch.device) -> dict:
 
 def validation_note(cfg: Config, train_size: int, val_size: int) -> str | None:
     """Said where a run trains on fewer images (--train-samples) than it validates on every
-    epoch (all of them, without --val-samples): validation then takes longer than training
-    (ResNet-18 on 512 of 10,000 on a CPU: 3.6 times; docs/performance.md). It is not scaled with
-    --train-samples: its accuracy would become another measure, noisier the fewer it reads."""
+    epoch (all, without --val-samples): validation then takes longer than training (3.6 times
+    for ResNet-18 on 512 of 10,000 on a CPU; docs/performance.md). Not scaled with
+    --train-samples: its accuracy would become another measure."""
     if cfg.train_samples is None or cfg.val_samples is not None or val_size <= train_size:
         return None
     return (
@@ -256,7 +254,7 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
     log0(format_config({**resolved, "checkpoint_dir": folder, "resumed_from": source}))
     if note := validation_note(cfg, resolved["train_size"], resolved["val_size"]):
         log0(note)
-    if why_eager := cuda_graphs.decide(cfg, env.device, env.world_size)[1]:
+    if why_eager := feasibility.decide_graphs(cfg, env.device, env.world_size)[1]:
         log0(f"[CONFIG] note: the step runs eager, not as one CUDA graph: {why_eager}")
     if warning := distributed_utils.network_warning(resolved["nodes"], env.backend):
         log0(warning)
@@ -280,13 +278,8 @@ def run(cfg: Config, env: distributed_utils.DistEnv) -> Outcome:
         try:
             history, stopped_at = trainer.fit(position, cfg.epochs, stop, save)
         except Diverged as e:
-            return Outcome(
-                trainer,
-                [],
-                None,
-                folder,
-                f"{e}: training diverged (try a lower --lr); {last_good_checkpoint(folder)}",
-            )
+            why = f"{e}: training diverged (try a lower --lr); {last_good_checkpoint(folder)}"
+            return Outcome(trainer, [], None, folder, why)
     if trainer.meters.profiler:
         log0(profile_report(trainer.meters.profiler))
     return Outcome(trainer, history, stopped_at, folder)
@@ -306,10 +299,5 @@ def comm_benchmark(cfg: Config, env: distributed_utils.DistEnv) -> None:
     spec = data.DATASETS[cfg.dataset]
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(cfg.model, spec.num_classes, spec.image_shape)
-    run_comm_benchmark(
-        model,
-        env.device,
-        cfg.precision,
-        cfg.strategy,
-        extra={"job_id": layout.job_id()},
-    )
+    job = {"job_id": layout.job_id()}
+    run_comm_benchmark(model, env.device, cfg.precision, cfg.strategy, extra=job)

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from config import Config
+from config import ONE_PROCESS, Config
 from cuda_graphs import side_stream
 from ddp_utils import get_ddp_model, get_dp_model
 from fsdp_utils import get_fsdp2_model, get_fsdp_model
@@ -26,9 +26,7 @@ STEP_COLLECTIVES = {
     "fsdp": "FSDP's all-gathers and reduce-scatters",
     "fsdp2": "FSDP2's all-gathers and reduce-scatters",
     "pipeline": "the pipeline's sends and receives of activations and gradients",
-    "model": "a step of one process",
-    "dp": "a step of one process",
-    "single": "a step of one process",
+    **dict.fromkeys(ONE_PROCESS, "a step of one process"),
 }
 
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint_files import Position
+from cost_model import UNKNOWN, implausible
 from cuda_graphs import GraphedStep
 from data import Loaders, validation_weights
 from distributed_utils import DistEnv
@@ -39,7 +40,6 @@ from measure import (
     synchronize,
     time_breakdown,
 )
-from mfu import UNKNOWN, implausible
 from peer_failures import say_where
 from precision import Precision, loss_input
 from stopping import STOP_POLL_EVERY, StopRequest

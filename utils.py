@@ -88,7 +88,7 @@ METRIC = (
     MetricField("gpu_busy", "share", "GPU busy", may_be_na=True),
     MetricField("t_other", "s", "unexplained", may_be_na=True),
     MetricField("compute_spread", "s"),
-    MetricField("state_pred", "bytes"),  # memory_model's state_mem, beside the measured one
+    MetricField("state_pred", "bytes"),  # cost_model's state_mem, beside the measured one
     MetricField("act_per_image", "bytes"),
     MetricField("sharding"),  # labels added since (e.g. the sharding FSDP really used)
     MetricField("train_images", "images"),

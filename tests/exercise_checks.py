@@ -34,10 +34,10 @@ import peer_failures
 import strategies
 from checkpoint import Position
 from config import Config
+from cost_model import ModelFlops
 from dist_harness import in_fresh_process, spawn, spawn_outcomes
 from helpers import write_cifar_dir
 from measure import EpochMeters, MemoryMeter
-from mfu import ModelFlops
 from model import build_model
 from precision import Precision
 from train import Trainer

@@ -1,5 +1,5 @@
 """What several test files share that is not a fixture: logs and CSVs as the training program
-and the collector write them, a model for memory_model's predictions, a CIFAR-10 folder, and
+and the collector write them, a model for cost_model's predictions, a CIFAR-10 folder, and
 two ranks of which one dies or hangs. (conftest.py runs commands; dist_harness.py runs functions
 on real ranks.) No test file imports another: what two of them need lives here."""
 
@@ -120,7 +120,7 @@ def runs_frame(times_by_run: dict[tuple[str, int], list[float]]) -> pd.DataFrame
 
 def meta_model(name: str = "cnn", build=None):
     """The model `name` (or what `build()` makes) on the meta device: its shapes, all that
-    memory_model's predictions read, without memory or random numbers."""
+    cost_model's predictions read, without memory or random numbers."""
     import torch
 
     from model import build_model

@@ -145,7 +145,7 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
 def test_config_and_metric_read_every_field_they_share_alike(strategy):
     """DDP's [CONFIG] once said sharding=full microbatches=None (--sharding's default, unused)
     where its [METRIC] said sharding=replicate microbatches=na; FSDP at one rank runs no_shard.
-    The state predicted (memory_model, in both lines) is the state measured, to the byte."""
+    The state predicted (cost_model, in both lines) is the state measured, to the byte."""
     done = run_main([*QUICK, "--epochs", "1", "--strategy", strategy])
     config, (metric,) = config_in(done.stdout), metrics_in(done.stdout)
     shared = sorted(set(config) & set(metric))
@@ -157,7 +157,7 @@ def test_config_and_metric_read_every_field_they_share_alike(strategy):
 def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
     """And exactly the same in bf16: the shards, their gradients and Adam's state stay fp32. Read
     when training ends: validation's forward leaves FSDP2's root unsharded (bf16 once read
-    4,380,984 bytes for 4,428,152). Each line's state_pred (memory_model) is its state_mem."""
+    4,380,984 bytes for 4,428,152). Each line's state_pred (cost_model) is its state_mem."""
     state = {}
     for strategy, precision in (
         ("ddp", "fp32"),

@@ -436,7 +436,7 @@ def unit_flop_shares() -> dict[str, float]:
     FlopCounterMode per module, as mfu.training_flops_per_image counts the whole."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from mfu import training_flops_per_image
+    from cost_model import training_flops_per_image
 
     with torch.device("meta"):
         model = build_model("cnn")
@@ -473,12 +473,12 @@ def test_the_quoted_flop_shares_and_stage_bounds_are_the_counted_ones():
 # ----------------------------------------------------------------------------- ResNet-50's memory
 
 
-def test_the_resnet50_state_quoted_is_memory_models_prediction():
+def test_the_resnet50_state_quoted_is_cost_models_prediction():
     """The answer to Q7.3a: ResNet-50's parameters, its state per GPU at 8 GPUs under DDP and
-    FSDP (and FSDP2), and its largest FSDP unit, as memory_model counts them from the model's
+    FSDP (and FSDP2), and its largest FSDP unit, as cost_model counts them from the model's
     shapes; and the peaks the answer adds up from them, in MiB."""
     from config import Config
-    from memory_model import state_mem
+    from cost_model import state_mem
     from model import count_parameters, unit_parameters
     from utils import MB
 

@@ -15,8 +15,9 @@ from benchmark import OperationCounter
 from checkpoint import Position
 from config import Config
 from conftest import TINY, assert_one_line_error, run_main
-from cuda_graphs import GraphedStep, decide, refusal
+from cuda_graphs import GraphedStep
 from dist_harness import EQUAL_CFG, full_state, spawn
+from feasibility import decide_graphs, graph_refusal
 from fsdp_utils import get_fsdp2_model
 from model import build_model
 from optim import make_optimizer, make_scheduler
@@ -55,7 +56,7 @@ FSDP2_SGD_FP16 = "reads FSDP2's SGD's" if CAPTURES_FSDP2 else "from 2.11 on"
     ],
 )
 def test_what_cannot_be_one_graph_is_refused_with_the_reason(options, reason):
-    why = refusal(Config(cuda_graphs=True, **options), torch.device("cuda"))
+    why = graph_refusal(Config(cuda_graphs=True, **options), torch.device("cuda"))
     assert why == reason or reason in why, why
 
 
@@ -129,7 +130,7 @@ def test_fsdp2_with_sgd_and_a_schedule_is_refused_where_its_step_reads_the_rate_
     that a capture forbids. Refused where make_optimizer builds exactly that, only there."""
     built = spawn(fsdp2_optimizers, 1)[0]
     for name, (options, refused) in FSDP2_SGD.items():
-        why = refusal(Config(cuda_graphs=True, strategy="fsdp2", **options), CUDA)
+        why = graph_refusal(Config(cuda_graphs=True, strategy="fsdp2", **options), CUDA)
         assert all(built[name]) == refused, (name, built[name])  # foreach, and a tensor rate
         assert (why is not None) == refused, (name, why)
         assert not refused or why.startswith("FSDP2's SGD") and "--optimizer adam" in why, why
@@ -162,7 +163,7 @@ FSDP2_EAGER = "--strategy fsdp2 has not yet run captured" if CAPTURES_FSDP2 else
 def test_graphs_are_the_default_on_a_gpu_where_shown_and_eager_says_why(
     options, device, graphed, why
 ):
-    decided, note = decide(Config(**options), device, 1)
+    decided, note = decide_graphs(Config(**options), device, 1)
     assert decided == graphed
     assert note == why or why in note, note
 
@@ -172,14 +173,14 @@ def test_two_ranks_run_eager_by_default_until_a_gpu_run_shows_them_captured():
     process group (as main.py --check decides): one rank is graphed by default, two are eager
     and say why, and an explicit --cuda-graphs at two ranks is still accepted (NCCL's
     collectives can be captured)."""
-    assert decide(Config(), CUDA, 1) == (True, None)
-    assert decide(Config(), CUDA, 2) == (
+    assert decide_graphs(Config(), CUDA, 1) == (True, None)
+    assert decide_graphs(Config(), CUDA, 2) == (
         False,
         "DDP's communication across 2 GPUs has not yet run captured on a GPU "
         "(--cuda-graphs asks for it)",
     )
     asked = Config(cuda_graphs=True)
-    assert refusal(asked, CUDA) is None and decide(asked, CUDA, 2) == (True, None)
+    assert graph_refusal(asked, CUDA) is None and decide_graphs(asked, CUDA, 2) == (True, None)
 
 
 @pytest.mark.parametrize(

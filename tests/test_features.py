@@ -16,8 +16,8 @@ import torch
 from checkpoint import Position
 from config import Config
 from conftest import TINY, TINY_CFG, config_in, main_on_ranks, metrics_in, run_main
+from cost_model import state_mem
 from dist_harness import spawn
-from memory_model import state_mem
 from model import build_model
 from session import build_trainer
 
@@ -41,7 +41,7 @@ def trained(args: list, nproc: int | None = None, epochs: int = 2, timeout=240, 
 
 
 def predicted_state_mem(cfg: Config, world_size: int) -> int:
-    """memory_model's state_mem for cfg's model at the shape of TINY's synthetic images."""
+    """cost_model's state_mem for cfg's model at the shape of TINY's synthetic images."""
     with torch.device("meta"):
         model = build_model(cfg.model)
     return state_mem(cfg, model, world_size)
@@ -68,7 +68,7 @@ def test_hybrid_sharding_trains_sharded_within_the_node(reference, strategy):
     fsdp_utils.effective_sharding, says `hybrid`; it falls back to `no_shard` only at world size
     1), shards inside the node (each rank holds half of DDP's state bytes, as `full` does), and
     trains as one process does on the same global batches (the same losses, to rounding).
-    Its state_mem is memory_model's prediction, to the byte."""
+    Its state_mem is cost_model's prediction, to the byte."""
     lines, config = trained([*ARGS, "--strategy", strategy, "--sharding", "hybrid"], nproc=2)
     ref_lines, _ = reference
     predicted = predicted_state_mem(Config(strategy=strategy, sharding="hybrid"), world_size=2)
@@ -182,7 +182,7 @@ def test_classic_loader_trains_like_the_tensor_loader(reference):
 def test_cnn_wide_trains_with_far_more_state(reference):
     """`--model cnn-wide` (4x the channels) trains, and its state_mem (parameters, gradients and
     Adam's two moments: 16 bytes a parameter, plus Adam's step counters) is that of its own
-    parameter count, more than 4x the course CNN's in the same settings: memory_model's
+    parameter count, more than 4x the course CNN's in the same settings: cost_model's
     prediction, to the byte, which its state_pred says.
     Its activations per image (act_per_image) are more than twice the CNN's: 4x the
     convolutions' outputs, the image and the classifier's hidden layer alike (measured on CPU:

@@ -30,6 +30,7 @@ from conftest import (
     start_ranks,
     stop_at_first_progress,
 )
+from cost_model import rank_state
 from cuda_graphs import GraphedStep
 from dist_harness import (
     EQUAL_CFG,
@@ -45,7 +46,6 @@ from dist_harness import (
 )
 from helpers import ARGS, DEAD_S, end_rank1_during_training, meta_model
 from measure import state_bytes
-from memory_model import rank_state
 from precision import set_deterministic
 from session import build_trainer
 from session import run as run_session
@@ -70,7 +70,7 @@ def run_gpu(args: list, timeout: int = 300):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
 def test_one_gpu_trains_at_every_precision(strategy, precision):
-    """And its state is memory_model's prediction (state_pred) there too."""
+    """And its state is cost_model's prediction (state_pred) there too."""
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
     args = [*QUICK, "--strategy", strategy, "--precision", precision]
@@ -129,7 +129,7 @@ def offloaded_state(env, strategy: str) -> tuple[int, int, set[str]]:
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_cpu_offload_keeps_the_predicted_state_in_host_memory(strategy):
-    """memory_model's prediction under --cpu-offload: the bytes, and where they are: every
+    """cost_model's prediction under --cpu-offload: the bytes, and where they are: every
     parameter, gradient and optimizer tensor in host memory, none on the GPU."""
     (found,) = spawn(offloaded_state, 1, strategy)
     predicted = rank_state(Config(strategy=strategy, cpu_offload=True), meta_model(), 1)

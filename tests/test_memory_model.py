@@ -1,4 +1,4 @@
-"""memory_model.py against measure.state_bytes: after one training step on 1, 2 and 4 gloo
+"""cost_model.py against measure.state_bytes: after one training step on 1, 2 and 4 gloo
 ranks, every rank keeps exactly the bytes of parameters, gradients and optimizer state that the
 formula predicts for it, in every strategy x sharding x precision with Adam (and with SGD at
 fp32), for the CNN and cnn-wide, and for a CNN of odd sizes whose FSDP1 flat parameters need
@@ -23,13 +23,13 @@ import torch
 
 from config import SHARDED, Config, pipeline_world_sizes
 from conftest import TINY, run_main
+from cost_model import rank_state, state_mem
 from dist_harness import spawn, steps_cfg
 from helpers import meta_model
-from memory_model import rank_state, state_mem
 from model import CNN, build_model
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp64")
-PIPELINE_PRECISIONS = ("fp32", "tf32", "fp64")  # precision.refusal: no 16-bit stages
+PIPELINE_PRECISIONS = ("fp32", "tf32", "fp64")  # feasibility.refusal: no 16-bit stages
 ONE_PROCESS = ("single", "dp", "model")
 # The CNN at width 5: conv1's 135 weights leave FSDP1's next parameter unaligned, by a number of
 # elements that differs with the compute dtype's size (fp64, fp32, 16-bit).

@@ -1,6 +1,7 @@
-"""How close to the hardware (mfu.py): the model's training FLOPs counted by torch agree with a
-count by hand, the peak table names the right device, each epoch's tflops and mfu follow from
-its other fields, an MFU above 100% is said, and the collector and the plots carry them."""
+"""How close to the hardware (cost_model.py's FLOPs): the model's training FLOPs counted by
+torch agree with a count by hand, the peak table names the right device, each epoch's tflops and
+mfu follow from its other fields, an MFU above 100% is said, and the collector and the plots
+carry them."""
 
 import pandas as pd
 import pytest
@@ -8,7 +9,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import collect_results
-import mfu
+import cost_model
 import plot_results
 import results_summary
 from conftest import TINY, config_in, main_on_ranks, metrics_in
@@ -47,13 +48,13 @@ def test_training_flops_of_the_cnn_are_three_forwards_less_one_input_gradient(
     the forward: 3x the forward, less the input gradient of the first convolution, whose input
     (the images) needs none."""
     forward, first = cnn_forward_flops(width, classes, *shape[1:])
-    counted = mfu.training_flops_per_image(name, classes, shape)
+    counted = cost_model.training_flops_per_image(name, classes, shape)
     assert counted == 3 * forward - first, (counted, 3 * forward - first)
 
 
 def test_the_count_draws_no_random_numbers():
     before = torch.random.get_rng_state()
-    mfu.training_flops_per_image("cnn", 10, (3, 32, 32))
+    cost_model.training_flops_per_image("cnn", 10, (3, 32, 32))
     assert torch.equal(before, torch.random.get_rng_state())
 
 
@@ -72,13 +73,13 @@ def test_the_count_draws_no_random_numbers():
     ],
 )
 def test_the_peak_of_a_device_by_its_name_and_the_precision(device_name, precision, peak):
-    assert mfu.peak_for_name(device_name, precision) == peak
+    assert cost_model.peak_for_name(device_name, precision) == peak
 
 
 def test_a_cpu_has_no_peak_and_its_mfu_is_unknown():
-    assert mfu.device_peak_tflops(torch.device("cpu"), "fp32") is None
-    fields = mfu.ModelFlops(per_image=10**9, devices=2, peak_tflops=None).fields(4000.0)
-    assert fields == {"tflops": 2.0, "mfu": mfu.UNKNOWN}
+    assert cost_model.device_peak_tflops(torch.device("cpu"), "fp32") is None
+    fields = cost_model.ModelFlops(per_image=10**9, devices=2, peak_tflops=None).fields(4000.0)
+    assert fields == {"tflops": 2.0, "mfu": cost_model.UNKNOWN}
 
 
 @pytest.mark.timeout(240)
@@ -90,7 +91,7 @@ def test_tflops_and_mfu_follow_from_the_other_fields_and_an_impossible_mfu_is_sa
     done, _ = main_on_ranks([*args, "--peak-tflops", str(peak)], 2)
     assert done.returncode == 0, done.stderr[-3000:]
     config = config_in(done.stdout)
-    assert config["flops_per_image"] == mfu.training_flops_per_image("cnn", 10, (3, 32, 32))
+    assert config["flops_per_image"] == cost_model.training_flops_per_image("cnn", 10, (3, 32, 32))
     assert config["peak_tflops"] == peak
     metrics = metrics_in(done.stdout)
     assert len(metrics) == 2
@@ -106,7 +107,7 @@ def test_the_collector_and_the_plots_carry_tflops_and_mfu(tmp_path):
     """A run that knew its peak and one that did not (`mfu=na`): the CSV has the numbers and
     an empty cell, the summary their medians, the throughput figure a panel for them."""
     known = [metric_fields(e, "ddp", 1, tflops=2.0, mfu=40.0 + e) for e in (1, 2, 3)]
-    unknown = [metric_fields(e, "ddp", 2, tflops=1.5, mfu=mfu.UNKNOWN) for e in (1, 2, 3)]
+    unknown = [metric_fields(e, "ddp", 2, tflops=1.5, mfu=cost_model.UNKNOWN) for e in (1, 2, 3)]
     write_log(tmp_path / "ddp_1gpu.log", known)
     write_log(tmp_path / "ddp_2gpu.log", unknown)
     results = collect_results.results_frame(collect_results.collect([tmp_path], report=print))

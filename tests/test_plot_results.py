@@ -683,8 +683,8 @@ def test_without_act_per_image_the_projection_says_it_cannot_be_made(tmp_path, c
     assert (tmp_path / "plots" / "bytes_per_parameter.png").exists()
 
 
-def test_state_per_parameter_has_the_zero_papers_lines_from_the_memory_model():
-    """16 bytes a parameter replicated and 16 / N sharded, for Adam in fp32 (memory_model's
+def test_state_per_parameter_has_the_zero_papers_lines_from_the_cost_model():
+    """16 bytes a parameter replicated and 16 / N sharded, for Adam in fp32 (cost_model's
     count, named on the line); one line per model and strategy, one colour per strategy."""
     fig = memory_figures.plot_bytes_per_parameter(results_summary.summarize(two_models()))
     (ax,) = fig.axes
@@ -713,9 +713,9 @@ def test_a_gpu_memory_that_is_no_size_is_one_line(tmp_path, capsys):
 
 
 def test_without_torch_the_state_per_parameter_is_left_out_in_one_line(monkeypatch):
-    """plot_results.sh asks for pandas and matplotlib alone: where memory_model (torch) cannot
+    """plot_results.sh asks for pandas and matplotlib alone: where cost_model (torch) cannot
     load, that figure is not written, and the others are."""
-    monkeypatch.setitem(sys.modules, "memory_model", None)  # import memory_model: ImportError
+    monkeypatch.setitem(sys.modules, "cost_model", None)  # import cost_model: ImportError
     summary = results_summary.summarize(two_models())
-    with pytest.raises(plot_results.NotPlottable, match="memory_model.py's, which needs torch"):
+    with pytest.raises(plot_results.NotPlottable, match="cost_model.py's, which needs torch"):
         memory_figures.plot_bytes_per_parameter(summary)
