@@ -17,6 +17,8 @@ from layout import REPO
 from slurm_jobs import job_python, without_slurm
 
 RUN_TIMEOUT_S = 900  # one run of main.py; a hung one is a FAIL, not a job at its time limit
+# A step of one task beside the ranks' inside the job (as run.sh's samplers).
+SIDE_STEP = ["srun", "--overlap", "--nodes=1", "--ntasks=1"]
 
 # Rank 0's progress line (train.py's Trainer writes it: "epoch 1 step    10/100 loss ...").
 PROGRESS = re.compile(r"^epoch \d+ step +\d+/", re.MULTILINE)
@@ -37,6 +39,10 @@ class Context:
 
     def log(self, name: str) -> Path:
         return self.out / f"{name}.log"
+
+    @property
+    def in_container(self) -> bool:  # (EDF) the jobs' Python is then reachable through srun only
+        return self.in_slurm and bool(os.environ.get("EDF"))
 
 
 def run_env(ctx: Context, **extra) -> dict:
@@ -80,11 +86,9 @@ def run(ctx: Context, args: list[str], name: str, **env) -> int | None:
 
 def torch_python(ctx: Context) -> list[str]:
     """The command that runs the jobs' Python alone, outside any launcher's world: the
-    reference run and the reading of checkpoints. In a container (EDF) that Python is reachable
-    only through srun."""
-    if ctx.in_slurm and os.environ.get("EDF"):
-        step = ["srun", "--overlap", "--nodes=1", "--ntasks=1"]
-        return [*step, f"--environment={os.environ['EDF']}", job_python(True)]
+    reference run and the reading of checkpoints."""
+    if ctx.in_container:
+        return [*SIDE_STEP, f"--environment={os.environ['EDF']}", job_python(True)]
     return [job_python(False)]
 
 
@@ -137,20 +141,14 @@ def kill_task(tag: str, rank: int) -> bool:
 
 def kill_rank(ctx: Context, tag: str, rank: int) -> bool:
     """SIGKILL one rank: here, or inside the job on the node that runs it (srun's block
-    distribution: rank r on node r * nodes // world size), through a step beside the ranks'
-    (--overlap, as run.sh's samplers), which runs `verify.py --kill-task` there."""
+    distribution: rank r on node r * nodes // world size), through a SIDE_STEP there that runs
+    `verify.py --kill-task`."""
     if not ctx.in_slurm:
         return kill_task(tag, rank)
     node = ctx.nodes[rank * len(ctx.nodes) // ctx.world_size]
-    step = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
-    done = subprocess.run(
-        [*step, sys.executable, "verify.py", "--kill-task", tag, str(rank)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return done.returncode == 0
+    step = [*SIDE_STEP, f"--nodelist={node}", sys.executable, "verify.py"]
+    kill = [*step, "--kill-task", tag, str(rank)]
+    return subprocess.run(kill, cwd=REPO, capture_output=True, timeout=60).returncode == 0
 
 
 def stop_all(ctx: Context, proc: subprocess.Popen, tag: str) -> bool:
@@ -170,7 +168,7 @@ def stop_all(ctx: Context, proc: subprocess.Popen, tag: str) -> bool:
 def alone_env(ctx: Context) -> dict:
     """No launcher's variables: main.py is then a world of one (inside a container, srun's
     own step says so)."""
-    if ctx.in_slurm and os.environ.get("EDF"):
+    if ctx.in_container:
         return dict(os.environ)
     launcher = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT".split()
     return {k: v for k, v in without_slurm().items() if k not in launcher}
