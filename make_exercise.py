@@ -92,37 +92,28 @@ def stub(number: str, title: str, indent: str, twin: bool = False) -> str:
     return f'{indent}raise NotImplementedError(\n{indent}    "{message}"\n{indent})\n'
 
 
-def marks_of(path: str, text: str) -> list[tuple[int, str, str, str]]:
-    """(line index, exercise or its twin, begin or end, indent) of each mark: comments, not text
-    that looks like one in a string (this module's own docstring)."""
-    found = []
+def regions_of(path: str, text: str) -> list[Region]:
+    """The marked regions of one file, its marks read as comments (not text that looks like one
+    in a string: this module's docstring); an unmatched or nested mark is an ExerciseError."""
+    found, open_mark = [], None
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type != tokenize.COMMENT or not (mark := MARK.match(token.string)):
             continue
-        indent = token.line[: token.start[1]]
+        index, indent = token.start[0] - 1, token.line[: token.start[1]]
+        number, where = mark["number"] + (mark["twin"] or ""), f"{path}:{index + 1}"
         if indent.strip():
-            raise ExerciseError(f"{path}:{token.start[0]}: a mark must be a line of its own")
-        number = mark["number"] + (mark["twin"] or "")
-        found.append((token.start[0] - 1, number, mark["side"], indent))
-    return found
-
-
-def regions_of(path: str, text: str) -> list[Region]:
-    """The marked regions of one file; an unmatched or nested mark is an ExerciseError."""
-    found, open_mark = [], None
-    for index, number, side, indent in marks_of(path, text):
-        where = f"{path}:{index + 1}"
-        if side == "begin":
+            raise ExerciseError(f"{where}: a mark must be a line of its own")
+        if mark["side"] == "begin":
             if open_mark:
                 raise ExerciseError(f"{where}: exercise {open_mark[0]}'s region is still open")
             open_mark = (number, index, indent)
             continue
         if not open_mark or open_mark[0] != number:
             raise ExerciseError(f"{where}: an end of exercise {number} without a begin")
-        if index == open_mark[1] + 1:
+        _, begin, begin_indent = open_mark
+        if index == begin + 1:
             raise ExerciseError(f"{where}: exercise {number}'s region is empty")
-        exercise, twin = number.removesuffix(" twin"), number.endswith(" twin")
-        found.append(Region(path, exercise, open_mark[1], index, open_mark[2], twin))
+        found.append(Region(path, mark["number"], begin, index, begin_indent, bool(mark["twin"])))
         open_mark = None
     if open_mark:
         raise ExerciseError(f"{path}:{open_mark[1] + 1}: exercise {open_mark[0]} never ends")
