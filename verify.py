@@ -148,12 +148,11 @@ def check_equivalence(ctx: Context) -> Row:
     ref_log.write_text(done.stdout + done.stderr)
     if done.returncode:
         raise Failed(f"the one-process reference {ended(done.returncode)}", ref_log)
-    strategies = ("ddp", "fsdp", "fsdp2")
-    for s in strategies:
-        folder = str(ctx.out / f"ckpt-{s}")
-        run_to_end(ctx, ["--strategy", s, *args, "--checkpoint-dir", folder], f"equivalence-{s}", s)
-    folders = [ctx.out / f"ckpt-{s}" for s in strategies]
-    diffs = dict(zip(strategies, max_diffs(ctx, reference, folders, ref_log)))
+    folders = {s: ctx.out / f"ckpt-{s}" for s in ("ddp", "fsdp", "fsdp2")}
+    for s, folder in folders.items():
+        strategy_args = ["--strategy", s, *args, "--checkpoint-dir", str(folder)]
+        run_to_end(ctx, strategy_args, f"equivalence-{s}", s)
+    diffs = dict(zip(folders, max_diffs(ctx, reference, list(folders.values()), ref_log)))
     worst = ctx.log(f"equivalence-{max(diffs, key=diffs.get)}")
     figure = ", ".join(f"{s} {d:.3g}" for s, d in diffs.items())
     passed, verdict = tolerated(max(diffs.values()))
