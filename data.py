@@ -27,6 +27,7 @@ import argparse
 import itertools
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ from dataset_files import (
     FILE_SETS,
     TINY_CLASSES,
     TINY_SHAPE,
-    not_found,
+    must_download,
     open_cache,
     prepare,
     read_cache,
@@ -183,21 +184,15 @@ def find_data(
     if dataset == "synthetic":
         return at_most(train_samples, spec.train_size), "synthetic data, generated from the seed"
     files = FILE_SETS[dataset]
-    folder = data_dir / files.folder
-    if not files.present(folder):
-        if not download or files.download is None:
-            raise UsageError(not_found(dataset, data_dir))
-        require_torchvision(f"downloading {files.title}")  # every download is torchvision's
+    if must_download(dataset, data_dir, download):
         return (
             at_most(train_samples, spec.train_size),
             f"{files.title} not in {data_dir}: rank 0 will download it ({files.size})",
         )
     # Without a cache yet, the files are decoded here as the run would (Tiny ImageNet: its
     # 110,000 JPEGs, some 15 s), so that a damaged file fails the check.
-    cached = read_cache(dataset, data_dir)
-    labels = (cached or files.decode(folder))["train_labels"]
-    size = at_most(train_samples, len(labels))
-    return size, f"{files.title} in {data_dir}"
+    cached = read_cache(dataset, data_dir) or files.decode(data_dir / files.folder)
+    return at_most(train_samples, len(cached["train_labels"])), f"{files.title} in {data_dir}"
 
 
 # ----------------------------------------------------------------------------- augmentation
@@ -270,8 +265,7 @@ class Normalize:
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(self.device, non_blocking=True)
-        # One operation per batch: addcmul reads the uint8 pixels and writes float32 (fp64's
-        # float64).
+        # One operation a batch: addcmul reads the uint8 pixels, writes the run's float dtype.
         return torch.addcmul(self.shift, x, self.scale).contiguous(memory_format=self.memory_format)
 
 
@@ -295,22 +289,12 @@ class ShardSampler(DistributedSampler):
     def __len__(self) -> int:
         return super().__len__() - self.skip
 
-    def steps_left(self, steps: int, batch_size: int) -> int:
-        """Of an epoch's `steps` batches, those not yet trained on."""
-        return steps - self.skip // batch_size
-
 
 class TensorLoader:
-    """A rank's batches, sliced from the whole data set held as one tensor on the device.
-
-    At the start of an epoch, the rank's shard in the sampler's order (a DistributedSampler) is
-    gathered into one uint8 tensor, cropped and flipped as a whole; a step then slices its batch
-    and normalizes it. The epoch's copy is the size of the rank's shard (CIFAR-10: 150 MiB at
-    one rank, less at more; Tiny ImageNet: 1.2 GiB): one buffer, made with the loader and
-    refilled every epoch, so that it is data set (data_mem) and never training memory
-    (peak_mem), and no epoch allocates its size anew. The gathers are bounded
-    (RandomCropFlip.PIXELS_PER_GATHER).
-    """
+    """A rank's batches, sliced from the whole data set held as one tensor on the device (the
+    module's `tensor` path). The epoch's copy of the rank's shard (CIFAR-10: 150 MiB at one
+    rank; Tiny ImageNet: 1.2 GiB) is one buffer, made with the loader and refilled every epoch:
+    data set memory (data_mem), never training memory (peak_mem)."""
 
     def __init__(
         self,
@@ -415,7 +399,6 @@ class ClassicLoader:
             sampler=sampler,
             num_workers=num_workers,
             pin_memory=device.type == "cuda",
-            drop_last=False,
             persistent_workers=num_workers > 0,
         )
         self.sampler, self.steps, self.device = sampler, steps, device
@@ -425,8 +408,8 @@ class ClassicLoader:
         return self.steps
 
     def __iter__(self):
-        remaining = self.sampler.steps_left(self.steps, self.batch_size)
-        for _, (images, labels) in zip(range(remaining), self.loader):
+        remaining = self.steps - self.sampler.skip // self.batch_size  # those not yet trained on
+        for images, labels in itertools.islice(self.loader, remaining):
             images = images.to(self.device, torch.get_default_dtype(), non_blocking=True)
             yield (
                 images.contiguous(memory_format=self.memory_format),
@@ -496,22 +479,21 @@ def build_loaders(
     val_steps = -(-len(val_sampler) // local_batch)
     gen = None
     if kind == "tensor":
-        norm = Normalize(spec, device, memory_format)
         # Per-rank augmentation stream, independent of the sampler's shared permutation.
         gen = torch.Generator(device=device)
-
-        def make(split, sampler, steps, aug):
-            return TensorLoader(split, sampler, local_batch, steps, norm, aug, gen, seed, rank)
+        norm = Normalize(spec, device, memory_format)
+        make = partial(TensorLoader, normalize=norm, generator=gen, seed=seed, rank=rank)
     else:
-
-        def make(split, sampler, steps, aug):
-            return ClassicLoader(
-                split, sampler, local_batch, steps, spec, aug, device, num_workers, memory_format
-            )
-
+        make = partial(
+            ClassicLoader,
+            spec=spec,
+            device=device,
+            num_workers=num_workers,
+            memory_format=memory_format,
+        )
     return Loaders(
-        make(train, train_sampler, train_steps, augment),
-        make(val, val_sampler, val_steps, False),
+        make(train, train_sampler, local_batch, train_steps, augment=augment),
+        make(val, val_sampler, local_batch, val_steps, augment=False),
         train_sampler,
         len(val),
         gen,

@@ -10,11 +10,10 @@ A damaged or foreign file is a one-line UsageError that says what to do.
 
 import gzip
 import math
-import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import safe_load
-from utils import UsageError, require_torchvision
+from utils import UsageError, require_torchvision, write_atomically
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
@@ -45,6 +44,9 @@ TINY_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 TINY_FOLDER = "tiny-imagenet-200"
 TINY_SHAPE = (3, 64, 64)
 TINY_CLASSES = 200
+SPLITS = ("train_images", "train_labels", "val_images", "val_labels")  # what a set decodes to
+REDOWNLOAD = "; delete it and download again"  # what to do with a damaged file
+REUNZIP = f"; unzip {TINY_FOLDER}.zip again"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,36 @@ class FileSet:
     download: Callable[[Path], None] | None  # None: the user fetches it (see `manual`)
     size: str = ""  # of the download, for --check
     manual: str = ""  # where to get a set without download; {data_dir} is filled in
+
+
+@contextmanager
+def reading(path: Path, what: str, remedy: str, errors=(Exception,)):
+    """A failure to read `path` as a one-line UsageError: `{path} is missing`, or `{path} is not
+    {what} (the error){remedy}`. Damaged and foreign files fail in many ways in the readers."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise UsageError(f"{path} is missing") from None
+    except UsageError:
+        raise
+    except errors as e:
+        raise UsageError(f"{path} is not {what} ({type(e).__name__}: {e}){remedy}") from None
+
+
+def as_splits(*arrays) -> dict[str, torch.Tensor]:
+    """Images and labels of training, then validation, keyed as SPLITS."""
+    return {key: torch.as_tensor(a) for key, a in zip(SPLITS, arrays)}
+
+
+def check_split(images: np.ndarray, labels: np.ndarray, shape: tuple, classes: int, where: Path):
+    """n images of `shape` bytes and n labels, each a class; else a one-line error."""
+    if images.shape[1:] != shape or len(labels) != len(images):
+        raise UsageError(
+            f"{where}: expected n images of {'x'.join(map(str, shape))} bytes and n labels, got "
+            f"{images.shape} and {labels.shape}"
+        )
+    if len(labels) and not (0 <= labels.min() and labels.max() < classes):
+        raise UsageError(f"{where}: labels outside 0..{classes - 1}")
 
 
 # ----------------------------------------------------------------------------- CIFAR-10 files
@@ -85,15 +117,9 @@ def cifar10_sources(folder: Path) -> list[Path]:
 # by numpy 1 (numpy.core; the real files, python 2 pickles) or 2 (numpy._core: protocol 5 keeps
 # the buffer apart, _frombuffer), with python 3's bytes at protocol 2 (_codecs.encode).
 CIFAR10_PICKLE_GLOBALS = frozenset(
-    {
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("_codecs", "encode"),
-    }
+    [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")]
+    + [(f"numpy.{core}.multiarray", "_reconstruct") for core in ("core", "_core")]
+    + [(f"numpy.{core}.numeric", "_frombuffer") for core in ("core", "_core")]
 )
 
 
@@ -105,40 +131,24 @@ def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     admits only what the format holds (safe_load): a crafted file is refused, its code not
     run.
     """
-    try:
-        with open(path, "rb") as f:
+    with reading(path, "a CIFAR-10 python batch", REDOWNLOAD), open(path, "rb") as f:
+        try:
             batch = safe_load.pickle(f, CIFAR10_PICKLE_GLOBALS, encoding="bytes")
+        except safe_load.Refused as e:
+            raise UsageError(
+                f"{path} is not a CIFAR-10 python batch and was not loaded: {e} (a pickle can "
+                "run code; this one was stopped before it could). Delete it and download again"
+            ) from None
         data = np.asarray(batch[b"data"], dtype=np.uint8)
         labels = np.asarray(batch[b"labels"], dtype=np.int64)
-    except FileNotFoundError:
-        raise UsageError(f"{path} is missing") from None
-    except safe_load.Refused as e:
-        raise UsageError(
-            f"{path} is not a CIFAR-10 python batch and was not loaded: {e} (a pickle can run "
-            "code; this one was stopped before it could). Delete it and download again"
-        ) from None
-    except Exception as e:  # truncated or foreign files fail in many ways inside pickle
-        raise UsageError(
-            f"{path} is not a CIFAR-10 python batch ({type(e).__name__}: {e}); "
-            "delete it and download again"
-        ) from None
-    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
-        raise UsageError(
-            f"{path}: expected n x 3072 pixels and n labels, got {data.shape} and {labels.shape}"
-        )
-    check_labels(labels, 10, path)
+    check_split(data, labels, (3 * 32 * 32,), 10, path)
     return data.reshape(-1, 3, 32, 32), labels
 
 
 def decode_cifar10(folder: Path) -> dict[str, torch.Tensor]:
-    parts = [read_cifar_batch(folder / f) for f in CIFAR10_TRAIN_FILES]
-    test_x, test_y = read_cifar_batch(folder / CIFAR10_TEST_FILE)
-    return {
-        "train_images": torch.from_numpy(np.concatenate([p[0] for p in parts])),
-        "train_labels": torch.from_numpy(np.concatenate([p[1] for p in parts])),
-        "val_images": torch.from_numpy(test_x),
-        "val_labels": torch.from_numpy(test_y),
-    }
+    train = [read_cifar_batch(folder / f) for f in CIFAR10_TRAIN_FILES]
+    images, labels = (np.concatenate(parts) for parts in zip(*train))
+    return as_splits(images, labels, *read_cifar_batch(folder / CIFAR10_TEST_FILE))
 
 
 # ----------------------------------------------------------------------------- Fashion-MNIST files
@@ -151,12 +161,9 @@ def download_fashionmnist(data_dir: Path) -> None:
     folder = data_dir / FASHION_FOLDER
     for name, md5 in FASHION_FILES.values():
         if idx_path(folder, name) is None:
+            archive = name + ".gz"
             download_and_extract_archive(
-                FASHION_URL + name + ".gz",
-                str(folder),
-                filename=name + ".gz",
-                md5=md5,
-                remove_finished=True,
+                FASHION_URL + archive, str(folder), filename=archive, md5=md5, remove_finished=True
             )
 
 
@@ -173,26 +180,20 @@ def fashionmnist_sources(folder: Path) -> list[Path]:
 def read_idx(path: Path, dims: int) -> np.ndarray:
     """An IDX file of unsigned bytes with `dims` dimensions (MNIST's format): a big-endian
     header (magic 0x0800 + dims, then each size) and the bytes; gzipped if it ends in .gz."""
-    try:
+    with reading(path, "readable", REDOWNLOAD, (OSError, EOFError, zlib.error)):
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
             blob = f.read()
-    except FileNotFoundError:
-        raise UsageError(f"{path} is missing") from None
-    except (OSError, EOFError, zlib.error) as e:  # a damaged gzip fails in any of these
-        raise UsageError(
-            f"{path} is not readable ({type(e).__name__}: {e}); delete it and download again"
-        ) from None
     header = 4 * (dims + 1)
     if len(blob) < header or struct.unpack(">I", blob[:4])[0] != 0x0800 + dims:
         raise UsageError(
-            f"{path} is not an IDX file of {dims}-d unsigned bytes (wrong magic "
-            "number); delete it and download again"
+            f"{path} is not an IDX file of {dims}-d unsigned bytes (wrong magic number)"
+            + REDOWNLOAD
         )
     shape = struct.unpack(f">{dims}I", blob[4:header])
     if len(blob) - header != math.prod(shape):
         raise UsageError(
             f"{path}: its header announces {'x'.join(map(str, shape))} bytes, "
-            f"{len(blob) - header} follow; delete it and download again"
+            f"{len(blob) - header} follow{REDOWNLOAD}"
         )
     # A copy: torch wants writable memory, and the bytes object is read-only.
     return np.frombuffer(blob, dtype=np.uint8, offset=header).reshape(shape).copy()
@@ -211,23 +212,12 @@ def decode_fashionmnist(folder: Path) -> dict[str, torch.Tensor]:
         key: read_idx(path, 3 if key.endswith("images") else 1) for key, path in paths.items()
     }
     for split in ("train", "val"):
-        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         where = folder / FASHION_FILES[f"{split}_images"][0]
-        if images.shape[1:] != (28, 28) or len(images) != len(labels):
-            raise UsageError(
-                f"{where}: expected n 28x28 images and n labels, got "
-                f"{images.shape} and {labels.shape}"
-            )
-        check_labels(labels, 10, where)
+        check_split(arrays[f"{split}_images"], arrays[f"{split}_labels"], (28, 28), 10, where)
     return {
         key: fashion_to_rgb32(a) if key.endswith("images") else torch.from_numpy(a).long()
         for key, a in arrays.items()
     }
-
-
-def check_labels(labels: np.ndarray, classes: int, where: Path) -> None:
-    if len(labels) and not (0 <= labels.min() and labels.max() < classes):
-        raise UsageError(f"{where}: labels outside 0..{classes - 1}")
 
 
 # ----------------------------------------------------------------------------- Tiny ImageNet files
@@ -235,12 +225,8 @@ def check_labels(labels: np.ndarray, classes: int, where: Path) -> None:
 
 def read_list(path: Path) -> str:
     """A text file of Tiny ImageNet's, or a one-line error."""
-    try:
+    with reading(path, "readable", "", (OSError, UnicodeDecodeError)):
         return path.read_text()
-    except FileNotFoundError:
-        raise UsageError(f"{path} is missing") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not readable ({type(e).__name__}: {e})") from None
 
 
 def tiny_wnids(folder: Path) -> list[str]:
@@ -279,9 +265,7 @@ def tiny_train_images(folder: Path, wnids: list[str]) -> list[tuple[Path, int]]:
         images = folder / "train" / wnid / "images"
         files = sorted(images.glob("*.JPEG"))
         if not files:
-            raise UsageError(
-                f"{images} is missing or holds no .JPEG image; unzip {TINY_FOLDER}.zip again"
-            )
+            raise UsageError(f"{images} is missing or holds no .JPEG image{REUNZIP}")
         pairs += [(f, label) for f in files]
     return pairs
 
@@ -290,16 +274,8 @@ def read_jpeg(path: Path, out: np.ndarray) -> None:
     """Decode one image into out (3, 64, 64); grey (and CMYK) JPEGs become RGB."""
     from PIL import Image
 
-    try:
-        with Image.open(path) as image:
-            pixels = np.asarray(image.convert("RGB"))
-    except FileNotFoundError:
-        raise UsageError(f"{path} is missing") from None
-    except Exception as e:  # PIL fails in many ways on a damaged file
-        raise UsageError(
-            f"{path} is not a readable image ({type(e).__name__}: {e}); unzip "
-            f"{TINY_FOLDER}.zip again"
-        ) from None
+    with reading(path, "a readable image", REUNZIP), Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB"))
     if pixels.shape != out.shape[1:] + out.shape[:1]:
         raise UsageError(
             f"{path}: expected a {out.shape[2]}x{out.shape[1]} image, got "
@@ -318,14 +294,8 @@ def decode_images(pairs: list[tuple[Path, int]]) -> tuple[torch.Tensor, torch.Te
 
 def decode_tinyimagenet(folder: Path) -> dict[str, torch.Tensor]:
     wnids = tiny_wnids(folder)
-    train_images, train_labels = decode_images(tiny_train_images(folder, wnids))
-    val_images, val_labels = decode_images(tiny_val_annotations(folder, wnids))
-    return {
-        "train_images": train_images,
-        "train_labels": train_labels,
-        "val_images": val_images,
-        "val_labels": val_labels,
-    }
+    train = decode_images(tiny_train_images(folder, wnids))
+    return as_splits(*train, *decode_images(tiny_val_annotations(folder, wnids)))
 
 
 def tinyimagenet_sources(folder: Path) -> list[Path]:
@@ -413,21 +383,18 @@ def read_cache(dataset: str, data_dir: Path) -> dict | None:
 def build_cache(dataset: str, data_dir: Path) -> Path:
     """Decode once into one tensor file; rebuilt whenever the source files change."""
     files, cache = FILE_SETS[dataset], cache_path(dataset, data_dir)
-    folder = data_dir / files.folder
-    signature = _source_signature(files, folder)
     if read_cache(dataset, data_dir) is not None:
         return cache
+    folder = data_dir / files.folder
+    signature = _source_signature(files, folder)  # before decoding: a change meanwhile shows
     print(f"[rank 0] decoding {files.title} into {cache} (once: later runs read that)", flush=True)
     tensors = files.decode(folder)
-    # Write to a temporary name, then rename: a crash never leaves a half-written cache.
-    fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=cache.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save({**tensors, "signature": signature}, tmp)
-        os.replace(tmp, cache)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    def save(temp: Path) -> None:  # opened here: a read-only folder is then an OSError
+        with open(temp, "wb") as f:
+            torch.save({**tensors, "signature": signature}, f)
+
+    write_atomically(cache, save)  # a crash never leaves a half-written cache
     return cache
 
 
@@ -460,16 +427,25 @@ def _download_failed(dataset: str, data_dir: Path, error: Exception, fetch_hint:
     )
 
 
+def must_download(dataset: str, data_dir: Path, download: bool) -> bool:
+    """Whether the set's files are still to be downloaded; the run's UsageError where they are
+    absent and cannot be (downloading off, or a set the user fetches, or no torchvision)."""
+    files = FILE_SETS[dataset]
+    if files.present(data_dir / files.folder):
+        return False
+    if not download or files.download is None:
+        raise UsageError(not_found(dataset, data_dir))
+    require_torchvision(f"downloading {files.title}")  # before the network can be blamed
+    return True
+
+
 def prepare(dataset: str, data_dir: Path, download: bool, fetch_hint: bool = True) -> str | None:
     """Rank 0's part of data.load_files: download if needed and build the cache; returns the
     cache's path (None: no cache)."""
     files = FILE_SETS[dataset]
     folder = data_dir / files.folder
-    if not files.present(folder):
-        if not download or files.download is None:
-            raise UsageError(not_found(dataset, data_dir))
+    if must_download(dataset, data_dir, download):
         print(f"[rank 0] {files.title} not found in {data_dir}, downloading ...", flush=True)
-        require_torchvision(f"downloading {files.title}")  # before the network can be blamed
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
             files.download(data_dir)

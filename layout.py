@@ -1,11 +1,8 @@
-"""Where the project's files go: the repository's logs/ and jobs/, a sweep's folder and each
-run's log name (written by run_benchmarks.py, read back by collect_results.py), a run's
-checkpoints folder and its job id in names, verify's report folder, and the results CSV with
-the CSVs beside it.
-
-The logs folder is the repository's logs/, wherever a tool is started from: run.sh and the job
-scripts run in the repository, and every tool and the training program ask LOGS_DIR. Paths a
-user gives are taken as given.
+"""Where the project's files go: the repository's logs/ and jobs/ (wherever a tool is started
+from: every tool and the training program ask LOGS_DIR), a sweep's folder and each run's log
+name (written by run_benchmarks.py, read back by collect_results.py), a run's checkpoints folder
+and its job id in names, verify's report folder, and the results CSV with the CSVs beside it.
+Paths a user gives are taken as given.
 """
 
 import os
@@ -61,8 +58,7 @@ def time_stamp() -> str:
 
 
 def free_path(folder: Path, stem: str, suffix: str = "") -> Path:
-    """folder/<stem>[-n]<suffix>: with n = 2, 3, ... where that name is taken, so never an
-    earlier file or folder (nothing is made here)."""
+    """folder/<stem>[-n]<suffix>, n = 2, 3, ... where that name is taken (nothing is made)."""
     path, n = folder / f"{stem}{suffix}", 1
     while path.exists():
         n += 1

@@ -2,22 +2,20 @@
 a student completes cut out, each replaced by a stub that names its exercise on the sheet.
 
 The sheet, EXERCISES.md, owns the exercises: a heading `### 2.1 Complete the set-up` gives an
-exercise its number, its title and its anchor; those whose title starts with "Complete" have
-code to write. The code owns where that code is: comment lines around it,
+exercise its number, title and anchor; those whose title starts with "Complete" have code to
+write. The code owns where that code is, between comment lines (several regions an exercise):
 
     # exercise 2.1 begin
     ...the lines a student writes...
     # exercise 2.1 end
 
-(an exercise may have several regions). The copy keeps the marks and puts in each region's
-place `raise NotImplementedError("exercise 2.1: ...; see EXERCISES.md#21-...")`, so that every
-module still imports and a stub says where to read. Code that is not the student's to write but
-would show an exercise's answer (FSDP2's twin of the FSDP wrapper) is marked the same way as
-that exercise's twin, `# exercise 4.2 twin begin` ... `# exercise 4.2 twin end`: the copy cuts
-it too, with a stub that says why. Everything else is copied as it is but the files that would
-give the answers away: the solution's own tests, and the instructors' key, docs/concepts.md,
-which only `--key` (`make exercise KEY=1`) keeps. tests/exercise_checks.py grades a completed
-part: `make check EX=2.1` (docs/exercise.md).
+The copy keeps the marks and puts `raise NotImplementedError("exercise 2.1: ...; see
+EXERCISES.md#21-...")` in each region's place: every module still imports, and the stub says
+where to read. Code not the student's to write that would show an answer (FSDP2's twin of the
+FSDP wrapper) is marked `# exercise 4.2 twin begin` ... `end` and cut with a stub that says
+why. Left out: the solution's own tests, and the instructors' key, docs/concepts.md, unless
+`--key` (`make exercise KEY=1`). tests/exercise_checks.py grades a completed part: `make check
+EX=2.1` (docs/exercise.md).
 """
 
 import argparse
@@ -94,37 +92,28 @@ def stub(number: str, title: str, indent: str, twin: bool = False) -> str:
     return f'{indent}raise NotImplementedError(\n{indent}    "{message}"\n{indent})\n'
 
 
-def marks_of(path: str, text: str) -> list[tuple[int, str, str, str]]:
-    """(line index, exercise or its twin, begin or end, indent) of each mark: comments, not text
-    that looks like one in a string (this module's own docstring)."""
-    found = []
+def regions_of(path: str, text: str) -> list[Region]:
+    """The marked regions of one file, its marks read as comments (not text that looks like one
+    in a string: this module's docstring); an unmatched or nested mark is an ExerciseError."""
+    found, open_mark = [], None
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type != tokenize.COMMENT or not (mark := MARK.match(token.string)):
             continue
-        indent = token.line[: token.start[1]]
+        index, indent = token.start[0] - 1, token.line[: token.start[1]]
+        number, where = mark["number"] + (mark["twin"] or ""), f"{path}:{index + 1}"
         if indent.strip():
-            raise ExerciseError(f"{path}:{token.start[0]}: a mark must be a line of its own")
-        number = mark["number"] + (mark["twin"] or "")
-        found.append((token.start[0] - 1, number, mark["side"], indent))
-    return found
-
-
-def regions_of(path: str, text: str) -> list[Region]:
-    """The marked regions of one file; an unmatched or nested mark is an ExerciseError."""
-    found, open_mark = [], None
-    for index, number, side, indent in marks_of(path, text):
-        where = f"{path}:{index + 1}"
-        if side == "begin":
+            raise ExerciseError(f"{where}: a mark must be a line of its own")
+        if mark["side"] == "begin":
             if open_mark:
                 raise ExerciseError(f"{where}: exercise {open_mark[0]}'s region is still open")
             open_mark = (number, index, indent)
             continue
         if not open_mark or open_mark[0] != number:
             raise ExerciseError(f"{where}: an end of exercise {number} without a begin")
-        if index == open_mark[1] + 1:
+        _, begin, begin_indent = open_mark
+        if index == begin + 1:
             raise ExerciseError(f"{where}: exercise {number}'s region is empty")
-        exercise, twin = number.removesuffix(" twin"), number.endswith(" twin")
-        found.append(Region(path, exercise, open_mark[1], index, open_mark[2], twin))
+        found.append(Region(path, mark["number"], begin, index, begin_indent, bool(mark["twin"])))
         open_mark = None
     if open_mark:
         raise ExerciseError(f"{path}:{open_mark[1] + 1}: exercise {open_mark[0]} never ends")
@@ -169,13 +158,14 @@ def cut(text: str, regions: list[Region], exercises: dict[str, str]) -> str:
 
 def check_marks(regions: list[Region], exercises: dict[str, str]) -> None:
     """Every region belongs to an exercise with code to write, and every such one has one."""
+    complete = to_complete(exercises)
     for region in regions:
-        if region.number not in to_complete(exercises):
+        if region.number not in complete:
             raise ExerciseError(
                 f"{region.path}:{region.begin + 1}: exercise {region.number} is not an "
                 f"exercise of {SHEET} whose title begins with {COMPLETE!r}"
             )
-    missing = sorted(to_complete(exercises) - {r.number for r in regions if not r.twin})
+    missing = sorted(complete - {r.number for r in regions if not r.twin})
     if missing:
         raise ExerciseError(f"{SHEET}'s exercise {', '.join(missing)} has no marked region")
 

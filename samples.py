@@ -57,70 +57,62 @@ def read_gpu_samples(path: Path) -> pd.DataFrame:
     return frame.dropna(subset=["gpu", "mem_mib"])
 
 
-def summarize_gpus(job_id: str, host: str, frame: pd.DataFrame) -> list[dict]:
-    rows = []
-    for gpu, one in frame.groupby("gpu"):
-        memory = one["mem_mib"]
-        rows.append(
-            {
-                "job_id": job_id,
-                "host": host,
-                "gpu": int(gpu),
-                "samples": len(one),
-                "peak_mem_mib": memory.max(),
-                "mean_mem_mib": round(memory.mean(), 1),
-                "mode_mem_mib": memory.mode().max(),  # of equally frequent values, the largest
-                "mem_total_mib": one["mem_total_mib"].max(),
-                "mean_util_pct": round(one["util_pct"].mean(), 1),
-                "mean_power_w": round(one["power_w"].mean(), 1),
-            }
-        )
-    return rows
+def summary_rows(job_id: str, host: str, frame: pd.DataFrame, key: str, stats) -> list[dict]:
+    """One row per GPU or process (`key`): where it ran, its samples, and stats(its samples)."""
+    return [
+        {"job_id": job_id, "host": host, key: int(k), "samples": len(one), **stats(one)}
+        for k, one in frame.groupby(key)
+    ]
 
 
-def summarize_processes(job_id: str, host: str, frame: pd.DataFrame) -> list[dict]:
-    rows = []
-    for pid, one in frame.groupby("pid"):
-        seconds = one["time_s"].max() - one["time_s"].min()
-        cpu = one["cpu_s"].max() - one["cpu_s"].min()
-        rows.append(
-            {
-                "job_id": job_id,
-                "host": host,
-                "pid": int(pid),
-                "samples": len(one),
-                "seconds": round(seconds, 1),
-                "mean_cpu_pct": round(100 * cpu / seconds, 1) if seconds > 0 else float("nan"),
-                "peak_rss_mb": one["rss_mb"].max(),
-            }
-        )
-    return rows
+def gpu_stats(one: pd.DataFrame) -> dict:
+    memory = one["mem_mib"]
+    return {
+        "peak_mem_mib": memory.max(),
+        "mean_mem_mib": round(memory.mean(), 1),
+        "mode_mem_mib": memory.mode().max(),  # of equally frequent values, the largest
+        "mem_total_mib": one["mem_total_mib"].max(),
+        "mean_util_pct": round(one["util_pct"].mean(), 1),
+        "mean_power_w": round(one["power_w"].mean(), 1),
+    }
+
+
+def process_stats(one: pd.DataFrame) -> dict:
+    seconds = one["time_s"].max() - one["time_s"].min()
+    cpu = one["cpu_s"].max() - one["cpu_s"].min()
+    return {
+        "seconds": round(seconds, 1),
+        "mean_cpu_pct": round(100 * cpu / seconds, 1) if seconds > 0 else float("nan"),
+        "peak_rss_mb": one["rss_mb"].max(),
+    }
+
+
+def files_of(folders: list[Path], kind: str) -> list[tuple[str, str, Path]]:
+    """(job id, host, path) of the sampler CSVs of one kind (gpu, cpu) in the folders."""
+    return [
+        (job, host, path) for f in folders for k, job, host, path in sample_files(f) if k == kind
+    ]
 
 
 def gpu_timeline(folders: list[Path]) -> pd.DataFrame:
     """Every GPU sample: job_id, host, gpu, seconds since the job's first sample on that node,
     memory used (MiB) and utilisation (%), for plotting them over time."""
     frames = []
-    for folder in folders:
-        for kind, job_id, host, path in sample_files(folder):
-            if kind != "gpu":
-                continue
-            frame = read_gpu_samples(path)
-            when = pd.to_datetime(
-                frame["timestamp"], format="%Y/%m/%d %H:%M:%S.%f", errors="coerce"
-            )
-            frames.append(
-                pd.DataFrame(
-                    {
-                        "job_id": job_id,
-                        "host": host,
-                        "gpu": frame["gpu"].astype(int),
-                        "seconds": (when - when.min()).dt.total_seconds(),
-                        "mem_mib": frame["mem_mib"],
-                        "util_pct": frame["util_pct"],
-                    }
-                ).dropna()
-            )
+    for job_id, host, path in files_of(folders, "gpu"):
+        frame = read_gpu_samples(path)
+        when = pd.to_datetime(frame["timestamp"], format="%Y/%m/%d %H:%M:%S.%f", errors="coerce")
+        frames.append(
+            pd.DataFrame(
+                {
+                    "job_id": job_id,
+                    "host": host,
+                    "gpu": frame["gpu"].astype(int),
+                    "seconds": (when - when.min()).dt.total_seconds(),
+                    "mem_mib": frame["mem_mib"],
+                    "util_pct": frame["util_pct"],
+                }
+            ).dropna()
+        )
     columns = ("job_id", "host", "gpu", "seconds", "mem_mib", "util_pct")
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
@@ -128,11 +120,9 @@ def gpu_timeline(folders: list[Path]) -> pd.DataFrame:
 def summarize(folders: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per GPU and per process, from the sampler CSVs in the folders."""
     gpus, processes = [], []
-    for folder in folders:
-        for kind, job_id, host, path in sample_files(folder):
-            if kind == "gpu":
-                gpus += summarize_gpus(job_id, host, read_gpu_samples(path))
-            else:
-                frame = pd.read_csv(path, on_bad_lines="skip").apply(pd.to_numeric, errors="coerce")
-                processes += summarize_processes(job_id, host, frame.dropna())
+    for job_id, host, path in files_of(folders, "gpu"):
+        gpus += summary_rows(job_id, host, read_gpu_samples(path), "gpu", gpu_stats)
+    for job_id, host, path in files_of(folders, "cpu"):
+        frame = pd.read_csv(path, on_bad_lines="skip").apply(pd.to_numeric, errors="coerce")
+        processes += summary_rows(job_id, host, frame.dropna(), "pid", process_stats)
     return (pd.DataFrame(gpus, columns=GPU_SUMMARY), pd.DataFrame(processes, columns=CPU_SUMMARY))

@@ -2,24 +2,23 @@
 short job on the cluster itself (`python run_benchmarks.py --verify`; `--local` runs it here).
 
 1. equivalence: DDP, FSDP and FSDP2 at the job's world size end an epoch with the parameters of
-   one process trained on the same global batches. The tests prove it on gloo between processes
-   of one machine; here it runs on the cluster's backend, devices and links (NCCL over NVLink,
-   InfiniBand, Slingshot), where a reduction that drops or doubles a rank's share would show.
+   one process trained on the same global batches: the tests' proof (gloo, one machine) on the
+   cluster's backend, devices and links, where a reduction that drops or doubles a rank's share
+   would show.
 2. killed-rank: a rank killed (SIGKILL) mid-epoch ends the run within KILL_BOUND_S with one
    `error:` line: srun, the network and NCCL's watchdog of this cluster, not a localhost store.
-3. stop-resume: SIGUSR1 to the job's step (what srun passes on at SLURM's time-limit warning)
-   stops every rank at one step with a checkpoint, written by every node to the shared file
-   system (FSDP2: one shard per rank); the resumed run ends with the parameters of an
-   uninterrupted one.
-4. comm: `[COMM]` busbw of each collective at the model's message sizes and at the sweep's
-   largest (256 MiB on GPUs), beside the transport NCCL chose (from NCCL_DEBUG=INFO) and
-   `nvidia-smi topo -m` of the first node; a warning where a multi-node run went over sockets.
+3. stop-resume: SIGUSR1 to the job's step (SLURM's time-limit warning) stops every rank at one
+   step with a checkpoint that every node writes to the shared file system (FSDP2: a shard a
+   rank); the resumed run ends with the parameters of an uninterrupted one.
+4. comm: `[COMM]` busbw of each collective at the model's message sizes and the sweep's largest,
+   beside the transport NCCL chose and `nvidia-smi topo -m`; a warning where a multi-node run
+   went over sockets.
 
 Ranks are launched as users launch them: `run.sh` (srun inside the allocation, torchrun
-without; NPROC ranks). This process never signals run.sh itself inside SLURM: run.sh requeues
-its job after a warning signal, and a verify job must never requeue itself. Every run's log is
-written into the report's folder (logs/verify-<job id>/), with report.md: one row per check.
-Exit status 0 only when every check passed; one `error: verify: <check> failed` line each.
+without). Inside SLURM this process never signals run.sh itself, which would requeue the verify
+job. Every run's log goes into the report's folder (logs/verify-<job id>/) beside report.md, a
+row per check. Exit status 0 only when every check passed; one `error: verify: <check> failed`
+line each.
 
     python verify.py [--out DIR] [--checks CHECK ...] [-- main.py options, e.g. --device cpu]
 """
@@ -37,7 +36,14 @@ from pathlib import Path
 from layout import VERIFY_REPORT, job_id, relative, verify_folder
 from slurm_jobs import main_value, split_argv
 from utils import EXIT_STATUS, fail, last_line, parse_comm
-from verify_job import DEFAULTS, WARNING, Row, refuse_verify_options, report_text, summary
+from verify_job import (
+    DEFAULTS,
+    WARNING,
+    Row,
+    print_outcome,
+    refuse_verify_options,
+    report_text,
+)
 from verify_runs import (
     Context,
     alone,
@@ -55,15 +61,10 @@ KILL_BOUND_S = 120  # a dead rank must end the run within this (docs/failures.md
 STOPPED_STATUS = EXIT_STATUS["stopped"]
 
 # Tolerance on the largest |parameter difference| after one epoch of 10 SGD steps, every run
-# in float64 (--precision fp64). The ranks sum in another order than one process (gloo's or
-# NCCL's reduction; kernels chosen by batch size and thread count): a few ulps per operation.
-# In fp32 that is 1e-7 of a value, and a ReLU or max-pool input that close to its tie tips to
-# the other side in one run and not in the other, sending one image's gradient elsewhere: 1e-4
-# after 10 steps, in every run at 4 ranks reported (a sound cluster FAILed). In fp64 an ulp is
-# 1e-16, 5e8 times finer: an input must lie that much closer to its tie to tip, and the runs
-# end 1e-16 apart (5.6e-17 measured at 4 ranks). 1e-9 lies 7 orders above that and 7 below a
-# rank's share missing or doubled (1e-2 and more: the planted bug in tests/test_verify.py).
-# docs/verify.md says more.
+# in float64: the ranks sum in another order than one process, a few ulps per operation. In
+# fp32 that tipped ReLU and max-pool ties to 1e-4 apart at 4 ranks (a sound cluster FAILed); in
+# fp64 the runs end 1e-16 apart. 1e-9 lies 7 orders above that and 7 below a rank's share
+# missing or doubled (1e-2 and more: the planted bug of tests/test_verify.py). docs/verify.md.
 TOLERANCE = 1e-9
 COMPARED = "fp64"  # the --precision of the runs whose parameters are compared
 
@@ -84,15 +85,7 @@ STEPS = 10  # equivalence: one epoch of this many global batches
 # 2 cores, here and on the loopback cluster), a few ms on a GPU.
 STOP_STEPS = {"cpu": 100, "cuda": 1000}
 KILL_EPOCHS = 50  # killed-rank: a run far longer than KILL_BOUND_S
-
-
-def sizes(ctx: Context, steps: int) -> list[str]:
-    """A share of 16 images per rank and step, `steps` steps an epoch, the same global batches
-    at any world size. (8 a rank once put 2 gloo ranks 3.7e-4 from one process after 10 steps
-    on the 2-core machine, and 1.5e-8 after 8: a ReLU or max-pool tie that rounding tips one
-    way or the other, on one permutation; 16 a rank stayed within 2e-8.)"""
-    batch = 16 * ctx.world_size
-    return f"--batch-size {batch} --train-samples {steps * batch} --val-samples {batch}".split()
+COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter"}  # comm: each must be measured
 
 
 def settings(
@@ -100,15 +93,38 @@ def settings(
 ) -> list[str]:
     """What makes N ranks equal one process (tests/dist_harness.py's EQUAL_CFG): no
     augmentation, SGD (Adam's step g / (sqrt(v) + eps) turns last-bit differences of near-zero
-    gradients into steps of up to lr); the user's options in between. The checks that compare
+    gradients into steps of up to lr); the user's options in between. A share of 16 images per
+    rank and step, the same global batches at any world size (8 a rank let a ReLU or max-pool
+    tie tip 2 gloo ranks 3.7e-4 from one process after 10 steps). The checks that compare
     parameters run in COMPARED precision (see TOLERANCE), the others as users train."""
+    batch = 16 * ctx.world_size
     return [
         *DEFAULTS,
         *ctx.extra,
-        *sizes(ctx, steps),
+        *f"--batch-size {batch} --train-samples {steps * batch} --val-samples {batch}".split(),
         *f"--epochs {epochs} --optimizer sgd --lr 0.05 --seed 7 --precision {precision}".split(),
         *f"--no-augment --print-every {print_every}".split(),
     ]
+
+
+def ended(status: int | None) -> str:
+    return "did not end in time (killed)" if status is None else f"ended with exit status {status}"
+
+
+def run_to_end(ctx: Context, args: list[str], name: str, what: str) -> None:
+    """A run through run.sh that must end with status 0; else the check fails, naming `what`."""
+    status = run(ctx, args, name)
+    if status != 0:
+        raise Failed(f"{what} {ended(status)}", ctx.log(name))
+
+
+def started(ctx: Context, args: list[str], name: str) -> subprocess.Popen:
+    """A run through run.sh, once rank 0 printed a progress line (training runs)."""
+    log = ctx.log(name)
+    proc = launch(ctx, args, log)
+    if not wait_for_progress(log, proc):
+        raise Failed(f"training never started: {ended(finish(proc, 60))}", log)
+    return proc
 
 
 def max_diffs(ctx: Context, reference: Path, others: list[Path], log: Path) -> list[float]:
@@ -120,8 +136,9 @@ def max_diffs(ctx: Context, reference: Path, others: list[Path], log: Path) -> l
     return [float(word) for word in done.stdout.split()]
 
 
-def ended(status: int | None) -> str:
-    return "did not end in time (killed)" if status is None else f"ended with exit status {status}"
+def tolerated(diff: float) -> tuple[bool, str]:
+    passed = diff <= TOLERANCE
+    return passed, f"({'within' if passed else 'over'} tolerance {TOLERANCE:g})"
 
 
 def check_equivalence(ctx: Context) -> Row:
@@ -131,43 +148,31 @@ def check_equivalence(ctx: Context) -> Row:
     ref_log.write_text(done.stdout + done.stderr)
     if done.returncode:
         raise Failed(f"the one-process reference {ended(done.returncode)}", ref_log)
-    strategies = ("ddp", "fsdp", "fsdp2")
-    for strategy in strategies:
-        name, folder = f"equivalence-{strategy}", ctx.out / f"ckpt-{strategy}"
-        status = run(ctx, ["--strategy", strategy, *args, "--checkpoint-dir", str(folder)], name)
-        if status != 0:
-            raise Failed(f"{strategy} {ended(status)}", ctx.log(name))
-    folders = [ctx.out / f"ckpt-{s}" for s in strategies]
-    diffs = dict(zip(strategies, max_diffs(ctx, reference, folders, ref_log)))
+    folders = {s: ctx.out / f"ckpt-{s}" for s in ("ddp", "fsdp", "fsdp2")}
+    for s, folder in folders.items():
+        strategy_args = ["--strategy", s, *args, "--checkpoint-dir", str(folder)]
+        run_to_end(ctx, strategy_args, f"equivalence-{s}", s)
+    diffs = dict(zip(folders, max_diffs(ctx, reference, list(folders.values()), ref_log)))
     worst = ctx.log(f"equivalence-{max(diffs, key=diffs.get)}")
     figure = ", ".join(f"{s} {d:.3g}" for s, d in diffs.items())
-    passed = max(diffs.values()) <= TOLERANCE
-    return Row(
-        "equivalence",
-        passed,
-        f"max abs param diff vs 1 process at {ctx.world_size} ranks: {figure} "
-        f"({'within' if passed else 'over'} tolerance {TOLERANCE:g})",
-        relative(worst),
-    )
+    passed, verdict = tolerated(max(diffs.values()))
+    where = f"max abs param diff vs 1 process at {ctx.world_size} ranks"
+    return Row("equivalence", passed, f"{where}: {figure} {verdict}", relative(worst))
 
 
 def check_killed_rank(ctx: Context) -> Row:
     name, victim = "killed-rank", ctx.world_size - 1
     log = ctx.log(name)
     args = settings(ctx, STOP_STEPS[ctx.device], epochs=KILL_EPOCHS, print_every=10)
-    proc = launch(ctx, ["--strategy", "ddp", *args, "--no-checkpoint"], log)
-    if not wait_for_progress(log, proc):
-        raise Failed(f"training never started: {ended(finish(proc, 60))}", log)
+    proc = started(ctx, ["--strategy", "ddp", *args, "--no-checkpoint"], name)
     if not kill_rank(ctx, tag(ctx, name), victim):
         finish(proc, 0)
         raise Failed(f"rank {victim}'s process was not found to kill", log)
     killed = time.monotonic()
     status = finish(proc, KILL_BOUND_S)
     seconds = time.monotonic() - killed
-    errors = [
-        line for line in log.read_text(errors="replace").splitlines() if line.startswith("error: ")
-    ]
-    named = [line for line in errors if re.search(rf"\brank(\(s\))? {victim}\b", line)]
+    naming = re.compile(rf"^error: .*\brank(\(s\))? {victim}\b")
+    named = [line for line in log.read_text(errors="replace").splitlines() if naming.match(line)]
     figure = f"rank {victim} killed: the run {ended(status)} after {seconds:.1f} s"
     if status in (0, None) or not named:
         raise Failed(f"{figure} (bound {KILL_BOUND_S} s), {len(named)} error: line naming it", log)
@@ -177,18 +182,11 @@ def check_killed_rank(ctx: Context) -> Row:
 
 def check_stop_resume(ctx: Context) -> Row:
     name = "stop-resume"
-    args = [
-        "--strategy",
-        "fsdp2",
-        *settings(ctx, STOP_STEPS[ctx.device], epochs=2, print_every=10, precision=COMPARED),
-        "--resume",
-        "auto",
-    ]
+    run_args = settings(ctx, STOP_STEPS[ctx.device], epochs=2, print_every=10, precision=COMPARED)
+    args = ["--strategy", "fsdp2", *run_args, "--resume", "auto"]
     stopped, whole = ctx.out / "ckpt-stopped", ctx.out / "ckpt-uninterrupted"
     log = ctx.log(name)
-    proc = launch(ctx, [*args, "--checkpoint-dir", str(stopped)], log)
-    if not wait_for_progress(log, proc):
-        raise Failed(f"training never started: {ended(finish(proc, 60))}", log)
+    proc = started(ctx, [*args, "--checkpoint-dir", str(stopped)], name)
     if not stop_all(ctx, proc, tag(ctx, name)):
         finish(proc, 0)
         raise Failed("the ranks' step was not found to signal", log)
@@ -200,18 +198,15 @@ def check_stop_resume(ctx: Context) -> Row:
             f"after SIGUSR1 the run {ended(stopped_with)}, not {STOPPED_STATUS} (stopped)", log
         )
     for part, folder in (("resumed", stopped), ("uninterrupted", whole)):
-        part_log = ctx.log(f"{name}-{part}")
-        status = run(ctx, [*args, "--checkpoint-dir", str(folder)], part_log.stem)
-        if status != 0:
-            raise Failed(f"the {part} run {ended(status)}", part_log)
+        part_args = [*args, "--checkpoint-dir", str(folder)]
+        run_to_end(ctx, part_args, f"{name}-{part}", f"the {part} run")
     (diff,) = max_diffs(ctx, stopped, [whole], log)
-    passed = diff <= TOLERANCE
+    passed, verdict = tolerated(diff)
     return Row(
         name,
         passed,
         f"fsdp2 stopped at {at.group(1)} ({ended(stopped_with)}); resumed ends "
-        f"{diff:.3g} from the uninterrupted run ({'within' if passed else 'over'} tolerance "
-        f"{TOLERANCE:g})",
+        f"{diff:.3g} from the uninterrupted run {verdict}",
         relative(ctx.log(f"{name}-resumed")),
     )
 
@@ -252,11 +247,8 @@ def comm_table(rows: list[dict]) -> str:
 
 def keep_topology(ctx: Context) -> str:
     """`nvidia-smi topo -m` of this (the first) node, kept beside the report."""
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    done = command(["nvidia-smi", "topo", "-m"])
+    if done is None:
         return "no nvidia-smi"
     (ctx.out / "topo.txt").write_text(done.stdout + done.stderr)
     return relative(ctx.out / "topo.txt")
@@ -265,13 +257,8 @@ def keep_topology(ctx: Context) -> str:
 def check_comm(ctx: Context) -> Row:
     name = "comm"
     log = ctx.log(name)
-    args = settings(ctx, 1, epochs=1, print_every=1000)
-    status = run(
-        ctx,
-        ["--strategy", "ddp", *args, "--comm-benchmark", "--no-checkpoint"],
-        name,
-        NCCL_DEBUG="INFO",
-    )
+    args = ["--strategy", "ddp", *settings(ctx, 1, epochs=1, print_every=1000)]
+    status = run(ctx, [*args, "--comm-benchmark", "--no-checkpoint"], name, NCCL_DEBUG="INFO")
     text = log.read_text(errors="replace")
     rows = [r for r in map(parse_comm, text.splitlines()) if r]
     if status != 0 or not rows:
@@ -285,18 +272,9 @@ def check_comm(ctx: Context) -> Row:
             "would measure TCP; run in the container (--environment) or set NCCL_NET "
             f"(docs/verify.md); see {relative(log)}"
         )
-    busbw = [r["busbw_gbps"] for r in rows]
-    passed = min(busbw) > 0 and {r["op"] for r in rows} >= {
-        "all_reduce",
-        "all_gather",
-        "reduce_scatter",
-    }
-    return Row(
-        name,
-        passed,
-        f"{busbw_summary(rows)}; {chose}; all in comm.md; topology: {keep_topology(ctx)}",
-        relative(log),
-    )
+    passed = min(r["busbw_gbps"] for r in rows) > 0 and {r["op"] for r in rows} >= COLLECTIVES
+    figure = f"{busbw_summary(rows)}; {chose}; all in comm.md; topology: {keep_topology(ctx)}"
+    return Row(name, passed, figure, relative(log))
 
 
 CHECKS = {  # in the report's order
@@ -333,12 +311,17 @@ def torch_versions() -> dict:
     }
 
 
-def command_output(command: list[str]) -> str | None:
+def command(argv: list[str]) -> subprocess.CompletedProcess | None:
+    """argv run to its end, or None where it cannot start or outlives 30 s."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def command_output(argv: list[str]) -> str | None:
+    done = command(argv)
+    return done.stdout.strip() if done and done.returncode == 0 else None
 
 
 def node_list() -> list[str]:
@@ -428,11 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     refuse_verify_options(extra)
     in_slurm = "SLURM_JOB_ID" in os.environ
-    world_size = (
-        int(os.environ["SLURM_NTASKS" if in_slurm else "NPROC"])
-        if in_slurm or "NPROC" in os.environ
-        else 2
-    )
+    world_size = int(os.environ.get("SLURM_NTASKS" if in_slurm else "NPROC", 2))
     out = (args.out or verify_folder(job_id())).resolve()
     if out.exists():  # its runs would resume or refuse the earlier checkpoints
         fail(f"{relative(out)} exists: an earlier verify wrote there; choose another --out")
@@ -443,17 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     for check in args.checks:
         print(f"verify: {check} ...", flush=True)
         rows.append(run_check(ctx, check))
-        print(
-            f"verify: {check}: {'PASS' if rows[-1].passed else 'FAIL'}: {rows[-1].figure}",
-            flush=True,
-        )
+        print(f"verify: {check}: {rows[-1].result}: {rows[-1].figure}", flush=True)
     report = out / VERIFY_REPORT
     report.write_text(report_text(rows, where(ctx), ctx.warnings))
-    print(summary(rows), flush=True)
-    print(f"report: {relative(report)}", flush=True)
-    for line in ctx.warnings + [r.error_line() for r in rows if not r.passed]:
-        print(line, file=sys.stderr, flush=True)
-    return 0 if all(r.passed for r in rows) else 1
+    return 0 if print_outcome(rows, report, ctx.warnings) else 1
 
 
 if __name__ == "__main__":

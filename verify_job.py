@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import layout
 import slurm_jobs
@@ -28,16 +29,14 @@ DEFAULTS = ["--dataset", "synthetic", "--model", "cnn"]  # the user's options af
 def refuse_verify_options(extra: list[str]) -> None:
     """One error line for an option after `--` that verify chooses in every run."""
     for token in extra:
-        if LAUNCHER_OPTION.match(token.split("=", 1)[0]):
+        name = token.split("=", 1)[0]
+        if LAUNCHER_OPTION.match(name):
             fail(
-                f"{token.split('=', 1)[0]} after -- is no option of main.py: the job's size is "
-                "run_benchmarks.py's --gpus and --gpus-per-node"
+                f"{name} after -- is no option of main.py: the job's size is run_benchmarks.py's "
+                "--gpus and --gpus-per-node"
             )
         if slurm_jobs.main_option(token) in VERIFY_SETS:
-            fail(
-                f"{token.split('=', 1)[0]} after -- is chosen by verify in every run "
-                "(docs/verify.md); leave it out"
-            )
+            fail(f"{name} after -- is chosen by verify in every run (docs/verify.md); leave it out")
 
 
 def verify_gpus(args) -> list[int]:
@@ -58,20 +57,32 @@ class Row:
     figure: str
     log: str  # relative to the repository
 
+    @property
+    def result(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
     def markdown(self) -> str:
-        cells = [self.check, "PASS" if self.passed else "FAIL", self.figure, f"`{self.log}`"]
+        cells = [self.check, self.result, self.figure, f"`{self.log}`"]
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
     def error_line(self) -> str:
         return f"error: verify: {self.check} failed: {self.figure}; see {self.log}"
 
 
-def summary(rows: list[Row]) -> str:
-    """The line that ends a verify, here and after --wait: how many checks passed, which failed."""
-    failed = [row.check for row in rows if not row.passed]
-    return f"verify: {len(rows) - len(failed)} of {count(len(rows), 'check')} passed" + (
-        f"; failed: {', '.join(failed)}" if failed else ""
+def print_outcome(rows: list[Row], report: Path, warnings: list[str]) -> bool:
+    """How a verify ends, inside its job and after --wait: how many checks passed and which
+    failed, the report's path, then on stderr each warning and each failed check's line.
+    Whether every check passed."""
+    failed = [row for row in rows if not row.passed]
+    print(
+        f"verify: {len(rows) - len(failed)} of {count(len(rows), 'check')} passed"
+        + (f"; failed: {', '.join(row.check for row in failed)}" if failed else ""),
+        flush=True,
     )
+    print(f"report: {layout.relative(report)}", flush=True)
+    for line in warnings + [row.error_line() for row in failed]:
+        print(line, file=sys.stderr, flush=True)
+    return bool(rows) and not failed
 
 
 WARNING = "warning: verify: "
@@ -144,15 +155,9 @@ def verify_report(job: slurm_jobs.Job) -> int:
             file=sys.stderr,
         )
         return 1
-    rows = read_rows(report.read_text())
-    print(summary(rows))
-    print(f"report: {layout.relative(report)}")
-    for line in warning_lines(report.read_text()):
-        print(line, file=sys.stderr)
-    for row in rows:
-        if not row.passed:
-            print(row.error_line(), file=sys.stderr)
-    return 0 if job.state == "COMPLETED" and rows and all(r.passed for r in rows) else 1
+    text = report.read_text()
+    passed = print_outcome(read_rows(text), report, warning_lines(text))
+    return 0 if job.state == "COMPLETED" and passed else 1
 
 
 def run_verify(args, extra: list[str]) -> int:

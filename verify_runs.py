@@ -17,6 +17,11 @@ from layout import REPO
 from slurm_jobs import job_python, without_slurm
 
 RUN_TIMEOUT_S = 900  # one run of main.py; a hung one is a FAIL, not a job at its time limit
+# A step of one task beside the ranks' inside the job (as run.sh's samplers).
+SIDE_STEP = ["srun", "--overlap", "--nodes=1", "--ntasks=1"]
+
+# What makes a process one rank of a launcher's world (main.py reads them).
+LAUNCHER_VARIABLES = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT".split()
 
 # Rank 0's progress line (train.py's Trainer writes it: "epoch 1 step    10/100 loss ...").
 PROGRESS = re.compile(r"^epoch \d+ step +\d+/", re.MULTILINE)
@@ -78,16 +83,6 @@ def run(ctx: Context, args: list[str], name: str, **env) -> int | None:
     return finish(launch(ctx, args, ctx.log(name), **env))
 
 
-def torch_python(ctx: Context) -> list[str]:
-    """The command that runs the jobs' Python alone, outside any launcher's world: the
-    reference run and the reading of checkpoints. In a container (EDF) that Python is reachable
-    only through srun."""
-    if ctx.in_slurm and os.environ.get("EDF"):
-        step = ["srun", "--overlap", "--nodes=1", "--ntasks=1"]
-        return [*step, f"--environment={os.environ['EDF']}", job_python(True)]
-    return [job_python(False)]
-
-
 def wait_for_progress(log: Path, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> bool:
     """Whether rank 0 printed a progress line (training runs) before the run ended."""
     deadline = time.monotonic() + timeout
@@ -122,11 +117,6 @@ def task_pid(tag: str, rank: int) -> int | None:
     return None
 
 
-def environ_of(pid: int) -> dict[str, str]:
-    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-    return dict(e.split("=", 1) for e in entries if "=" in e)
-
-
 def kill_task(tag: str, rank: int) -> bool:
     """SIGKILL one rank on this node; False if it does not run here."""
     pid = task_pid(tag, rank)
@@ -137,20 +127,14 @@ def kill_task(tag: str, rank: int) -> bool:
 
 def kill_rank(ctx: Context, tag: str, rank: int) -> bool:
     """SIGKILL one rank: here, or inside the job on the node that runs it (srun's block
-    distribution: rank r on node r * nodes // world size), through a step beside the ranks'
-    (--overlap, as run.sh's samplers), which runs `verify.py --kill-task` there."""
+    distribution: rank r on node r * nodes // world size), through a SIDE_STEP there that runs
+    `verify.py --kill-task`."""
     if not ctx.in_slurm:
         return kill_task(tag, rank)
     node = ctx.nodes[rank * len(ctx.nodes) // ctx.world_size]
-    step = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
-    done = subprocess.run(
-        [*step, sys.executable, "verify.py", "--kill-task", tag, str(rank)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return done.returncode == 0
+    step = [*SIDE_STEP, f"--nodelist={node}", sys.executable, "verify.py"]
+    kill = [*step, "--kill-task", tag, str(rank)]
+    return subprocess.run(kill, cwd=REPO, capture_output=True, timeout=60).returncode == 0
 
 
 def stop_all(ctx: Context, proc: subprocess.Popen, tag: str) -> bool:
@@ -163,25 +147,23 @@ def stop_all(ctx: Context, proc: subprocess.Popen, tag: str) -> bool:
     pid = task_pid(tag, 0)  # rank 0 runs on this, the batch node
     if pid is None:
         return False
-    step = f"{os.environ['SLURM_JOB_ID']}.{environ_of(pid)['SLURM_STEP_ID']}"
+    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    step_id = dict(e.split("=", 1) for e in environ if "=" in e)["SLURM_STEP_ID"]
+    step = f"{os.environ['SLURM_JOB_ID']}.{step_id}"
     return subprocess.run(["scancel", "--signal=USR1", step], timeout=60).returncode == 0
 
 
-def alone_env(ctx: Context) -> dict:
-    """No launcher's variables: main.py is then a world of one (inside a container, srun's
-    own step says so)."""
-    if ctx.in_slurm and os.environ.get("EDF"):
-        return dict(os.environ)
-    launcher = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT".split()
-    return {k: v for k, v in without_slurm().items() if k not in launcher}
-
-
 def alone(ctx: Context, args: list[str], timeout: float = RUN_TIMEOUT_S):
+    """The jobs' Python alone, outside any launcher's world: the reference run and the reading
+    of checkpoints. In a container (EDF) that Python is reachable only through srun, whose own
+    step is a world of one; elsewhere it runs here, without the launchers' variables."""
+    if ctx.in_slurm and os.environ.get("EDF"):
+        python = [*SIDE_STEP, f"--environment={os.environ['EDF']}", job_python(True)]
+        env = dict(os.environ)
+    else:
+        python = [job_python(False)]
+        env = {k: v for k, v in without_slurm().items() if k not in LAUNCHER_VARIABLES}
+    command = [*python, *map(str, args)]
     return subprocess.run(
-        [*torch_python(ctx), *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=alone_env(ctx),
-        timeout=timeout,
+        command, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout
     )
