@@ -34,7 +34,7 @@ def skip_reason(reports: list[str], name: str) -> str:
 # ---- the course's real log ----
 
 
-def test_course_log_parses(tmp_path):
+def test_course_log_parses_and_sums_up():
     results, reports = collect(COURSE_LOGS)
     run = results[results["log"] == COURSE_LOG].set_index("epoch")
     assert list(run.index) == list(range(1, 16))
@@ -44,10 +44,6 @@ def test_course_log_parses(tmp_path):
     # The other fixtures hold no metric lines: named, skipped, not fatal.
     assert "no [METRIC] lines" in skip_reason(reports, "fsdp_1gpu.err")
     assert set(results["log"]) == {COURSE_LOG}
-
-
-def test_course_log_summary():
-    results, _ = collect(COURSE_LOGS)
     row = results_summary.summarize(results).iloc[0]
     assert (row["strategy"], row["gpus"], row["epochs"]) == ("ddp", 4, 15)
     assert row["time"] == pytest.approx(2.20)  # epoch 1 (4.09 s, warm-up) left out
@@ -65,20 +61,8 @@ def test_project_log_keeps_every_field(tmp_path):
     write_log(tmp_path / "fsdp_4gpu_987.log", written)
     results, reports = collect(tmp_path)
     assert reports == []
-    assert list(results.columns[:12]) == [
-        "sweep",
-        "log",
-        "model",
-        "strategy",
-        "gpus",
-        "nodes",
-        "job_id",
-        "epoch",
-        "time",
-        "val_loss",
-        "acc",
-        "peak_mem",
-    ]
+    first = "sweep log model strategy gpus nodes job_id epoch time val_loss acc peak_mem"
+    assert list(results.columns[:12]) == first.split()
     for fields, (_, row) in zip(written, results.iterrows()):
         for key, value in fields.items():
             assert row[key] == value, key
@@ -185,12 +169,7 @@ def test_speedup_and_efficiency():
     summary = results_summary.summarize(
         runs_frame(
             {
-                ("ddp", 1): [
-                    30.0,
-                    8.0,
-                    7.0,
-                    9.0,
-                ],  # epoch 1 is warm-up: steady time = median(8, 7, 9)
+                ("ddp", 1): [30.0, 8.0, 7.0, 9.0],  # epoch 1 is warm-up: median(8, 7, 9)
                 ("ddp", 4): [12.0, 2.0, 2.0, 2.5],
                 ("ddp", 8): [12.0, 2.0, 2.0, 2.0],
                 ("fsdp", 2): [9.0, 5.0],  # no 1-GPU fsdp run: no speedup
@@ -210,12 +189,9 @@ def test_speedup_and_efficiency():
     assert fsdp2.endswith("| n/a | n/a | n/a |")  # no breakdown: no rest, of either kind
 
 
-def test_one_epoch_run_uses_its_only_epoch():
+def test_one_epoch_run_uses_its_only_epoch_and_repeated_runs_take_medians():
     summary = results_summary.summarize(runs_frame({("ddp", 1): [6.0]}))
     assert summary.loc[0, "time"] == 6.0
-
-
-def test_repeated_configuration_takes_medians():
     results = runs_frame({("ddp", 1): [9.0, 8.0]})
     again = results.assign(log="ddp_1gpu_again.log", time=[9.0, 10.0])
     summary = results_summary.summarize(pd.concat([results, again]))
@@ -358,6 +334,9 @@ def test_gpu_samples_stand_next_to_their_runs(tmp_path, capsys):
     (tmp_path / "cpu_4242_nid001.csv").write_text(
         "time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n5.0,11,6.0,600.0\n"
     )
+    # They are samples.py's to read: neither read for metrics nor reported as skipped files.
+    results, reports = collect(tmp_path)
+    assert reports == [] and set(results["log"]) == {"ddp_2gpu_4242.log", "ddp_1gpu_4241.log"}
     out = tmp_path / "results.csv"
     assert collect_results.main(["--logs", str(tmp_path), "--out", str(out)]) == 0
     gpus = pd.read_csv(tmp_path / "gpu_samples.csv")
@@ -371,24 +350,6 @@ def test_gpu_samples_stand_next_to_their_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "GPU memory and use (nvidia-smi" in printed
     assert "| ddp | 2 | 4242 | nid001 | 1 | 84 | 1600 |" in printed
-
-
-def test_sampler_csvs_are_not_logs(tmp_path):
-    """run.sh's gpu_*.csv and cpu_*.csv beside the logs are samples.py's to read: they are
-    neither read for metrics nor reported as skipped files."""
-    run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
-    (tmp_path / "gpu_4241_nid001.csv").write_text(GPU_CSV)
-    (tmp_path / "cpu_4241_nid001.csv").write_text("time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n")
-    results, reports = collect(tmp_path)
-    assert reports == []
-    assert set(results["log"]) == {"ddp_1gpu_4241.log"}
-
-
-def test_no_samples_no_sample_files(tmp_path, capsys):
-    run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
-    assert collect_results.main(["--logs", str(tmp_path), "--out", str(tmp_path / "r.csv")]) == 0
-    assert not list(tmp_path.glob("*_samples.csv"))
-    assert "nvidia-smi" not in capsys.readouterr().out
 
 
 def test_the_study_is_named_strong_or_weak_scaling():
@@ -406,19 +367,13 @@ def test_the_study_is_named_strong_or_weak_scaling():
 
     assert results_summary.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
     assert results_summary.context(strong) == "strong scaling: global batch 256 · 1 epochs"
-
-
-def test_the_study_names_the_ranks_after_their_device():
-    """A CPU sweep's study once said "at every GPU count" above a table of "CPU ranks"."""
-    strong = runs_frame({("ddp", 1): [9.0], ("ddp", 2): [5.0]}).assign(
-        global_batch=256, local_batch=[256, 128], device="cpu"
-    )
-    assert results_summary.scaling(strong) == (
-        "strong scaling: global batch 256 at every CPU rank count"
-    )
-    weak = strong.assign(global_batch=[64, 128], local_batch=64)
-    assert results_summary.scaling(weak) == "weak scaling: 64 images per CPU rank per step"
-    assert results_summary.rank_unit(strong) == ("CPU rank", "CPU ranks")
+    # Named after the ranks' device: a CPU sweep's once said "at every GPU count" above a table
+    # of "CPU ranks".
+    on_cpu, weak_on_cpu = strong.assign(device="cpu"), weak.assign(device="cpu")
+    said = "strong scaling: global batch 256 at every CPU rank count"
+    assert results_summary.scaling(on_cpu) == said
+    assert results_summary.scaling(weak_on_cpu) == "weak scaling: 64 images per CPU rank per step"
+    assert results_summary.rank_unit(on_cpu) == ("CPU rank", "CPU ranks")
 
 
 # ---- [COMM] lines: comm.csv and the modelled communication time ----
@@ -488,12 +443,13 @@ def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys
     assert ddp_row.endswith("| 0.500 | 0.008 | 0.000 |")  # two ranks: the rest is t_comm
 
 
-def test_no_comm_lines_no_comm_csv(tmp_path, capsys):
+def test_no_comm_lines_and_no_samples_no_side_files(tmp_path, capsys):
     run_log(tmp_path, "ddp_1gpu_1.log")
     out = tmp_path / "results.csv"
     out.with_name("comm.csv").write_text("stale\n")  # an older collection's
     assert cli(capsys, "--logs", tmp_path, "--out", out)[0] == 0
-    assert not out.with_name("comm.csv").exists()
+    assert not out.with_name("comm.csv").exists() and not list(tmp_path.glob("*_samples.csv"))
+    assert "nvidia-smi" not in capsys.readouterr().out
     assert results_summary.summarize(pd.read_csv(out))["comm_model"].isna().all()
 
 
