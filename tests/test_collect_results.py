@@ -69,19 +69,16 @@ def test_project_log_keeps_every_field(tmp_path):
         assert (row["log"], row["gpus"]) == ("fsdp_4gpu_987.log", 4)
 
 
-def test_identity_from_lines_wins_over_file_name(tmp_path):
+def test_identity_from_lines_wins_over_the_file_name_which_names_course_logs(tmp_path):
     run_log(tmp_path, "ddp_8gpu_1234.log", world_size=2)
-    results, reports = collect(tmp_path)
-    assert set(results["gpus"]) == {2}
-    assert any("file name says gpus 8, metric lines say 2" in r for r in reports)
-
-
-def test_course_format_identity_from_file_name(tmp_path):
     course_line = "0: \x1b[0m[METRIC] epoch={} time=3.00 val_loss=1.0000 acc=50.00 peak_mem=90MB\n"
     (tmp_path / "fsdp_2gpu_777.log").write_text("".join(course_line.format(e) for e in (1, 2)))
     (tmp_path / "mystery.log").write_text(course_line.format(1))
     results, reports = collect(tmp_path)
-    assert results[["strategy", "gpus", "job_id"]].drop_duplicates().values.tolist() == [
+    assert set(results[results["strategy"] == "ddp"]["gpus"]) == {2}
+    assert any("file name says gpus 8, metric lines say 2" in r for r in reports)
+    course = results[results["log"] == "fsdp_2gpu_777.log"]
+    assert course[["strategy", "gpus", "job_id"]].drop_duplicates().values.tolist() == [
         ["fsdp", 2, "777"]
     ]
     assert "unknown run" in skip_reason(reports, "mystery.log")
@@ -123,6 +120,9 @@ def test_bad_logs_are_skipped_and_do_not_leak(tmp_path):
         tail="Traceback (most recent call last):\nRuntimeError: NCCL timeout\n",
     )
     (tmp_path / "f_empty.log").write_bytes(b"")
+    # Cut after the course fields: the course regex matches, but strategy and the rest are gone.
+    line = format_metric(metric_fields(1))
+    (tmp_path / "f_cut.log").write_text(line[: line.index("strategy=") + len("strategy=d")])
     run_log(tmp_path, "g_good_fsdp_2gpu.log", acc=22.0, strategy="fsdp", world_size=2)
 
     results, reports = collect(tmp_path)
@@ -133,21 +133,12 @@ def test_bad_logs_are_skipped_and_do_not_leak(tmp_path):
     crashed = skip_reason(reports, "e_crashed.log")
     assert "stopped after epoch 1 of 5 (RuntimeError: NCCL timeout)" in crashed
     assert "empty" in skip_reason(reports, "f_empty.log")
+    assert "truncated" in skip_reason(reports, "f_cut.log")
     by_log = results.groupby("log")
     assert set(by_log.groups) == {"a_good_ddp_1gpu.log", "g_good_fsdp_2gpu.log"}
     assert set(by_log.get_group("a_good_ddp_1gpu.log")["acc"]) == {11.0}
     assert set(by_log.get_group("g_good_fsdp_2gpu.log")["acc"]) == {22.0}
     assert by_log.size().tolist() == [3, 3]
-
-
-def test_cut_metric_line_that_still_matches_is_truncated(tmp_path):
-    # Cut after the course fields: the course regex matches, but strategy and the rest are gone.
-    line = format_metric(metric_fields(1))
-    (tmp_path / "ddp_1gpu_1.log").write_text(line[: line.index("strategy=") + len("strategy=d")])
-    run_log(tmp_path, "ddp_2gpu_2.log", world_size=2)
-    results, reports = collect(tmp_path)
-    assert "truncated" in skip_reason(reports, "ddp_1gpu_1.log")
-    assert set(results["log"]) == {"ddp_2gpu_2.log"}
 
 
 def test_stderr_beside_a_log_reports_its_crash(tmp_path):
@@ -250,7 +241,7 @@ def test_cli_writes_csv_and_prints_summary(tmp_path, capsys):
     assert "wrote" in err
 
 
-def test_csv_write_is_atomic(tmp_path, monkeypatch):
+def test_csv_write_is_atomic_and_an_unwritable_one_one_line(tmp_path, capsys):
     target = tmp_path / "results.csv"
     target.write_text("old\n")
 
@@ -262,9 +253,6 @@ def test_csv_write_is_atomic(tmp_path, monkeypatch):
         utils.write_atomically(target, crash)
     assert target.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["results.csv"]
-
-
-def test_unwritable_csv_is_one_line_and_keeps_nothing_half_written(tmp_path, capsys):
     logs = tmp_path / "logs"
     logs.mkdir()
     run_log(logs, "ddp_1gpu_1.log", epochs=1)
