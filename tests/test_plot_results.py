@@ -136,28 +136,11 @@ def test_every_png_from_a_small_csv(tmp_path, capsys):
     assert out.split() == [str(tmp_path / "plots" / name) for name in plot_results.FIGURES]
 
 
-def test_a_figure_not_drawn_leaves_no_older_one_behind(tmp_path, capsys):
-    """A figure of FIGURES that this CSV cannot support is removed from --out-dir: an earlier
-    sweep's PNG of that name would pass for this one's. Other files there stay."""
-    plots = tmp_path / "plots"
-    plots.mkdir()
-    for name in ("comm_bandwidth.png", "gpu_timeline.png", "mine.png", "notes.txt"):
-        (plots / name).write_bytes(PNG_MAGIC)
-    csv = tmp_path / "results.csv"
-    runs_frame(TWO_POINTS).to_csv(csv, index=False)
-    code, out, err = cli(capsys, "--csv", csv, "--out-dir", plots, "--report")
-    assert code == 0, err
-    assert "not written comm_bandwidth.png" in err and "not written gpu_timeline.png" in err
-    drawn = [Path(line).name for line in out.split()]
-    assert "comm_bandwidth.png" not in drawn and "epoch_time.png" in drawn
-    assert sorted(p.name for p in plots.iterdir()) == sorted(
-        [*drawn, "report.md", "mine.png", "notes.txt"]
-    )
-
-
 def test_side_files_belong_to_their_results_file(tmp_path, capsys):
     """docs/results.md's OUT=old.csv beside results.csv: each results file has its own side CSVs
-    (old_comm.csv, ...; results.csv keeps comm.csv), and plot_results reads its own alone."""
+    (old_comm.csv, ...; results.csv keeps comm.csv), and plot_results reads its own alone. A
+    figure of FIGURES that a CSV cannot support is removed from --out-dir: an earlier sweep's
+    PNG of that name would pass for this one's. Other files there stay."""
     new, old = tmp_path / "new", tmp_path / "old"
     new.mkdir()
     old.mkdir()
@@ -176,9 +159,18 @@ def test_side_files_belong_to_their_results_file(tmp_path, capsys):
         "results.csv",
     ]
     capsys.readouterr()
-    code, out, err = cli(capsys, "--csv", tmp_path / "results.csv", "--out-dir", tmp_path / "p")
+    plots = tmp_path / "p"
+    plots.mkdir()
+    for name in ("comm_bandwidth.png", "gpu_timeline.png", "mine.png", "notes.txt"):
+        (plots / name).write_bytes(PNG_MAGIC)
+    code, out, err = cli(capsys, "--csv", tmp_path / "results.csv", "--out-dir", plots, "--report")
     assert code == 0 and "not written comm_bandwidth.png: no [COMM] lines" in err
     assert "not written gpu_timeline.png" in err
+    drawn = [Path(line).name for line in out.split()]
+    assert "comm_bandwidth.png" not in drawn and "epoch_time.png" in drawn
+    assert sorted(p.name for p in plots.iterdir()) == sorted(
+        [*drawn, "report.md", "mine.png", "notes.txt"]
+    )
     code, out, err = cli(capsys, "--csv", tmp_path / "old.csv", "--out-dir", tmp_path / "old_p")
     assert code == 0, err
     assert {"comm_bandwidth.png", "gpu_timeline.png"} <= {Path(line).name for line in out.split()}
