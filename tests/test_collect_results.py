@@ -34,7 +34,7 @@ def skip_reason(reports: list[str], name: str) -> str:
 # ---- the course's real log ----
 
 
-def test_course_log_parses(tmp_path):
+def test_course_log_parses_and_sums_up():
     results, reports = collect(COURSE_LOGS)
     run = results[results["log"] == COURSE_LOG].set_index("epoch")
     assert list(run.index) == list(range(1, 16))
@@ -44,10 +44,6 @@ def test_course_log_parses(tmp_path):
     # The other fixtures hold no metric lines: named, skipped, not fatal.
     assert "no [METRIC] lines" in skip_reason(reports, "fsdp_1gpu.err")
     assert set(results["log"]) == {COURSE_LOG}
-
-
-def test_course_log_summary():
-    results, _ = collect(COURSE_LOGS)
     row = results_summary.summarize(results).iloc[0]
     assert (row["strategy"], row["gpus"], row["epochs"]) == ("ddp", 4, 15)
     assert row["time"] == pytest.approx(2.20)  # epoch 1 (4.09 s, warm-up) left out
@@ -65,39 +61,24 @@ def test_project_log_keeps_every_field(tmp_path):
     write_log(tmp_path / "fsdp_4gpu_987.log", written)
     results, reports = collect(tmp_path)
     assert reports == []
-    assert list(results.columns[:12]) == [
-        "sweep",
-        "log",
-        "model",
-        "strategy",
-        "gpus",
-        "nodes",
-        "job_id",
-        "epoch",
-        "time",
-        "val_loss",
-        "acc",
-        "peak_mem",
-    ]
+    first = "sweep log model strategy gpus nodes job_id epoch time val_loss acc peak_mem"
+    assert list(results.columns[:12]) == first.split()
     for fields, (_, row) in zip(written, results.iterrows()):
         for key, value in fields.items():
             assert row[key] == value, key
         assert (row["log"], row["gpus"]) == ("fsdp_4gpu_987.log", 4)
 
 
-def test_identity_from_lines_wins_over_file_name(tmp_path):
+def test_identity_from_lines_wins_over_the_file_name_which_names_course_logs(tmp_path):
     run_log(tmp_path, "ddp_8gpu_1234.log", world_size=2)
-    results, reports = collect(tmp_path)
-    assert set(results["gpus"]) == {2}
-    assert any("file name says gpus 8, metric lines say 2" in r for r in reports)
-
-
-def test_course_format_identity_from_file_name(tmp_path):
     course_line = "0: \x1b[0m[METRIC] epoch={} time=3.00 val_loss=1.0000 acc=50.00 peak_mem=90MB\n"
     (tmp_path / "fsdp_2gpu_777.log").write_text("".join(course_line.format(e) for e in (1, 2)))
     (tmp_path / "mystery.log").write_text(course_line.format(1))
     results, reports = collect(tmp_path)
-    assert results[["strategy", "gpus", "job_id"]].drop_duplicates().values.tolist() == [
+    assert set(results[results["strategy"] == "ddp"]["gpus"]) == {2}
+    assert any("file name says gpus 8, metric lines say 2" in r for r in reports)
+    course = results[results["log"] == "fsdp_2gpu_777.log"]
+    assert course[["strategy", "gpus", "job_id"]].drop_duplicates().values.tolist() == [
         ["fsdp", 2, "777"]
     ]
     assert "unknown run" in skip_reason(reports, "mystery.log")
@@ -139,6 +120,9 @@ def test_bad_logs_are_skipped_and_do_not_leak(tmp_path):
         tail="Traceback (most recent call last):\nRuntimeError: NCCL timeout\n",
     )
     (tmp_path / "f_empty.log").write_bytes(b"")
+    # Cut after the course fields: the course regex matches, but strategy and the rest are gone.
+    line = format_metric(metric_fields(1))
+    (tmp_path / "f_cut.log").write_text(line[: line.index("strategy=") + len("strategy=d")])
     run_log(tmp_path, "g_good_fsdp_2gpu.log", acc=22.0, strategy="fsdp", world_size=2)
 
     results, reports = collect(tmp_path)
@@ -149,21 +133,12 @@ def test_bad_logs_are_skipped_and_do_not_leak(tmp_path):
     crashed = skip_reason(reports, "e_crashed.log")
     assert "stopped after epoch 1 of 5 (RuntimeError: NCCL timeout)" in crashed
     assert "empty" in skip_reason(reports, "f_empty.log")
+    assert "truncated" in skip_reason(reports, "f_cut.log")
     by_log = results.groupby("log")
     assert set(by_log.groups) == {"a_good_ddp_1gpu.log", "g_good_fsdp_2gpu.log"}
     assert set(by_log.get_group("a_good_ddp_1gpu.log")["acc"]) == {11.0}
     assert set(by_log.get_group("g_good_fsdp_2gpu.log")["acc"]) == {22.0}
     assert by_log.size().tolist() == [3, 3]
-
-
-def test_cut_metric_line_that_still_matches_is_truncated(tmp_path):
-    # Cut after the course fields: the course regex matches, but strategy and the rest are gone.
-    line = format_metric(metric_fields(1))
-    (tmp_path / "ddp_1gpu_1.log").write_text(line[: line.index("strategy=") + len("strategy=d")])
-    run_log(tmp_path, "ddp_2gpu_2.log", world_size=2)
-    results, reports = collect(tmp_path)
-    assert "truncated" in skip_reason(reports, "ddp_1gpu_1.log")
-    assert set(results["log"]) == {"ddp_2gpu_2.log"}
 
 
 def test_stderr_beside_a_log_reports_its_crash(tmp_path):
@@ -185,12 +160,7 @@ def test_speedup_and_efficiency():
     summary = results_summary.summarize(
         runs_frame(
             {
-                ("ddp", 1): [
-                    30.0,
-                    8.0,
-                    7.0,
-                    9.0,
-                ],  # epoch 1 is warm-up: steady time = median(8, 7, 9)
+                ("ddp", 1): [30.0, 8.0, 7.0, 9.0],  # epoch 1 is warm-up: median(8, 7, 9)
                 ("ddp", 4): [12.0, 2.0, 2.0, 2.5],
                 ("ddp", 8): [12.0, 2.0, 2.0, 2.0],
                 ("fsdp", 2): [9.0, 5.0],  # no 1-GPU fsdp run: no speedup
@@ -210,12 +180,9 @@ def test_speedup_and_efficiency():
     assert fsdp2.endswith("| n/a | n/a | n/a |")  # no breakdown: no rest, of either kind
 
 
-def test_one_epoch_run_uses_its_only_epoch():
+def test_one_epoch_run_uses_its_only_epoch_and_repeated_runs_take_medians():
     summary = results_summary.summarize(runs_frame({("ddp", 1): [6.0]}))
     assert summary.loc[0, "time"] == 6.0
-
-
-def test_repeated_configuration_takes_medians():
     results = runs_frame({("ddp", 1): [9.0, 8.0]})
     again = results.assign(log="ddp_1gpu_again.log", time=[9.0, 10.0])
     summary = results_summary.summarize(pd.concat([results, again]))
@@ -274,7 +241,7 @@ def test_cli_writes_csv_and_prints_summary(tmp_path, capsys):
     assert "wrote" in err
 
 
-def test_csv_write_is_atomic(tmp_path, monkeypatch):
+def test_csv_write_is_atomic_and_an_unwritable_one_one_line(tmp_path, capsys):
     target = tmp_path / "results.csv"
     target.write_text("old\n")
 
@@ -286,9 +253,6 @@ def test_csv_write_is_atomic(tmp_path, monkeypatch):
         utils.write_atomically(target, crash)
     assert target.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["results.csv"]
-
-
-def test_unwritable_csv_is_one_line_and_keeps_nothing_half_written(tmp_path, capsys):
     logs = tmp_path / "logs"
     logs.mkdir()
     run_log(logs, "ddp_1gpu_1.log", epochs=1)
@@ -358,6 +322,9 @@ def test_gpu_samples_stand_next_to_their_runs(tmp_path, capsys):
     (tmp_path / "cpu_4242_nid001.csv").write_text(
         "time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n5.0,11,6.0,600.0\n"
     )
+    # They are samples.py's to read: neither read for metrics nor reported as skipped files.
+    results, reports = collect(tmp_path)
+    assert reports == [] and set(results["log"]) == {"ddp_2gpu_4242.log", "ddp_1gpu_4241.log"}
     out = tmp_path / "results.csv"
     assert collect_results.main(["--logs", str(tmp_path), "--out", str(out)]) == 0
     gpus = pd.read_csv(tmp_path / "gpu_samples.csv")
@@ -371,24 +338,6 @@ def test_gpu_samples_stand_next_to_their_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "GPU memory and use (nvidia-smi" in printed
     assert "| ddp | 2 | 4242 | nid001 | 1 | 84 | 1600 |" in printed
-
-
-def test_sampler_csvs_are_not_logs(tmp_path):
-    """run.sh's gpu_*.csv and cpu_*.csv beside the logs are samples.py's to read: they are
-    neither read for metrics nor reported as skipped files."""
-    run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
-    (tmp_path / "gpu_4241_nid001.csv").write_text(GPU_CSV)
-    (tmp_path / "cpu_4241_nid001.csv").write_text("time_s,pid,cpu_s,rss_mb\n0.0,11,1.0,500.0\n")
-    results, reports = collect(tmp_path)
-    assert reports == []
-    assert set(results["log"]) == {"ddp_1gpu_4241.log"}
-
-
-def test_no_samples_no_sample_files(tmp_path, capsys):
-    run_log(tmp_path, "ddp_1gpu_4241.log", job_id="4241")
-    assert collect_results.main(["--logs", str(tmp_path), "--out", str(tmp_path / "r.csv")]) == 0
-    assert not list(tmp_path.glob("*_samples.csv"))
-    assert "nvidia-smi" not in capsys.readouterr().out
 
 
 def test_the_study_is_named_strong_or_weak_scaling():
@@ -406,19 +355,13 @@ def test_the_study_is_named_strong_or_weak_scaling():
 
     assert results_summary.context(weak) == "weak scaling: 64 images per GPU per step · 1 epochs"
     assert results_summary.context(strong) == "strong scaling: global batch 256 · 1 epochs"
-
-
-def test_the_study_names_the_ranks_after_their_device():
-    """A CPU sweep's study once said "at every GPU count" above a table of "CPU ranks"."""
-    strong = runs_frame({("ddp", 1): [9.0], ("ddp", 2): [5.0]}).assign(
-        global_batch=256, local_batch=[256, 128], device="cpu"
-    )
-    assert results_summary.scaling(strong) == (
-        "strong scaling: global batch 256 at every CPU rank count"
-    )
-    weak = strong.assign(global_batch=[64, 128], local_batch=64)
-    assert results_summary.scaling(weak) == "weak scaling: 64 images per CPU rank per step"
-    assert results_summary.rank_unit(strong) == ("CPU rank", "CPU ranks")
+    # Named after the ranks' device: a CPU sweep's once said "at every GPU count" above a table
+    # of "CPU ranks".
+    on_cpu, weak_on_cpu = strong.assign(device="cpu"), weak.assign(device="cpu")
+    said = "strong scaling: global batch 256 at every CPU rank count"
+    assert results_summary.scaling(on_cpu) == said
+    assert results_summary.scaling(weak_on_cpu) == "weak scaling: 64 images per CPU rank per step"
+    assert results_summary.rank_unit(on_cpu) == ("CPU rank", "CPU ranks")
 
 
 # ---- [COMM] lines: comm.csv and the modelled communication time ----
@@ -488,12 +431,13 @@ def test_comm_lines_go_to_comm_csv_and_model_each_configuration(tmp_path, capsys
     assert ddp_row.endswith("| 0.500 | 0.008 | 0.000 |")  # two ranks: the rest is t_comm
 
 
-def test_no_comm_lines_no_comm_csv(tmp_path, capsys):
+def test_no_comm_lines_and_no_samples_no_side_files(tmp_path, capsys):
     run_log(tmp_path, "ddp_1gpu_1.log")
     out = tmp_path / "results.csv"
     out.with_name("comm.csv").write_text("stale\n")  # an older collection's
     assert cli(capsys, "--logs", tmp_path, "--out", out)[0] == 0
-    assert not out.with_name("comm.csv").exists()
+    assert not out.with_name("comm.csv").exists() and not list(tmp_path.glob("*_samples.csv"))
+    assert "nvidia-smi" not in capsys.readouterr().out
     assert results_summary.summarize(pd.read_csv(out))["comm_model"].isna().all()
 
 

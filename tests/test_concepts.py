@@ -57,6 +57,9 @@ class Dispatched(TorchDispatchMode):
 
 
 def test_without_a_sampler_every_rank_sees_the_same_images_with_it_disjoint_shards():
+    """Where the world size does not divide the set, DistributedSampler (drop_last=False, as
+    data.build_loaders makes it) pads the shared permutation with its first indices up to a
+    multiple of the world size: at 2 ranks, 1001 images give shards of 501, one in both."""
     size, world = 1000, 2
     # Without a sampler, each rank iterates the data set (or shuffles it with the same seed).
     no_sampler = [
@@ -73,13 +76,7 @@ def test_without_a_sampler_every_rank_sees_the_same_images_with_it_disjoint_shar
     assert len(shards[0]) == len(shards[1]) == size // world
     assert not set(shards[0]) & set(shards[1])
     assert sorted(shards[0] + shards[1]) == list(range(size))
-
-
-def test_where_the_world_size_does_not_divide_the_set_the_sampler_repeats_images():
-    """DistributedSampler (drop_last=False, as data.build_loaders makes it) pads the shared
-    permutation with its first indices up to a multiple of the world size: at 2 ranks, 1001
-    images give shards of 501, and one image is in both."""
-    size, world = 1001, 2
+    size = 1001
     shards = [list(ShardSampler(size, world, rank, shuffle=True, seed=SEED)) for rank in range(2)]
     assert len(shards[0]) == len(shards[1]) == 501
     assert set(shards[0]) | set(shards[1]) == set(range(size))
@@ -132,7 +129,11 @@ def test_without_zero_grad_the_second_backward_adds_to_the_first():
 # ----------------------------------------------------------------------------- DDP vs FSDP
 
 
-def _parameters_after_one_step(env, strategy: str) -> dict:
+def _parameters_after_one_step(env) -> dict:
+    return {strategy: _one_step(env, strategy) for strategy in ("ddp", "fsdp")}
+
+
+def _one_step(env, strategy: str) -> dict:
     from ddp_utils import get_ddp_model
     from fsdp_utils import get_fsdp_model
 
@@ -151,12 +152,18 @@ def _parameters_after_one_step(env, strategy: str) -> dict:
     return {"full": full, "held": held, "bytes": bytes_held, "flat": flat}
 
 
-def test_ddp_replicates_every_parameter_and_the_replicas_stay_equal():
-    ranks = spawn(_parameters_after_one_step, 2, "ddp", timeout=90)
-    for r in ranks:
+def test_ddp_replicates_every_parameter_fsdp_full_shard_holds_half_of_them_at_two_ranks():
+    ranks = spawn(_parameters_after_one_step, 2, timeout=100)
+    ddp, fsdp = [r["ddp"] for r in ranks], [r["fsdp"] for r in ranks]
+    for r in ddp:
         assert r["held"] == r["full"] == 553_514
     # Different data on each rank, yet identical parameters after the step: averaged gradients.
-    assert torch.equal(ranks[0]["flat"], ranks[1]["flat"])
+    assert torch.equal(ddp[0]["flat"], ddp[1]["flat"])
+    full = fsdp[0]["full"]
+    for r in fsdp:
+        assert 0.45 < r["held"] / full < 0.55, (r["held"], full)
+        assert 0.45 < r["bytes"] / (4 * full) < 0.55
+    assert fsdp[0]["held"] + fsdp[1]["held"] == full  # the shards add up to the model
 
 
 def _ddp_initial_weights(env) -> torch.Tensor:
@@ -273,15 +280,6 @@ def test_bucket_views_save_the_copy_back_not_the_copy_in():
     assert found[True, False] == {copy_in: 0, copy_back: 0, add: n, divide: n}
 
 
-def test_fsdp_full_shard_holds_about_half_the_parameters_per_rank_at_two_ranks():
-    ranks = spawn(_parameters_after_one_step, 2, "fsdp", timeout=90)
-    full = ranks[0]["full"]
-    for r in ranks:
-        assert 0.45 < r["held"] / full < 0.55, (r["held"], full)
-        assert 0.45 < r["bytes"] / (4 * full) < 0.55
-    assert ranks[0]["held"] + ranks[1]["held"] == full  # the shards add up to the model
-
-
 # ----------------------------------------------------------------------------- precision
 
 
@@ -360,16 +358,12 @@ def test_no_grad_builds_no_autograd_graph_and_saves_no_activations():
 # ----------------------------------------------------------------------------- train/eval
 
 
-def test_train_and_eval_mode_give_the_same_output_for_the_cnn():
+def test_train_and_eval_mode_give_the_cnn_the_same_output_a_resnet_with_batchnorm_not():
     torch.manual_seed(SEED)
-    model = build_model("cnn")
+    cnn = build_model("cnn")
     x, _ = batch()
     with torch.no_grad():
-        torch.testing.assert_close(model.train()(x), model.eval()(x), rtol=0, atol=0)
-
-
-def test_train_and_eval_mode_differ_for_a_resnet_with_batchnorm():
-    torch.manual_seed(SEED)
+        torch.testing.assert_close(cnn.train()(x), cnn.eval()(x), rtol=0, atol=0)
     model = build_model("resnet18")
     x, _ = batch(4)
     bn = model.bn1

@@ -25,6 +25,9 @@ from utils import format_comm
 pytestmark = pytest.mark.fast  # make test-fast
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# The figures of a line per strategy, against the rank count on x.
+LINE_PLOTS = ["epoch_time.png", "val_loss_acc.png", "peak_memory.png", "throughput.png"]
+TWO_POINTS = {("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}  # runs_frame's epoch times
 course_csv = COURSE_LOGS / "results_solution.csv"
 
 
@@ -133,28 +136,11 @@ def test_every_png_from_a_small_csv(tmp_path, capsys):
     assert out.split() == [str(tmp_path / "plots" / name) for name in plot_results.FIGURES]
 
 
-def test_a_figure_not_drawn_leaves_no_older_one_behind(tmp_path, capsys):
-    """A figure of FIGURES that this CSV cannot support is removed from --out-dir: an earlier
-    sweep's PNG of that name would pass for this one's. Other files there stay."""
-    plots = tmp_path / "plots"
-    plots.mkdir()
-    for name in ("comm_bandwidth.png", "gpu_timeline.png", "mine.png", "notes.txt"):
-        (plots / name).write_bytes(PNG_MAGIC)
-    csv = tmp_path / "results.csv"
-    runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).to_csv(csv, index=False)
-    code, out, err = cli(capsys, "--csv", csv, "--out-dir", plots, "--report")
-    assert code == 0, err
-    assert "not written comm_bandwidth.png" in err and "not written gpu_timeline.png" in err
-    drawn = [Path(line).name for line in out.split()]
-    assert "comm_bandwidth.png" not in drawn and "epoch_time.png" in drawn
-    assert sorted(p.name for p in plots.iterdir()) == sorted(
-        [*drawn, "report.md", "mine.png", "notes.txt"]
-    )
-
-
 def test_side_files_belong_to_their_results_file(tmp_path, capsys):
     """docs/results.md's OUT=old.csv beside results.csv: each results file has its own side CSVs
-    (old_comm.csv, ...; results.csv keeps comm.csv), and plot_results reads its own alone."""
+    (old_comm.csv, ...; results.csv keeps comm.csv), and plot_results reads its own alone. A
+    figure of FIGURES that a CSV cannot support is removed from --out-dir: an earlier sweep's
+    PNG of that name would pass for this one's. Other files there stay."""
     new, old = tmp_path / "new", tmp_path / "old"
     new.mkdir()
     old.mkdir()
@@ -173,9 +159,18 @@ def test_side_files_belong_to_their_results_file(tmp_path, capsys):
         "results.csv",
     ]
     capsys.readouterr()
-    code, out, err = cli(capsys, "--csv", tmp_path / "results.csv", "--out-dir", tmp_path / "p")
+    plots = tmp_path / "p"
+    plots.mkdir()
+    for name in ("comm_bandwidth.png", "gpu_timeline.png", "mine.png", "notes.txt"):
+        (plots / name).write_bytes(PNG_MAGIC)
+    code, out, err = cli(capsys, "--csv", tmp_path / "results.csv", "--out-dir", plots, "--report")
     assert code == 0 and "not written comm_bandwidth.png: no [COMM] lines" in err
     assert "not written gpu_timeline.png" in err
+    drawn = [Path(line).name for line in out.split()]
+    assert "comm_bandwidth.png" not in drawn and "epoch_time.png" in drawn
+    assert sorted(p.name for p in plots.iterdir()) == sorted(
+        [*drawn, "report.md", "mine.png", "notes.txt"]
+    )
     code, out, err = cli(capsys, "--csv", tmp_path / "old.csv", "--out-dir", tmp_path / "old_p")
     assert code == 0, err
     assert {"comm_bandwidth.png", "gpu_timeline.png"} <= {Path(line).name for line in out.split()}
@@ -185,19 +180,9 @@ def test_course_results_csv(tmp_path, capsys):
     # The course's shape: method (not strategy), final epoch only, no throughput.
     code, _, err = cli(capsys, "--csv", course_csv, "--out-dir", tmp_path)
     assert code == 0
-    assert_pngs(
-        tmp_path,
-        set(plot_results.FIGURES)
-        - {
-            "throughput.png",
-            "time_breakdown.png",
-            "comm_bandwidth.png",
-            "gpu_timeline.png",
-            "pipeline_bubble.png",
-            "bytes_per_parameter.png",
-            "largest_model.png",
-        },
-    )
+    not_drawn = "throughput time_breakdown comm_bandwidth gpu_timeline pipeline_bubble"
+    not_drawn += " bytes_per_parameter largest_model"
+    assert_pngs(tmp_path, set(plot_results.FIGURES) - {f"{n}.png" for n in not_drawn.split()})
     assert "not written bytes_per_parameter.png: no parameters ([CONFIG] lines)" in err
     assert "not written largest_model.png: no state_mem, parameters, act_per_image" in err
     assert "not written gpu_timeline.png: no GPU samples" in err
@@ -214,7 +199,7 @@ def test_course_results_csv(tmp_path, capsys):
 @pytest.mark.parametrize(
     "times, steady",
     [
-        ({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}, "median after epoch 1"),
+        (TWO_POINTS, "median after epoch 1"),
         ({("ddp", 1): [9.0], ("ddp", 2): [5.0]}, "the only epoch logged"),
         (
             {("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0]},
@@ -255,9 +240,17 @@ def test_bad_csv_is_one_line_error(tmp_path, capsys, content, message):
     assert not (tmp_path / "plots").exists()
 
 
-def test_missing_csv(tmp_path, capsys):
+def test_a_missing_csv_an_unwritable_folder_and_no_gpu_memory_size_are_one_line(tmp_path, capsys):
     code, _, err = cli(capsys, "--csv", tmp_path / "nope.csv")
     assert code != 0 and err.startswith("error: no results file")
+    blocker = tmp_path / "a_file"  # root ignores permission bits: a file as parent folder
+    blocker.write_text("x")
+    csv = tmp_path / "results.csv"
+    runs_frame(TWO_POINTS).to_csv(csv, index=False)
+    code, _, err = cli(capsys, "--csv", csv, "--out-dir", blocker / "plots")
+    assert code != 0 and err.strip().splitlines()[-1].startswith("error: cannot write")
+    code, _, err = cli(capsys, "--csv", csv, "--gpu-memory", "0")
+    assert code == 2 and err.strip() == "error: --gpu-memory must be a positive number of GB, got 0"
 
 
 # ---- plot_results.sh ----
@@ -280,6 +273,11 @@ def run_script(cwd: Path, **env) -> subprocess.CompletedProcess:
 def test_script_collects_then_plots_from_another_directory(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
+    (logs / "ddp_1gpu_1.log").write_text("no metrics\n")  # all the script has, at first
+    done = run_script(tmp_path, LOGS="logs", OUT="r.csv", PLOTS="plots")
+    assert done.returncode != 0
+    assert done.stderr.splitlines()[-1].startswith("error: ") and "Traceback" not in done.stderr
+    assert not (tmp_path / "plots").exists()
     breakdown = dict(t_compute=1.5, t_data=0.25, t_comm=0.5, t_wait=0.25, train_images=512)
     breakdown.update(state_pred=8856264, act_per_image=2**16)  # [METRIC]'s memory fields
     run_log(logs, "ddp_1gpu_1.log", world_size=1, job_id="1", **breakdown)
@@ -317,25 +315,6 @@ def test_script_collects_then_plots_from_another_directory(tmp_path):
     )
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-def test_script_fails_on_logs_without_metrics(tmp_path):
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "logs" / "ddp_1gpu_1.log").write_text("no metrics\n")
-    done = run_script(tmp_path, LOGS="logs", OUT="r.csv", PLOTS="plots")
-    assert done.returncode != 0
-    assert done.stderr.splitlines()[-1].startswith("error: ") and "Traceback" not in done.stderr
-    assert not (tmp_path / "plots").exists()
-
-
-def test_unwritable_output_folder_is_one_line(tmp_path, capsys):
-    blocker = tmp_path / "a_file"  # root ignores permission bits: a file as parent folder
-    blocker.write_text("x")
-    csv = tmp_path / "results.csv"
-    runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).to_csv(csv, index=False)
-    code, _, err = cli(capsys, "--csv", csv, "--out-dir", blocker / "plots")
-    assert code != 0 and err.strip().splitlines()[-1].startswith("error: cannot write")
-
-
 def test_figures_say_what_ran_and_what_memory_was_measured():
     """The subtitle of every figure comes from the CSV (device, data set and size, batch,
     epochs, sweep); the memory axis names what peak_mem measured on that device."""
@@ -363,25 +342,18 @@ def test_figures_say_what_ran_and_what_memory_was_measured():
     assert results_summary.context(plot_results.read_results(course_csv)) == "10 epochs"
 
 
-def test_quality_panels_show_their_values_and_both_have_legends():
-    results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
-        val_loss=[2.0, 1.9181, 2.0, 1.9191]
-    )
+def test_quality_axes_do_not_magnify_a_difference_within_noise():
+    """Final losses of 1.2710 and 1.2720 at 1 and 2 ranks, one run each: on a loss axis from 0
+    the difference is under 1% of the panel's height, accuracy spans 0-100%, and the titles
+    say no run-to-run spread was measured; with a repeated run they no longer say it. Both
+    panels have legends and show their values (no offset)."""
+    results = runs_frame(TWO_POINTS).assign(val_loss=[2.0, 1.2710, 2.0, 1.2720])
     fig = plot_results.plot_quality(results_summary.summarize(results))
     fig.canvas.draw()
     for ax in fig.axes:
         assert ax.get_legend() is not None
         assert ax.yaxis.get_major_formatter().get_offset() == ""
-
-
-def test_quality_axes_do_not_magnify_a_difference_within_noise():
-    """Final losses of 1.2710 and 1.2720 at 1 and 2 ranks, one run each: on a loss axis from 0
-    the difference is under 1% of the panel's height, accuracy spans 0-100%, and the titles
-    say no run-to-run spread was measured; with a repeated run they no longer say it."""
-    results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
-        val_loss=[2.0, 1.2710, 2.0, 1.2720]
-    )
-    loss, acc = plot_results.plot_quality(results_summary.summarize(results)).axes
+    loss, acc = fig.axes
     low, high = loss.get_ylim()
     assert low == 0 and 0.001 / (high - low) < 0.01, (low, high)
     assert acc.get_ylim() == (0, 100)
@@ -395,11 +367,11 @@ def test_quality_axes_do_not_magnify_a_difference_within_noise():
 def test_figures_and_report_name_the_ranks_and_their_device():
     """What the `gpus` column counts is named after the device the runs trained on: CPU ranks
     on a CPU, GPUs on CUDA, in every axis, tick and sentence that counts them."""
-    results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}))
+    results = with_breakdown(runs_frame(TWO_POINTS))
     for device, one, many in (("cpu", "CPU rank", "CPU ranks"), ("cuda", "GPU", "GPUs")):
         ran = results.assign(device=device)
         summary = results_summary.summarize(ran)
-        for name in ("epoch_time.png", "val_loss_acc.png", "peak_memory.png", "throughput.png"):
+        for name in LINE_PLOTS:
             assert {ax.get_xlabel() for ax in plot_results.FIGURES[name](summary).axes} == {many}
         speed, _ = plot_results.plot_speedup(summary).axes
         assert speed.get_ylabel().startswith(f"speedup over 1 {one} ")
@@ -415,7 +387,7 @@ def test_figures_and_report_name_the_ranks_and_their_device():
 def test_repeated_runs_draw_min_max_bars():
     """--repeats: epoch time is the median over runs, with a bar from the fastest to the
     slowest; a configuration run once has no bar."""
-    results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]})
+    results = runs_frame(TWO_POINTS)
     again = runs_frame({("ddp", 1): [9.0, 10.0]}).assign(log="ddp_1gpu_again.log")
     summary = results_summary.summarize(pd.concat([results, again]))
     (ax,) = plot_results.plot_epoch_time(summary).axes
@@ -463,7 +435,7 @@ def test_every_epoch_time_has_a_labelled_tick_near_it():
 def test_the_subtitle_fits_the_figure_above_the_panels(tmp_path):
     """A subtitle longer than a 720-px figure is wide is wrapped onto lines that lie within the
     figure, and the panels' titles below them."""
-    results = runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}).assign(
+    results = runs_frame(TWO_POINTS).assign(
         device="cpu",
         dataset="synthetic",
         train_images=2048,
@@ -493,13 +465,7 @@ def test_strategies_that_draw_the_same_curve_both_stay_visible():
         ("fsdp", 2): [5.0, 4.0],
     }
     summary = results_summary.summarize(runs_frame(same))
-    for name in (
-        "epoch_time.png",
-        "val_loss_acc.png",
-        "peak_memory.png",
-        "speedup_efficiency.png",
-        "throughput.png",
-    ):
+    for name in LINE_PLOTS + ["speedup_efficiency.png"]:
         fig = plot_results.FIGURES[name](summary)
         for ax in fig.axes:
             lines = {line.get_label(): line for line in ax.get_lines()}
@@ -549,23 +515,16 @@ def test_the_breakdown_draws_every_part_also_from_logs_older_than_some():
     assert parts == [utils.LABEL[t] for t in utils.TIME_PARTS] and "unexplained" in parts
     tops = [max(p.get_y() + p.get_height() for p in c) for c in bars.containers]
     assert tops[-1] == pytest.approx(max(summary["time"]))
-    plt.close("all")
-
-
-def test_every_legend_entry_of_the_breakdown_stands_clear_of_its_label():
-    fig = plot_results.plot_time_breakdown(
-        results_summary.summarize(
-            with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [6.0, 5.0]}))
-        )
-    )
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    legend = fig.axes[0].get_legend()
+    # Every legend entry stands clear of its label.
+    bars.figure.canvas.draw()
+    renderer = bars.figure.canvas.get_renderer()
+    legend = bars.get_legend()
     for handle, text in zip(legend.legend_handles, legend.get_texts(), strict=True):
         drawn = handle.get_window_extent(renderer)  # a scatter's marker has no finite extent
         assert math.isfinite(drawn.x0) and drawn.x1 < text.get_window_extent(renderer).x0, (
             text.get_text()
         )
+    plt.close("all")
 
 
 def test_the_models_own_messages_sit_on_the_bandwidth_curves():
@@ -604,7 +563,7 @@ def test_a_point_whose_gpu_idled_more_than_it_worked_is_called_host_bound():
     """report.md and the time-breakdown bars: a point whose GPU ran kernels under half the
     epoch is host-bound (0.3), one above is not (0.8), with each share; CPU runs, whose
     gpu_busy is na, say nothing of it."""
-    results = with_breakdown(runs_frame({("ddp", 1): [9.0, 8.0], ("ddp", 2): [5.0, 4.0]}))
+    results = with_breakdown(runs_frame(TWO_POINTS))
     on_gpu = results.assign(device="cuda", gpu_busy=results["gpus"].map({1: 0.3, 2: 0.8}))
     costs = results_summary.largest_costs(results_summary.summarize(on_gpu))
     assert costs[0].startswith("- ddp on 1 GPU: ") and costs[0].endswith(
@@ -705,11 +664,6 @@ def test_memory_per_rank_is_drawn_on_log_axes_one_line_per_model_and_strategy():
         assert ax.get_yscale() == "log"
         labels = {line.get_label() for line in ax.get_lines()}
         assert labels == {f"{s}, {m}" for s in ("ddp", "fsdp") for m in ("cnn", "cnn-wide")}
-
-
-def test_a_gpu_memory_that_is_no_size_is_one_line(tmp_path, capsys):
-    code, _, err = cli(capsys, "--csv", tmp_path / "results.csv", "--gpu-memory", "0")
-    assert code == 2 and err.strip() == "error: --gpu-memory must be a positive number of GB, got 0"
 
 
 def test_without_torch_the_state_per_parameter_is_left_out_in_one_line(monkeypatch):

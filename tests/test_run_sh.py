@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -53,20 +52,9 @@ def test_edf_is_a_cscs_environment_definition():
     # before carry a torch older than distributed_utils.OLDEST_TORCH.
     tag = re.fullmatch(r"nvcr\.io#nvidia/pytorch:(\d\d)\.(\d\d)-py3", edf["image"])
     assert tag and (int(tag[1]), int(tag[2])) >= (25, 12), edf["image"]
-    assert set(edf) <= {
-        "image",
-        "mounts",
-        "workdir",
-        "writable",
-        "entrypoint",
-        "base_environment",
-        "env",
-        "annotations",
-    }
-
-
-def test_edf_says_what_to_change():
-    assert "CHANGE" in (REPO / "edf.toml").read_text()
+    known = "image mounts workdir writable entrypoint base_environment env annotations"
+    assert set(edf) <= set(known.split())
+    assert "CHANGE" in (REPO / "edf.toml").read_text()  # says what to change
 
 
 # ----------------------------------------------------------------------------- run.sh
@@ -79,10 +67,6 @@ def sbatch_options() -> dict:
             name, _, value = line.split(maxsplit=1)[1].partition("=")
             options[name] = value
     return options
-
-
-def test_run_sh_is_valid_bash():
-    assert run(["bash", "-n", REPO / "run.sh"]).returncode == 0
 
 
 def test_run_sh_defaults_are_the_course_job():
@@ -101,47 +85,28 @@ def test_run_sh_defaults_are_the_course_job():
 FAKE_BIN = REPO / "tests" / "fake-bin"
 
 
-@pytest.fixture(scope="module")
-def local_launch(tmp_path_factory) -> SimpleNamespace:
-    """One run.sh launch without SLURM, for the tests of what it did (each claim its own test,
-    one launch for all): two ranks through torchrun, each forking DataLoader workers
-    (--loader classic), sampled every second, with a fake nvidia-smi on PATH."""
-    folder = tmp_path_factory.mktemp("local_launch")
-    repo = copy_repo(tmp_path_factory.mktemp("repo"))
+def test_run_sh_trains_locally_with_torchrun_and_samples_its_ranks(tmp_path):
+    """One run.sh launch without SLURM: two ranks through torchrun, each forking DataLoader
+    workers (--loader classic), sampled every second, with a fake nvidia-smi on PATH. What
+    run.sh decides, seen in what the ranks used: torchrun's world and rendezvous, and the
+    cores shared between the processes (OMP_NUM_THREADS, main.py's `threads`)."""
+    repo = copy_repo(tmp_path)
     # This launch's own copy of the fake nvidia-smi: a concurrent test's (make test runs two
     # workers) is no sampler left running by this run.
-    fake_bin = shutil.copytree(FAKE_BIN, folder / "fake-bin")
+    fake_bin = shutil.copytree(FAKE_BIN, tmp_path / "fake-bin")
+    loader = ["--loader", "classic", "--num-workers", "2"]
     done = run(
-        [
-            "bash",
-            "run.sh",
-            *LONG_RUN,
-            "--train-samples",
-            "2048",
-            "--loader",
-            "classic",
-            "--num-workers",
-            "2",
-            "--device",
-            "cpu",
-            "--no-checkpoint",
-        ],
+        ["bash", "run.sh", *LONG_RUN, "--train-samples", "2048", *loader, "--device", "cpu"]
+        + ["--no-checkpoint"],
         cwd=repo,
         timeout=170,
         NPROC="2",
         OMP_NUM_THREADS="",
         SAMPLE_EVERY="1",
-        SAMPLES_DIR=str(folder / "samples"),
+        SAMPLES_DIR=str(tmp_path / "samples"),
         PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return SimpleNamespace(done=done, samples=folder / "samples", fake_bin=fake_bin)
-
-
-def test_run_sh_trains_locally_with_torchrun(local_launch):
-    """What run.sh decides, seen in what the ranks used: torchrun's world and rendezvous, and
-    the cores shared between the processes (OMP_NUM_THREADS, main.py's `threads`)."""
-    done = local_launch.done
     metrics = metrics_in(done.stdout)
     assert [m["epoch"] for m in metrics] == [1, 2]
     assert all(m["world_size"] == 2 and m["job_id"] == "local" for m in metrics)
@@ -152,30 +117,20 @@ def test_run_sh_trains_locally_with_torchrun(local_launch):
     assert config["cpus"] == os.cpu_count()  # what the collector weighs the threads against
     assert done.stdout.startswith("check: ok: strategy=ddp world sizes 2")
 
-
-def test_the_sampler_counts_ranks_not_their_data_loader_workers(local_launch):
-    """--loader classic: each rank forks DataLoader workers with its own command line and
-    environment; the CPU sampler writes rows for the two ranks alone."""
-    [samples_csv] = local_launch.samples.glob("cpu_local-*.csv")
-    rows = pd.read_csv(samples_csv)
-    assert rows["time_s"].nunique() >= 2, "sampled at least twice while training"
-    assert rows["pid"].nunique() == 2, rows
-
-
-def test_run_sh_samples_gpus_and_ranks_then_stops_the_samplers(local_launch):
-    files = samples.sample_files(local_launch.samples)
+    # The samplers: GPUs and ranks, then stopped.
+    files = samples.sample_files(tmp_path / "samples")
     assert sorted(kind for kind, *_ in files) == ["cpu", "gpu"], files
     assert {job for _, job, _, _ in files} == {files[0][1]} and files[0][1].startswith("local-")
-    gpus, processes = samples.summarize([local_launch.samples])
+    gpus, processes = samples.summarize([tmp_path / "samples"])
     assert list(gpus["gpu"]) == [0, 1]
     assert (gpus["samples"] >= 2).all() and (gpus["peak_mem_mib"] >= 1100).all()
     assert list(gpus["mean_util_pct"]) == [50, 60]
-    assert len(processes) == 2, processes  # the two ranks, not torchrun's agent
+    # The two ranks, not torchrun's agent nor the DataLoader workers each rank forked with its
+    # own command line and environment; each sampled at least twice (a CPU share needs two).
+    assert len(processes) == 2, processes
     assert (processes["peak_rss_mb"] > 50).all() and (processes["mean_cpu_pct"] > 0).all()
     # Nothing keeps sampling after the job: no fake nvidia-smi, no sampler loop.
-    left = subprocess.run(
-        ["pgrep", "-f", str(local_launch.fake_bin)], capture_output=True, text=True
-    )
+    left = subprocess.run(["pgrep", "-f", str(fake_bin)], capture_output=True, text=True)
     assert left.stdout == "", left.stdout
 
 
@@ -187,6 +142,9 @@ def test_run_sh_refuses_bad_input_before_starting_ranks(repo_copy):
     assert "torchrun" not in done.stdout + done.stderr
     assert not (repo_copy / "logs" / "torchrun").exists()  # no rank was started
     assert elapsed < 30, elapsed  # about 8 s on the 2-core development machine
+    assert_one_line_error(run(["bash", "run.sh"], cwd=repo_copy, NPROC="zero"), "NPROC")
+    (repo_copy / "main.py").unlink()
+    assert_one_line_error(run(["bash", "run.sh"], cwd=repo_copy), "main.py")
 
 
 @pytest.mark.timeout(120)
@@ -309,17 +267,6 @@ def test_the_loopback_cluster_commands_run_on_its_fake_gpus():
         assert done.returncode == 0, f"{' '.join(words)}\n{done.stderr}"
 
 
-def test_run_sh_rejects_a_bad_nproc():
-    done = run(["bash", "run.sh"], NPROC="zero")
-    assert_one_line_error(done, "NPROC")
-
-
-def test_run_sh_needs_main_py(tmp_path):
-    shutil.copy(REPO / "run.sh", tmp_path)
-    done = run(["bash", "run.sh"], cwd=tmp_path)
-    assert_one_line_error(done, "main.py")
-
-
 # ----------------------------------------------------------------------------- run_benchmarks.py
 
 
@@ -355,18 +302,8 @@ def test_dry_run_prints_one_script_per_configuration_and_writes_nothing(repo_cop
     assert not (repo_copy / "jobs").exists() and not list((repo_copy / "logs").iterdir())
 
 
-def test_dry_run_passes_slurm_options_and_the_container(repo_copy):
-    slurm = {"--account": "acct", "--partition": "normal", "--time": "00:10:00"}
-    sweep = ["--gpus", "2", "--strategies", "ddp", *(w for pair in slurm.items() for w in pair)]
-    done = benchmarks("--dry-run", *sweep, "--environment", "edf.toml", cwd=repo_copy)
-    assert done.returncode == 0, done.stderr
-    for option, value in slurm.items():
-        assert f"{option}={value}" in done.stdout
-    assert f"export EDF={repo_copy / 'edf.toml'}" in done.stdout
-
-
-def collect_job(repo_copy: Path, *options: str) -> tuple[str, Path]:
-    """The sweep's name and its collect job's script, as a dry run writes it."""
+def collect_job(repo_copy: Path, *options: str) -> tuple[str, Path, str]:
+    """The sweep's name, its collect job's script as a dry run writes it, and what it printed."""
     done = benchmarks("--dry-run", "--gpus", "1", "--strategies", "ddp", *options, cwd=repo_copy)
     assert done.returncode == 0, done.stderr
     sweep, collect = re.search(
@@ -375,13 +312,21 @@ def collect_job(repo_copy: Path, *options: str) -> tuple[str, Path]:
     job = repo_copy / "jobs" / sweep / "collect.sh"
     job.parent.mkdir(parents=True)
     job.write_text(collect)
-    return sweep, job
+    return sweep, job, done.stdout
 
 
-def test_the_collect_job_runs_the_collector_in_the_container_with_its_sweep(repo_copy, tmp_path):
-    """The collect job's command, run by stand-ins for sbatch (runs --wrap) and srun (drops its
-    options, shows what it would start and with which LOGS)."""
-    sweep, job = collect_job(repo_copy, "--environment", "edf.toml")
+def test_the_jobs_take_slurm_options_and_the_collect_job_its_sweep_in_the_container(
+    repo_copy, tmp_path
+):
+    """A dry run's jobs carry SLURM's options and the container. The collect job's command, run
+    by stand-ins for sbatch (runs --wrap) and srun (drops its options, shows what it would
+    start and with which LOGS)."""
+    slurm = {"--account": "acct", "--partition": "normal", "--time": "00:10:00"}
+    options = [*(w for pair in slurm.items() for w in pair), "--environment", "edf.toml"]
+    sweep, job, printed = collect_job(repo_copy, *options)
+    for option, value in slurm.items():
+        assert f"{option}={value}" in printed
+    assert f"export EDF={repo_copy / 'edf.toml'}" in printed
     path = on_path(
         tmp_path / "bin",
         sbatch='while [ "$1" != --wrap ]; do shift; done; exec bash -c "$2"',
@@ -404,7 +349,7 @@ def test_a_failed_collect_job_says_so_in_its_status_and_the_sweeps_folder(repo_c
     """Every job of the sweep died (a log without metrics): the collect job exits non-zero, the
     status sacct shows, and its outcome in the sweep's folder says so with the error line;
     once a log with metrics is there, it exits 0 and the outcome file is read as no log."""
-    sweep, job = collect_job(repo_copy)
+    sweep, job, _ = collect_job(repo_copy)
     logs = repo_copy / "logs" / sweep
     logs.mkdir()
     (logs / "ddp_1gpu_5.log").write_text("error: rank 0 died\n")
@@ -455,14 +400,7 @@ def test_a_sweep_runs_the_pipeline_where_the_model_cuts_and_says_so_once():
         "units into one stage per rank, the same number each: world size 2 or 4"
     ]
     runs = re.findall(r"^NPROC=(\d) bash run.sh --strategy (\w+)", done.stdout, re.M)
-    assert runs == [
-        ("1", "ddp"),
-        ("2", "ddp"),
-        ("2", "pipeline"),
-        ("4", "ddp"),
-        ("4", "pipeline"),
-        ("8", "ddp"),
-    ]
+    assert [" ".join(r) for r in runs] == "1 ddp,2 ddp,2 pipeline,4 ddp,4 pipeline,8 ddp".split(",")
     alone = benchmarks("--local", "--dry-run", "--strategies", "pipeline", "--gpus", "1", "8")
     assert_one_line_error(alone, "nothing to run: --strategy pipeline cuts --model cnn's 4 units")
 
@@ -490,35 +428,14 @@ def test_local_dry_run_lists_the_torchrun_sweep():
 
 
 def test_weak_scaling_keeps_the_batch_per_gpu_and_repeats_repeat():
-    done = benchmarks(
-        "--local",
-        "--dry-run",
-        "--gpus",
-        "1",
-        "2",
-        "4",
-        "--strategies",
-        "ddp",
-        "--scaling",
-        "weak",
-        "--batch-size",
-        "32",
-        "--repeats",
-        "2",
-    )
+    weak = "--gpus 1 2 4 --strategies ddp --scaling weak --batch-size 32 --repeats 2"
+    done = benchmarks("--local", "--dry-run", *weak.split())
     assert done.returncode == 0, done.stderr
     runs = [
         line.split()[0] + " " + line.split("--batch-size ")[1].split()[0]
         for line in done.stdout.splitlines()[:-1]
     ]
-    assert runs == [
-        "NPROC=1 32",
-        "NPROC=1 32",
-        "NPROC=2 64",
-        "NPROC=2 64",
-        "NPROC=4 128",
-        "NPROC=4 128",
-    ]
+    assert runs == [f"NPROC={n} {32 * n}" for n in (1, 2, 4) for _ in range(2)]
 
 
 @pytest.mark.parametrize(
@@ -527,17 +444,8 @@ def test_weak_scaling_keeps_the_batch_per_gpu_and_repeats_repeat():
 )
 def test_the_sweep_takes_every_strategy(gpus, strategies, repo_copy):
     """Each is checked by main.py --check (nothing submitted on a dry run) and gets its job."""
-    done = benchmarks(
-        "--dry-run",
-        "--gpus",
-        gpus,
-        "--strategies",
-        *strategies,
-        "--",
-        "--dataset",
-        "synthetic",
-        cwd=repo_copy,
-    )
+    sweep = ["--gpus", gpus, "--strategies", *strategies, "--", "--dataset", "synthetic"]
+    done = benchmarks("--dry-run", *sweep, cwd=repo_copy)
     assert done.returncode == 0, done.stderr
     assert re.findall(r"^# ---- jobs/sweep-[\d-]+/(\w+)\.sh$", done.stdout, re.M) == [
         f"{s}_{gpus}gpu" for s in strategies
@@ -558,68 +466,43 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
     assert "main.py" not in done.stdout + done.stderr  # the check's error, had it run
 
 
+SWEEP_CHOICE = "is the sweep's choice: use run_benchmarks.py"
+
+
 @pytest.mark.parametrize(
     "args,fragment",
     [
-        (["--gpus", "5"], "5 GPUs do not spread evenly over 2 nodes"),
-        (["--gpus", "8", "--gpus-per-node", "3"], "8 GPUs do not spread evenly over 3 nodes"),
-        (["--gpus", "0"], "at least 1"),
-        (["--gpus", "4", "--batch-size", "30"], "--batch-size 30"),
-        (["--local", "--environment", "edf.toml"], "--environment needs SLURM"),
-        (["--repeats", "0"], "--repeats must be at least 1"),
+        ("--gpus 5", "5 GPUs do not spread evenly over 2 nodes"),
+        ("--gpus 8 --gpus-per-node 3", "8 GPUs do not spread evenly over 3 nodes"),
+        ("--gpus 0", "at least 1"),
+        ("--gpus 4 --batch-size 30", "--batch-size 30"),
+        ("--local --environment edf.toml", "--environment needs SLURM"),
+        ("--repeats 0", "--repeats must be at least 1"),
         (
-            [
-                "--gpus",
-                "1",
-                "2",
-                "--scaling",
-                "weak",
-                "--batch-size",
-                "6",
-                "--",
-                "--dataset",
-                "synthetic",
-                "--grad-accum",
-                "4",
-            ],
+            "--gpus 1 2 --scaling weak --batch-size 6 -- --dataset synthetic --grad-accum 4",
             "main.py --strategy ddp: each rank's 6 images per step do not split into "
             "--grad-accum 4",
         ),
-        (["--gpus", "1", "2", "--strategies", "ddp", "single"], "single run one process"),
+        ("--gpus 1 2 --strategies ddp single", "single run one process"),
         (
-            ["--gpus", "1", "--dataset", "synthetic"],
+            "--gpus 1 --dataset synthetic",
             "--dataset is an option of main.py: put main.py's options after --",
         ),
         (
-            ["--gpus", "1", "--strategy", "fsdp"],
-            "--strategy is an option of main.py that is the "
-            "sweep's choice: use run_benchmarks.py --strategies",
+            "--gpus 1 --strategy fsdp",
+            f"--strategy is an option of main.py that {SWEEP_CHOICE} --strategies",
         ),
+        ("--gpus 1 -- --method=fsdp", f"--method after -- {SWEEP_CHOICE} --strategies"),
+        ("--gpus 1 -- --batch 64", f"--batch after -- {SWEEP_CHOICE} --batch-size"),
+        ("--gpus 1 -- --gpus 4", f"--gpus after -- {SWEEP_CHOICE} --gpus and --gpus-per-node"),
+        ("--gpus 1 -- --nodes=2", f"--nodes after -- {SWEEP_CHOICE} --gpus and --gpus-per-node"),
         (
-            ["--gpus", "1", "--", "--method=fsdp"],
-            "--method after -- is the sweep's choice: use run_benchmarks.py --strategies",
-        ),
-        (
-            ["--gpus", "1", "--", "--batch", "64"],
-            "--batch after -- is the sweep's choice: use run_benchmarks.py --batch-size",
-        ),
-        (
-            ["--gpus", "1", "--", "--gpus", "4"],
-            "--gpus after -- is the sweep's choice: use run_benchmarks.py --gpus and "
-            "--gpus-per-node",
-        ),
-        (
-            ["--gpus", "1", "--", "--nodes=2"],
-            "--nodes after -- is the sweep's choice: use run_benchmarks.py --gpus and "
-            "--gpus-per-node",
-        ),
-        (
-            REFUSED_BY_THE_CHECK,
+            " ".join(REFUSED_BY_THE_CHECK),
             "main.py --strategy ddp: each rank's 128 images per step do not split into "
             "--grad-accum 3",
         ),
         (
-            ["--gpus", "2", "--", "--dataset", "synthetic", "--modle", "cnn"],
+            "--gpus 2 -- --dataset synthetic --modle cnn",
             "unrecognized option --modle; did you mean --model?",
         ),
     ],
@@ -627,7 +510,7 @@ def test_missing_sbatch_is_a_clear_error(tmp_path):
 def test_bad_sweeps_are_refused_before_anything_runs(args, fragment, repo_copy):
     """Our own options, and main.py's through main.py --check for every configuration: one
     line, exit status 2, and no job script or log folder written."""
-    assert_one_line_error(benchmarks("--dry-run", *args, cwd=repo_copy), fragment)
+    assert_one_line_error(benchmarks("--dry-run", *args.split(), cwd=repo_copy), fragment)
     assert not (repo_copy / "jobs").exists() and not list((repo_copy / "logs").iterdir())
 
 
@@ -650,7 +533,7 @@ def test_every_main_py_option_the_sweep_sets_is_refused_after_the_double_dash(re
             benchmarks(
                 "--dry-run", "--gpus", "1", "--", flag, set_with_a_value[flag], cwd=repo_copy
             ),
-            f"{flag} after -- is the sweep's choice: use run_benchmarks.py {ours}",
+            f"{flag} after -- {SWEEP_CHOICE} {ours}",
         )
     assert not (repo_copy / "jobs").exists()
 
@@ -663,88 +546,51 @@ def test_a_sweep_started_by_a_python_without_torch_checks_with_the_jobs_python(r
     assert_one_line_error(done, "each rank's 128 images per step do not split into --grad-accum 3")
 
 
-# One tiny local sweep, shared by the tests below (each run costs seconds of torchrun): the
-# issue's two models x ddp, fsdp x 1, 2 CPU ranks (4 would add time, no mechanism), one epoch.
-MODEL_SWEEP = ["--models", "cnn", "cnn-wide", "--gpus", "1", "2", "--strategies", "ddp", "fsdp"]
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_local_sweep_of_two_models_trains_collects_and_plots(tmp_path):
+    """One tiny local sweep (each run costs seconds of torchrun): the issue's two models x fsdp
+    x 1, 2 CPU ranks, one epoch. Both models' rows (each its own parameter count, from its
+    [CONFIG] line), the figures, and report.md's projection, re-derived by hand from one run's
+    epoch lines."""
+    from model import build_model, count_parameters
 
-
-@pytest.fixture(scope="module")
-def model_sweep(tmp_path_factory) -> SimpleNamespace:
-    repo = copy_repo(tmp_path_factory.mktemp("model_sweep"))
+    repo = copy_repo(tmp_path)
     done = benchmarks(
-        "--local",
-        *MODEL_SWEEP,
-        "--epochs",
-        "1",
-        "--batch-size",
-        "32",
-        "--",
-        *TINY,
-        "--no-checkpoint",
+        *("--local", "--models", "cnn", "cnn-wide", "--gpus", "1", "2", "--strategies", "fsdp"),
+        *("--epochs", "1", "--batch-size", "32", "--", *TINY, "--no-checkpoint"),
         cwd=repo,
-        timeout=850,
+        timeout=550,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (sweep,) = (repo / "logs").glob("sweep-*")  # the sweep's own folder
-    return SimpleNamespace(
-        repo=repo,
-        done=done,
-        sweep=sweep,
-        results=pd.read_csv(repo / "results.csv"),
-        report=(repo / "plots" / "report.md").read_text(),
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_local_sweep_trains_collects_and_plots(model_sweep):
-    done, repo, sweep = model_sweep.done, model_sweep.repo, model_sweep.sweep
     # The ranks named after the device main.py --check found, as the tables name them.
     said = [line.split(" here: ")[0] for line in done.stdout.splitlines() if " here: log " in line]
-    assert said[:3] == ["cnn ddp on 1 CPU rank", "cnn fsdp on 1 CPU rank", "cnn ddp on 2 CPU ranks"]
+    ranks = ("1 CPU rank", "2 CPU ranks")
+    assert said == [f"{m} fsdp on {n}" for m in ("cnn", "cnn-wide") for n in ranks], said
     assert "strong scaling: global batch 32 at every CPU rank count" in done.stderr
     assert "| model | strategy | CPU ranks |" in done.stdout
     logs = sorted(re.sub(r"_local-[\d-]+", "", p.name) for p in sweep.glob("*.log"))
-    assert logs == sorted(
-        f"{s}_{g}gpu{m}.log" for m in ("", "_cnn-wide") for s in ("ddp", "fsdp") for g in (1, 2)
-    )
-    assert list((repo / "plots").glob("*.png"))
-    # Every job measured its collectives first (--comm-benchmark): comm.csv, both new figures
-    # (the bandwidth one from the multi-rank jobs) and the report.
+    assert logs == sorted(f"fsdp_{g}gpu{m}.log" for m in ("", "_cnn-wide") for g in (1, 2))
+    # Every job measured its collectives first (--comm-benchmark): comm.csv, the figures (the
+    # bandwidth one from the multi-rank jobs) and the report.
     for log in sweep.glob("*.log"):
         assert any(parse_comm(line) for line in log.read_text().splitlines()), log.name
-    comm = pd.read_csv(repo / "comm.csv")
-    assert set(comm["world_size"]) == {1, 2} and set(comm["strategy"]) == {"ddp", "fsdp"}
-    for name in ("time_breakdown.png", "comm_bandwidth.png", "report.md"):
+    assert set(pd.read_csv(repo / "comm.csv")["world_size"]) == {1, 2}
+    figures = ["time_breakdown.png", "comm_bandwidth.png", "peak_memory.png", "report.md"]
+    for name in [*figures, "bytes_per_parameter.png"]:
         assert (repo / "plots" / name).stat().st_size > 0, name
-    assert "comm at measured bw s" in model_sweep.report
+    report = (repo / "plots" / "report.md").read_text()
+    assert "comm at measured bw s" in report
 
-
-def one_runs_lines(log: Path) -> tuple[dict, list[dict]]:
-    """A run's [CONFIG] line and its epochs' [METRIC] lines, as the log holds them."""
-    text = log.read_text()
-    return config_in(text), metrics_in(text)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_sweep_of_two_models_gives_each_its_rows_figures_and_projection(model_sweep):
-    """Both models' rows (each model's own parameter count, from its [CONFIG] line), the memory
-    figures, and report.md's projection: re-derived by hand from one run's epoch lines."""
-    from model import build_model, count_parameters
-
-    results = model_sweep.results
-    points = results.groupby("model")[["strategy", "gpus"]].apply(
-        lambda r: len(r.drop_duplicates())
-    )
-    assert points.to_dict() == {"cnn": 4, "cnn-wide": 4}
+    results = pd.read_csv(repo / "results.csv")
+    points = results.groupby("model")["gpus"].nunique()
+    assert points.to_dict() == {"cnn": 2, "cnn-wide": 2}
     for model, parameters in results.groupby("model")["parameters"].unique().items():
         assert list(parameters) == [count_parameters(build_model(model))], model
-    for name in ("peak_memory.png", "bytes_per_parameter.png"):
-        assert (model_sweep.repo / "plots" / name).stat().st_size > 0, name
-    section = model_sweep.report.split("## The largest model that fits")[1]
-    (log,) = model_sweep.sweep.glob("fsdp_2gpu_cnn-wide_*.log")
-    config, epochs = one_runs_lines(log)
+    section = report.split("## The largest model that fits")[1]
+    (log,) = sweep.glob("fsdp_2gpu_cnn-wide_*.log")
+    config, epochs = config_in(log.read_text()), metrics_in(log.read_text())
     assert [e["state_pred"] for e in epochs] == [e["state_mem"] for e in epochs]
     state = max(e["state_mem"] for e in epochs)
     activations = max(e["act_per_image"] for e in epochs) * epochs[-1]["local_batch"]
