@@ -23,6 +23,7 @@ regression in them shows here. Warm-up (first batches, first epoch) is never tim
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -65,6 +66,16 @@ def machine() -> str:
         f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
         f"GPU {gpu}; torch {torch.__version__}; {datetime.date.today()}"
     )
+
+
+@contextlib.contextmanager
+def process_group():
+    """This process's distributed environment (a world of one, unless launched), ended after."""
+    env = distributed_utils.setup()
+    try:
+        yield env
+    finally:
+        distributed_utils.cleanup()
 
 
 def timed(fn, device: torch.device) -> float:
@@ -172,8 +183,7 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
     """The project's epoch (DDP wrapper, loader, metrics) against the same work done bare, the
     two alternating: the median of the rounds' ratios (a shared machine's speed drifts)."""
     cfg = one_rank_config(batch, steps)
-    env = distributed_utils.setup()
-    try:
+    with process_group() as env:
         trainer, _ = build_trainer(cfg, env)
         torch.manual_seed(0)
         bare = build_model(cfg.model).to(device)
@@ -187,8 +197,6 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
                 ours.append(result.time)
                 wait.append(result.data_wait / result.time)
                 theirs.append(t_bare)
-    finally:
-        distributed_utils.cleanup()
     images = batch * steps
     return {
         "loop": images / statistics.median(ours),
@@ -241,8 +249,7 @@ def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tup
             "epoch, CUDA graph (s)",
         )
     ]
-    env = distributed_utils.setup()
-    try:
+    with process_group() as env:
         for n in SWEEP_GPUS:
             local = global_batch // n
             cfg = one_rank_config(local, steps)
@@ -257,8 +264,6 @@ def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tup
                     *step_and_epoch(graphed, epoch_steps),
                 )
             )
-    finally:
-        distributed_utils.cleanup()
     return rows
 
 
@@ -282,8 +287,7 @@ def strategy_steps(batch: int, steps: int, device: torch.device) -> list[tuple]:
             *(f"step at {n}, CUDA graph (ms)" for n in local_batches),
         )
     ]
-    env = distributed_utils.setup()
-    try:
+    with process_group() as env:
         for strategy in STEP_STRATEGIES:
             eager, graphed = [], []
             for local in local_batches:
@@ -296,8 +300,6 @@ def strategy_steps(batch: int, steps: int, device: torch.device) -> list[tuple]:
                 if local == batch:
                     counted = f"{operations['epoch']:.0f}"
             rows.append((strategy, counted, *eager, *graphed))
-    finally:
-        distributed_utils.cleanup()
     return rows
 
 
@@ -356,13 +358,10 @@ def table(rows: list[tuple]) -> str:
 def comm_only() -> None:
     """--comm: [COMM] lines of main.py's default model (comm_bench.py), the device chosen as a
     training run would."""
-    env = distributed_utils.setup()
-    try:
+    with process_group() as env:
         with torch.device("meta"):  # sizes only: no weights, no random numbers drawn
             model = build_model(Config.model, SPEC.num_classes, SPEC.image_shape)
         run_comm_benchmark(model, env.device, Config.precision, Config.strategy)
-    finally:
-        distributed_utils.cleanup()
 
 
 def main(argv=None) -> None:
