@@ -434,11 +434,8 @@ def write_sample_tables(out: Path, folders: list[Path], results: pd.DataFrame) -
     tables = sample_tables(folders, results)
     for name, table in tables.items():
         write_beside(out, name, table, "rows")
-    if not tables["gpu_samples.csv"].empty:
-        print(
-            "\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n"
-            + sample_report(tables["gpu_samples.csv"])
-        )
+    if not (gpus := tables["gpu_samples.csv"]).empty:
+        print(f"\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n{sample_report(gpus)}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -346,10 +346,8 @@ def plot_all(
     """Every figure there is data for; `beside` holds the CSVs found beside the results, and
     gpu_memory the GB of the GPU the projection is for (None: projection.gpu_memory's)."""
     beside = beside or {}
-    summary, subtitle = (
-        results_summary.summarize(results, beside.get(COMM_CSV)),
-        results_summary.context(results),
-    )
+    summary = results_summary.summarize(results, beside.get(COMM_CSV))
+    subtitle = results_summary.context(results)
     written = []
     for name, draw in FIGURES.items():
         try:

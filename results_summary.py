@@ -40,12 +40,10 @@ def cores_outnumbered(results: pd.DataFrame) -> str | None:
     shared = results[pd.to_numeric(results["threads_per_core"], errors="coerce") > 1]
     if shared.empty:
         return None
-    names = [
-        f"{strategy} on {gpus:.0f}"
-        for strategy, gpus in sorted(set(zip(shared["strategy"], shared["gpus"])))
-    ]
+    points = sorted(set(zip(shared["strategy"], shared["gpus"])))
+    names = ", ".join(f"{strategy} on {gpus:.0f}" for strategy, gpus in points)
     return (
-        f"warning: the ranks outnumbered the CPU cores of their node in {', '.join(names)} "
+        f"warning: the ranks outnumbered the CPU cores of their node in {names} "
         f"{rank_unit(shared)[1]}: their times measure how the ranks shared the cores, not the "
         "strategy"
     )
