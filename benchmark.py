@@ -4,16 +4,14 @@
 2. the training loop at world size 1 vs a bare loop (same model, batch, optimizer, threads,
    preloaded tensors, no wrapper, no metrics);
 3. the share of step time spent waiting for data (tensor path);
-4. the scaling study's floor: the step time of one rank at the local batch each rank gets in
-   the default strong-scaling sweep (global batch / N for N = 1, 2, 4, 8 GPUs), eager and, on
-   a GPU, as one CUDA graph (--cuda-graphs), the operations torch dispatches per step (each
-   one a kernel launch on a GPU; its N = 1 row is also the first table's), and the epoch time
-   that implies: the best each sweep point can do before any communication;
-5. each strategy of the study (single, ddp, fsdp, fsdp2) on one rank: the operations it
-   dispatches per step, and its step at local batch 256 and 32, eager and, where it can be
-   captured (feasibility.graph_refusal), as one CUDA graph;
-6. DDP and FSDP at world sizes 1, 2 and 4, one GPU each, as many as there are GPUs (1 and 2
-   on a CPU), launched by torchrun as users do: images/s and scaling efficiency.
+4. the scaling study's floor: one rank's step at the local batch each rank gets in the
+   default strong-scaling sweep (global batch / N), eager and, on a GPU, as one CUDA graph, the
+   operations torch dispatches per step, and the epoch time that implies: the best each sweep
+   point can do before any communication;
+5. each strategy of the study on one rank: operations per step, and its step at local batch
+   256 and 32, eager and, where it can be captured (feasibility.graph_refusal), as one CUDA graph;
+6. DDP and FSDP at world sizes 1, 2 and 4 (1 and 2 on a CPU), launched by torchrun as users
+   do: images/s and scaling efficiency.
 
 Every number comes from the project's own code paths (data.py, train.py, session.py), so a
 regression in them shows here. Warm-up (first batches, first epoch) is never timed.
@@ -25,6 +23,7 @@ regression in them shows here. Warm-up (first batches, first epoch) is never tim
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -69,6 +68,16 @@ def machine() -> str:
     )
 
 
+@contextlib.contextmanager
+def process_group():
+    """This process's distributed environment (a world of one, unless launched), ended after."""
+    env = distributed_utils.setup()
+    try:
+        yield env
+    finally:
+        distributed_utils.cleanup()
+
+
 def timed(fn, device: torch.device) -> float:
     synchronize(device)
     start = time.perf_counter()
@@ -80,11 +89,8 @@ def timed(fn, device: torch.device) -> float:
 def input_pipeline(
     kind: str, batch: int, steps: int, workers: int, device: torch.device, rounds: int = 5
 ) -> float:
-    """Images/s of one rank's training batches, augmented and on the device, nothing else.
-
-    The median over `rounds` epochs: one epoch lasts well under a second, and a shared
-    machine's speed drifts over that much time.
-    """
+    """Images/s of one rank's training batches, augmented and on the device, nothing else: the
+    median over `rounds` epochs (one lasts under a second; a shared machine's speed drifts)."""
     train, val = data.make_synthetic(batch * steps, batch, seed=0)
     loaders = data.build_loaders(
         train,
@@ -133,9 +139,8 @@ def counted_epoch(trainer, position: Position) -> collections.Counter:
 
 
 def operations_per_step(trainer, epoch: int = 2, steps: int = 10) -> collections.Counter:
-    """The operations one more training step costs: an epoch trained from `steps` before its
-    end, subtracted from the whole epoch, per step. What an epoch does once (gathering and
-    augmenting its images, the closing all-reduces) cancels out."""
+    """The operations one more training step costs: a whole epoch less one trained from `steps`
+    before its end, per step, so that what an epoch does once cancels out."""
     total = len(trainer.loaders.train)
     assert total > steps, (total, steps)
     counted = [counted_epoch(trainer, Position(epoch, first)) for first in (total - steps, 0)]
@@ -150,8 +155,8 @@ def operations_per_epoch_step(trainer, epoch: int = 2) -> float:
 
 
 def one_rank_config(batch: int, steps: int) -> Config:
-    """`steps` steps of `batch` synthetic images with crop and flip, no checkpoints, no
-    progress lines: the training one rank of this benchmark times."""
+    """The training one rank of this benchmark times: `steps` steps of `batch` synthetic images
+    with crop and flip, no checkpoints, no progress lines."""
     return Config(
         dataset="synthetic",
         train_samples=batch * steps,
@@ -175,14 +180,10 @@ def bare_loop(model, optimizer, batches) -> None:
 
 
 def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) -> dict:
-    """The project's epoch (DDP wrapper, loader, metrics) against the same work done bare.
-
-    The two alternate, round after round, and the ratio is the median of the rounds' ratios:
-    a shared or virtual machine's speed drifts by tens of percent over a minute.
-    """
+    """The project's epoch (DDP wrapper, loader, metrics) against the same work done bare, the
+    two alternating: the median of the rounds' ratios (a shared machine's speed drifts)."""
     cfg = one_rank_config(batch, steps)
-    env = distributed_utils.setup()
-    try:
+    with process_group() as env:
         trainer, _ = build_trainer(cfg, env)
         torch.manual_seed(0)
         bare = build_model(cfg.model).to(device)
@@ -196,8 +197,6 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
                 ours.append(result.time)
                 wait.append(result.data_wait / result.time)
                 theirs.append(t_bare)
-    finally:
-        distributed_utils.cleanup()
     images = batch * steps
     return {
         "loop": images / statistics.median(ours),
@@ -208,12 +207,10 @@ def loop_vs_bare(batch: int, steps: int, device: torch.device, rounds: int = 7) 
 
 
 def seconds_per_step(cfg: Config, env, rounds: int = 3) -> tuple[float, dict]:
-    """One rank's training step at cfg's batch, alone (world size 1: what each rank of a sweep
-    point computes, without the others): the median over `rounds` epochs after a warm-up
-    epoch (which, with --cuda-graphs, holds the eager steps and the capture), and the
-    operations it dispatches (eager only: a graph's replay dispatches none of them): "step",
-    one more step's (operations_per_step), and "epoch", an epoch's per step
-    (operations_per_epoch_step)."""
+    """One rank's training step at cfg's batch, alone (world size 1): the median over `rounds`
+    epochs after a warm-up epoch (which holds a graph's capture), and, eager only (a graph's
+    replay dispatches none), the operations it dispatches: "step" (operations_per_step) and
+    "epoch" (operations_per_epoch_step)."""
     trainer, _ = build_trainer(cfg, env)
     steps = len(trainer.loaders.train)
     operations = {"step": math.nan, "epoch": math.nan}
@@ -223,6 +220,17 @@ def seconds_per_step(cfg: Config, env, rounds: int = 3) -> tuple[float, dict]:
     trainer.train_epoch(Position(1))
     times = [trainer.train_epoch(Position(epoch))[0].time for epoch in range(2, rounds + 2)]
     return statistics.median(times) / steps, operations
+
+
+def step_and_epoch(seconds: float | str, epoch_steps: int) -> tuple[str, str]:
+    """A step's ms and the seconds of the epoch it implies; or, twice, why it was not timed."""
+    epoch = seconds if isinstance(seconds, str) else f"{seconds * epoch_steps:.2f}"
+    return in_ms(seconds), epoch
+
+
+def in_ms(seconds: float | str) -> str:
+    """A step's time in ms, or why it was not timed."""
+    return seconds if isinstance(seconds, str) else f"{1000 * seconds:.2f}"
 
 
 def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tuple]:
@@ -241,30 +249,21 @@ def sweep_floor(global_batch: int, steps: int, device: torch.device) -> list[tup
             "epoch, CUDA graph (s)",
         )
     ]
-    env = distributed_utils.setup()
-    try:
+    with process_group() as env:
         for n in SWEEP_GPUS:
             local = global_batch // n
             cfg = one_rank_config(local, steps)
             eager, operations = seconds_per_step(cfg, env)
-            graphed = (
-                seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)[0]
-                if device.type == "cuda"
-                else math.nan
-            )
+            graphed = graphed_seconds(cfg, env, device)
             rows.append(
                 (
                     n,
                     local,
                     f"{operations['step']:.0f}",
-                    f"{1000 * eager:.2f}",
-                    f"{eager * epoch_steps:.2f}",
-                    "no GPU" if math.isnan(graphed) else f"{1000 * graphed:.2f}",
-                    "no GPU" if math.isnan(graphed) else f"{graphed * epoch_steps:.2f}",
+                    *step_and_epoch(eager, epoch_steps),
+                    *step_and_epoch(graphed, epoch_steps),
                 )
             )
-    finally:
-        distributed_utils.cleanup()
     return rows
 
 
@@ -277,9 +276,8 @@ SMALL_BATCH = 32  # the local batch of the sweep's 8-GPU point at the default gl
 
 
 def strategy_steps(batch: int, steps: int, device: torch.device) -> list[tuple]:
-    """Rows of the per-strategy table: one rank's operations per step (the epoch's own shared
-    out, operations_per_epoch_step) at `batch`, and its step at `batch` and SMALL_BATCH, eager
-    and, where feasibility.graph_refusal allows, as one CUDA graph."""
+    """Rows of the per-strategy table: one rank's operations per step at `batch`
+    (operations_per_epoch_step), and its step at `batch` and SMALL_BATCH, eager and graphed."""
     local_batches = (batch, SMALL_BATCH)
     rows = [
         (
@@ -289,8 +287,7 @@ def strategy_steps(batch: int, steps: int, device: torch.device) -> list[tuple]:
             *(f"step at {n}, CUDA graph (ms)" for n in local_batches),
         )
     ]
-    env = distributed_utils.setup()
-    try:
+    with process_group() as env:
         for strategy in STEP_STRATEGIES:
             eager, graphed = [], []
             for local in local_batches:
@@ -298,58 +295,43 @@ def strategy_steps(batch: int, steps: int, device: torch.device) -> list[tuple]:
                     one_rank_config(local, steps), strategy=strategy, cuda_graphs=False
                 )
                 seconds, operations = seconds_per_step(cfg, env)
-                eager.append(f"{1000 * seconds:.2f}")
-                graphed.append(graphed_step(cfg, env, device))
+                eager.append(in_ms(seconds))
+                graphed.append(in_ms(graphed_seconds(cfg, env, device)))
                 if local == batch:
                     counted = f"{operations['epoch']:.0f}"
             rows.append((strategy, counted, *eager, *graphed))
-    finally:
-        distributed_utils.cleanup()
     return rows
 
 
-def graphed_step(cfg: Config, env, device: torch.device) -> str:
-    """The step of cfg as one CUDA graph in ms, or why it is not measured."""
+def graphed_seconds(cfg: Config, env, device: torch.device) -> float | str:
+    """The step of cfg as one CUDA graph, in seconds, or why it is not measured."""
     if device.type != "cuda":
         return "no GPU"
     if feasibility.graph_refusal(cfg, device):
         return "eager only"
     try:
-        seconds, _ = seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)
+        return seconds_per_step(dataclasses.replace(cfg, cuda_graphs=True), env)[0]
     except RuntimeError as e:  # a first capture (FSDP2's) that torch rejects: the cell says so
         return f"capture failed: {last_line(str(e))[:80]}"
-    return f"{1000 * seconds:.2f}"
 
 
 def scaling_run(
     strategy: str, world_size: int, batch: int, samples: int, epochs: int, extra: tuple = ()
 ) -> dict:
     """main.py under torchrun; the last epoch's [METRIC] line (earlier ones carry warm-up)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world_size}",
-        str(REPO / "main.py"),
-        "--strategy",
-        strategy,
-        "--dataset",
-        "synthetic",
-        "--train-samples",
-        str(samples),
-        "--val-samples",
-        "1024",
-        "--batch-size",
-        str(batch),
-        "--epochs",
-        str(epochs),
-        "--print-every",
-        str(10**9),
-        "--no-checkpoint",
-        "--augment",  # crop and flip, as CIFAR-10 runs do
-        *extra,
-    ]
+    options = {
+        "strategy": strategy,
+        "dataset": "synthetic",
+        "train-samples": samples,
+        "val-samples": 1024,
+        "batch-size": batch,
+        "epochs": epochs,
+        "print-every": 10**9,
+    }
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*launch, f"--nproc_per_node={world_size}", str(REPO / "main.py")]
+    cmd += [word for option, value in options.items() for word in (f"--{option}", str(value))]
+    cmd += ["--no-checkpoint", "--augment", *extra]  # crop and flip, as CIFAR-10 runs do
     # One thread per rank at every world size, so efficiency compares like with like.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -361,9 +343,7 @@ def scaling_run(
 
 
 def rest_share(metric: dict) -> str:
-    """The rest of the epoch beyond compute and data, as a share of it: t_comm where the run
-    sends, t_other where it does not (the other is 0); or why there is none
-    (measure.time_breakdown)."""
+    """The epoch's share beyond compute and data (t_comm + t_other), or why there is none."""
     if metric.get("breakdown") == "unreliable":
         return "unreliable"
     return f"{100 * (metric['t_comm'] + metric['t_other']) / metric['time']:.1f}%"
@@ -378,13 +358,10 @@ def table(rows: list[tuple]) -> str:
 def comm_only() -> None:
     """--comm: [COMM] lines of main.py's default model (comm_bench.py), the device chosen as a
     training run would."""
-    env = distributed_utils.setup()
-    try:
+    with process_group() as env:
         with torch.device("meta"):  # sizes only: no weights, no random numbers drawn
             model = build_model(Config.model, SPEC.num_classes, SPEC.image_shape)
         run_comm_benchmark(model, env.device, Config.precision, Config.strategy)
-    finally:
-        distributed_utils.cleanup()
 
 
 def main(argv=None) -> None:

@@ -87,9 +87,8 @@ class Scan:
 
     @property
     def threads_per_core(self) -> float:
-        """The threads of one node's ranks per CPU core of the node, from the [CONFIG] line (nan
-        where it does not say): above 1 the ranks took turns on the cores, and the run's times
-        measure that sharing rather than the strategy."""
+        """The threads of one node's ranks per CPU core of the node (nan where [CONFIG] does not
+        say): above 1, the run's times measure how the ranks shared the cores."""
         try:
             ranks = self.config["world_size"] / self.config["nodes"]
             return ranks * self.config["threads"] / self.config["cpus"]
@@ -98,17 +97,14 @@ class Scan:
 
     @property
     def step(self) -> str | None:
-        """How the run's step ran, from the [CONFIG] line: `graph` (one CUDA graph per step) or
-        `eager`; None where the line does not say (the course's logs, older runs)."""
+        """How the run's step ran: `graph` (one CUDA graph) or `eager`; None where unsaid."""
         graphed = self.config.get("cuda_graphs")
         return {"True": "graph", "False": "eager"}.get(str(graphed))
 
     @property
     def trained(self) -> dict:
-        """What the run trained, from the [CONFIG] line: its model (results_summary.DEFAULT_MODEL
-        where the line does not say: the course's logs, and those older than the model axis),
-        the model's parameters, its GPU's memory in bytes and its optimizer (empty where the
-        line does not say)."""
+        """What the run trained: its model (results_summary.DEFAULT_MODEL where [CONFIG] does
+        not say), the model's parameters, its GPU's memory in bytes and its optimizer."""
         return {
             "model": self.config.get("model", results_summary.DEFAULT_MODEL),
             **{c: self.config.get(c, math.nan) for c in ("parameters", "gpu_memory")},
@@ -131,10 +127,7 @@ class LoggedRun:
     identity: dict
     epochs: list[dict]  # one metric line per epoch, in epoch order
     notes: list[str]
-    comm: list[dict] = field(default_factory=list)  # the job's [COMM] lines
-    threads_per_core: float = math.nan  # Scan.threads_per_core
-    step: str | None = None  # Scan.step
-    trained: dict = field(default_factory=dict)  # Scan.trained
+    scan: Scan  # the rest of what the log says: [CONFIG], [COMM]
 
 
 def scan_log(text: str) -> Scan:
@@ -252,15 +245,7 @@ def read_run(path: Path, stderr: Path | None = None) -> LoggedRun:
     if "model" not in scan.config:
         notes.append(f"no model in a [CONFIG] line: taken as {results_summary.DEFAULT_MODEL}")
     return LoggedRun(
-        sweep_name(path.parent),
-        path.name,
-        identity,
-        epochs,
-        notes + identity_notes,
-        scan.comm,
-        scan.threads_per_core,
-        scan.step,
-        scan.trained,
+        sweep_name(path.parent), path.name, identity, epochs, notes + identity_notes, scan
     )
 
 
@@ -270,9 +255,8 @@ def sweep_name(folder: Path) -> str:
 
 
 def log_files(folder: Path) -> list[Path]:
-    """The files of a folder that may be run logs: run.sh's sampler CSVs beside them are read
-    by samples.py, not here, and the collect job's outcome is none, so they are not reported as
-    logs without metrics."""
+    """The files of a folder that may be run logs: not run.sh's sampler CSVs (samples.py's)
+    nor the collect job's outcome."""
     if not folder.is_dir():
         raise utils.UsageError(f"no logs folder {folder}{HOW_TO_GET_LOGS}")
     sampled = {path for *_, path in samples.sample_files(folder)}
@@ -315,12 +299,8 @@ def choose_folders(
             chosen += sweeps
         else:
             chosen.append(sweeps[-1])
-            others = (
-                f", the newest of {len(sweeps)} (--all-sweeps merges them)"
-                if len(sweeps) > 1
-                else ""
-            )
-            report(f"reading {sweeps[-1]}{others}")
+            newest = f", the newest of {len(sweeps)} (--all-sweeps merges them)"
+            report(f"reading {sweeps[-1]}{newest if len(sweeps) > 1 else ''}")
     if len(chosen) > 1:
         report(f"merging {len(chosen)} folders: {', '.join(map(str, chosen))}")
     return chosen
@@ -352,7 +332,7 @@ def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
     """A warning for each configuration whose runs come from more than one sweep."""
     sweeps_of = {}
     for run in runs:
-        key = (run.trained["model"], run.identity["strategy"], run.identity["gpus"])
+        key = (run.scan.trained["model"], run.identity["strategy"], run.identity["gpus"])
         sweeps_of.setdefault(key, set()).add(run.sweep)
     return [
         f"warning: {model} {strategy} on {gpus} GPU(s) has runs from {len(sweeps)} sweeps "
@@ -362,24 +342,31 @@ def mixed_sweeps(runs: list[LoggedRun]) -> list[str]:
     ]
 
 
+def line_row(run: LoggedRun, fields: dict) -> dict:
+    """A row of one of the run's lines: the run's columns (results_summary.RUN_COLUMNS), then
+    the line's fields; strategy, nodes, job_id are run columns already, world_size stays."""
+    other = {k: v for k, v in fields.items() if k not in results_summary.IDENTITY}
+    return {
+        "sweep": run.sweep,
+        "log": run.log,
+        "model": run.scan.trained["model"],
+        **run.identity,
+        **other,
+    }
+
+
 def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
     """One row per run and epoch: the run's identity, the course's fields, then the others."""
-    rows = []
-    for run in runs:
-        for fields in run.epochs:
-            # strategy, nodes, job_id are identity columns already; world_size stays as logged
-            other = {k: v for k, v in fields.items() if k not in results_summary.IDENTITY}
-            rows.append(
-                {
-                    "sweep": run.sweep,
-                    "log": run.log,
-                    **run.identity,
-                    **other,
-                    "threads_per_core": run.threads_per_core,
-                    "step": run.step,
-                    **run.trained,
-                }
-            )
+    rows = [
+        {
+            **line_row(run, fields),
+            "threads_per_core": run.scan.threads_per_core,
+            "step": run.scan.step,
+            **run.scan.trained,
+        }
+        for run in runs
+        for fields in run.epochs
+    ]
     frame = pd.DataFrame(rows)  # columns in order of first appearance
     for column in utils.MAY_BE_NA:  # `na` becomes an empty cell
         if column in frame:
@@ -390,26 +377,15 @@ def results_frame(runs: list[LoggedRun]) -> pd.DataFrame:
 
 def comm_frame(runs: list[LoggedRun]) -> pd.DataFrame:
     """One row per [COMM] line: its run's columns, then the line's fields (comm.csv)."""
-    rows = [
-        {
-            "sweep": run.sweep,
-            "log": run.log,
-            "model": run.trained["model"],
-            **run.identity,
-            **{k: v for k, v in fields.items() if k not in results_summary.IDENTITY},
-        }
-        for run in runs
-        for fields in run.comm
-    ]
+    rows = [line_row(run, fields) for run in runs for fields in run.scan.comm]
     return pd.DataFrame(
         rows, columns=None if rows else [*results_summary.RUN_COLUMNS, *utils.COMM_FIELDS]
     )
 
 
 def sample_tables(folders: list[Path], results: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """run.sh's samples by the CSV they go to: per GPU and per rank (each row with its run's
-    strategy, GPU count and in-process peak_mem, MB, so that nvidia-smi's view stands next to
-    PyTorch's), and every GPU sample over time."""
+    """run.sh's samples by the CSV they go to: per GPU, per rank and over time, each row with its
+    run's strategy, GPU count and peak_mem (nvidia-smi's view next to PyTorch's)."""
     gpus, processes = samples.summarize(folders)
     runs = results_summary.run_summaries(results)[["job_id", "strategy", "gpus", "peak_mem"]]
     runs = runs.astype({"job_id": str}).drop_duplicates("job_id")
@@ -438,12 +414,7 @@ def sample_report(gpus: pd.DataFrame) -> str:
         "mode_mem_mib": "most frequent MiB",
         "mean_util_pct": "mean util %",
     }
-    lines = ["| " + " | ".join(headers.values()) + " |", "|" + "---|" * len(headers)]
-    for _, row in gpus.iterrows():
-        lines.append(
-            "| " + " | ".join("n/a" if pd.isna(row[c]) else str(row[c]) for c in headers) + " |"
-        )
-    return "\n".join(lines)
+    return results_summary.markdown(gpus, [(c, header, "{}") for c, header in headers.items()])
 
 
 def write_beside(out: Path, name: str, table: pd.DataFrame, rows: str) -> None:
@@ -463,11 +434,8 @@ def write_sample_tables(out: Path, folders: list[Path], results: pd.DataFrame) -
     tables = sample_tables(folders, results)
     for name, table in tables.items():
         write_beside(out, name, table, "rows")
-    if not tables["gpu_samples.csv"].empty:
-        print(
-            "\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n"
-            + sample_report(tables["gpu_samples.csv"])
-        )
+    if not (gpus := tables["gpu_samples.csv"]).empty:
+        print(f"\nGPU memory and use (nvidia-smi, sampled by run.sh):\n\n{sample_report(gpus)}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -519,9 +487,7 @@ def main(argv=None) -> int:
         print("\n" + results_summary.bubble_markdown(bubbles))
     if study := results_summary.scaling(results):
         utils.note(study)
-    if warning := results_summary.cores_outnumbered(results):
-        utils.note(warning)
-    for warning in results_summary.mixed_steps(results):
+    for warning in results_summary.warnings(results):
         utils.note(warning)
     try:
         write_sample_tables(args.out, folders, results)

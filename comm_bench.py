@@ -1,14 +1,11 @@
 """What the interconnect delivers for the messages this model sends: a collective micro-benchmark.
 
 In an initialized process group, times `all_reduce` at the sizes DDP sends (each gradient
-bucket, and the whole gradient, its first iteration's one bucket), `all_gather_into_tensor` and
-`reduce_scatter_tensor` at the sizes FSDP sends for each unit (the flat parameter one wrapped
-block gathers, in the compute dtype; its gradients, reduce-scattered in the reduce dtype), and
-each of the three over a sweep of message sizes. The bytes per parameter are those the run's
---precision sends (precision.wire_dtypes: gradients in fp32, or in fp64 at --precision fp64).
-One `[COMM]` line per measurement (utils.format_comm), printed by rank 0: the time of one
-collective (on a GPU, rounds of several back to back, as nccl-tests times them; the median
-round, the slowest rank's), and nccl-tests' algorithm and bus bandwidths
+bucket, and the whole gradient: its first iteration's one bucket), all-gather and reduce-scatter
+at the sizes FSDP sends for each unit, in the dtypes the run's --precision sends
+(precision.wire_dtypes), and each of the three over a sweep of message sizes. Rank 0 prints one
+`[COMM]` line per measurement (utils.format_comm): the time of one collective (the median
+round, the slowest rank's) and nccl-tests' algorithm and bus bandwidths
 (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
 
     torchrun --nproc_per_node=2 benchmark.py --comm     # alone
@@ -48,9 +45,8 @@ REPEATS = {"cuda": (5, 5, 10), "cpu": (2, 5, 1)}
 
 
 def bus_factor(op: str, world_size: int) -> float:
-    """nccl-tests' busbw / algbw: what each link carries, comparable across world sizes.
-    An all-reduce moves 2(n-1)/n of the data over each rank's link (reduce-scatter then
-    all-gather), an all-gather or a reduce-scatter (n-1)/n."""
+    """nccl-tests' busbw / algbw, what each rank's link carries: 2(n-1)/n for an all-reduce
+    (reduce-scatter then all-gather), (n-1)/n for an all-gather or a reduce-scatter."""
     n = world_size
     if op == "all_reduce":
         return 2 * (n - 1) / n
@@ -67,9 +63,8 @@ def bandwidths(op: str, nbytes: int, world_size: int, seconds: float) -> tuple[f
 
 
 def fill_buckets(sizes: list[int], caps: list[int]) -> list[int]:
-    """The bytes of each bucket, as DDP's reducer assigns them (reducer.cpp,
-    compute_bucket_assignment_by_size): each tensor joins the open bucket, which closes once it
-    reaches its cap; each bucket takes the next cap, the last cap repeating."""
+    """The bytes of each bucket as DDP's reducer fills them (compute_bucket_assignment_by_size):
+    a bucket closes once it reaches its cap; each takes the next cap, the last repeating."""
     buckets, current = [], 0
     for size in sizes:
         current += size
@@ -80,15 +75,11 @@ def fill_buckets(sizes: list[int], caps: list[int]) -> list[int]:
 
 
 def ddp_buckets(model: nn.Module, gradient_bytes: int, rebuilt: bool = True) -> list[int]:
-    """The bytes of each gradient bucket DDP all-reduces, in the order it reduces them, for
-    gradients of gradient_bytes an element (the caps are bytes: in fp64 the split moves). The
-    first iteration (rebuilt=False) reduces the whole gradient as one bucket: without
-    find_unused_parameters DDP does not know the order gradients arrive in, so it does not split
-    them (nn/parallel/distributed.py). Then it rebuilds the buckets in the order the gradients
-    did arrive, capped at DDP_FIRST_BUCKET, then DDP_BUCKET. That order is modelled as the
-    parameters' reverse order, backward's for layers that run one after the other; where a
-    gradient arrives later than that (under autocast, the CNN's first linear bias: 2,048 bytes)
-    the bucket it would close can differ by that tensor (tests/test_collectives.py)."""
+    """The bytes of each gradient bucket DDP all-reduces, in order, at gradient_bytes an
+    element. The first iteration (rebuilt=False) sends the whole gradient as one bucket (DDP
+    does not know yet the order gradients arrive in); then it rebuilds the buckets in arrival
+    order, modelled as the parameters' reverse. A gradient that arrives later than that
+    (under autocast, the CNN's first linear bias) can move a bucket's edge (test_collectives)."""
     sizes = [p.numel() * gradient_bytes for p in model.parameters() if p.requires_grad]
     if not rebuilt:
         return [sum(sizes)]
@@ -115,9 +106,8 @@ def sweep_sizes(device: torch.device, largest: int | None = None) -> list[int]:
 def messages(
     model: nn.Module, precision: str, strategy: str, sizes: list[int]
 ) -> list[tuple[str, str, int]]:
-    """(op, label, bytes) of every measurement: the model's own messages first, then the sweep.
-    FSDP's gathers in what this strategy would gather at this precision, every gradient in
-    what it is reduced in (precision.wire_dtypes)."""
+    """(op, label, bytes) of every measurement: the model's own messages in the dtypes this
+    strategy sends at this precision (precision.wire_dtypes), then the sweep."""
     gathered, reduced = (dtype.itemsize for dtype in wire_dtypes(precision, strategy))
     (grad,) = ddp_buckets(model, reduced, rebuilt=False)  # the whole gradient
     found = [("all_reduce", "grad", grad)]
@@ -182,9 +172,8 @@ def run_comm_benchmark(
     repeats: tuple[int, int] | None = None,
     extra: dict | None = None,
 ) -> list[dict]:
-    """Every measurement's [COMM] fields (rank 0 also prints them). Call it on every rank of an
-    initialized process group. model: unwrapped (meta tensors do), for its message sizes, at the
-    bytes per parameter the run's --precision and --strategy send."""
+    """Every measurement's [COMM] fields (rank 0 also prints them), on every rank of a process
+    group. model: unwrapped (meta tensors do), for its message sizes."""
     world_size = dist.get_world_size()
     repeats = repeats or REPEATS[device.type]
     rows = []

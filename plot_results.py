@@ -31,7 +31,9 @@ from memory_figures import plot_bytes_per_parameter, plot_largest_model, plot_pe
 from plot_style import (  # noqa: E402
     IDEAL_STYLE,
     NotPlottable,
+    color,
     figure,
+    label_points,
     log2_axis,
     log10_y_axis,
     plot_ideal_scaling,
@@ -46,18 +48,22 @@ NUMERIC = ("gpus", *results_summary.COURSE_COLUMNS)
 MAY_BE_EMPTY = ("throughput", *utils.MAY_BE_NA)
 
 
-def read_results(path: Path) -> pd.DataFrame:
-    """The results, checked: the columns every figure needs, numbers where numbers belong."""
+def read_csv(path: Path) -> pd.DataFrame:
+    """A CSV, or UsageError with one line of why not."""
     try:
-        results = pd.read_csv(path)
-    except FileNotFoundError:
-        raise utils.UsageError(f"no results file {path} (run collect_results.py first)") from None
+        return pd.read_csv(path)
     except pd.errors.EmptyDataError:
         raise utils.UsageError(f"{path} is empty") from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise utils.UsageError(f"{path} is not a CSV: {reason}") from None
-    results = results.rename(columns=COURSE_NAMES)
+
+
+def read_results(path: Path) -> pd.DataFrame:
+    """The results, checked: the columns every figure needs, numbers where numbers belong."""
+    if not path.exists():
+        raise utils.UsageError(f"no results file {path} (run collect_results.py first)")
+    results = read_csv(path).rename(columns=COURSE_NAMES)
     missing = [c for c in REQUIRED if c not in results]
     if missing:
         raise utils.UsageError(f"{path} is not a results CSV: no column {', '.join(missing)}")
@@ -106,11 +112,8 @@ def plot_quality(summary: pd.DataFrame) -> Figure:
     fig, (loss_ax, acc_ax) = figure(2)
     plot_lines(loss_ax, summary, "val_loss", "validation loss (final epoch)")
     plot_lines(acc_ax, summary, "acc", "validation accuracy (%, final epoch)")
-    once = (
-        "\n(one run per point: no run-to-run spread measured)"
-        if (summary["runs"] == 1).all()
-        else ""
-    )
+    single = (summary["runs"] == 1).all()
+    once = "\n(one run per point: no run-to-run spread measured)" if single else ""
     loss_ax.set_title(f"Validation loss{once}")
     acc_ax.set_title(f"Validation accuracy{once}")
     loss_ax.set_ylim(0, 1.1 * summary["val_loss"].max())  # the top point clear of the edge
@@ -134,14 +137,7 @@ def plot_speedup(summary: pd.DataFrame) -> Figure:
     # its own (1/2, 1/4...) and every point its value: the GPU counts alone label none of it.
     below_one = math.floor(math.log2(min(rows["speedup"].min(), 1)))
     log2_axis(speed_ax, "y", [*gpus, *(2.0**k for k in range(below_one, 0))])
-    for speedup, count in zip(rows["speedup"], rows["gpus"]):
-        speed_ax.annotate(
-            f"{speedup:.2f}",
-            (count, speedup),
-            textcoords="offset points",
-            xytext=(4, -10),
-            fontsize="small",
-        )
+    label_points(speed_ax, rows["gpus"], rows["speedup"], rows["speedup"].map("{:.2f}".format))
     speed_ax.set_title(f"Speedup (epoch time on 1 {one} / on N)")
     speed_ax.legend()
     plot_lines(eff_ax, summary, "efficiency", "parallel efficiency (%)")
@@ -163,14 +159,8 @@ def plot_throughput(summary: pd.DataFrame) -> Figure:
     axes[0].set_title(f"Training throughput ({steady(summary)}) vs ideal N x")
     if has_tflops:
         rows = plot_lines(axes[1], summary, "tflops", f"model TFLOP/s per {one} (cost_model.py)")
-        for _, row in rows.dropna(subset=["mfu"]).iterrows():
-            axes[1].annotate(
-                f"MFU {row['mfu']:.1f}%",
-                (row["gpus"], row["tflops"]),
-                textcoords="offset points",
-                xytext=(4, -10),
-                fontsize="small",
-            )
+        rows = rows.dropna(subset=["mfu"])
+        label_points(axes[1], rows["gpus"], rows["tflops"], rows["mfu"].map("MFU {:.1f}%".format))
         axes[1].set_title("How close to the hardware: achieved model FLOP rate")
     for ax in axes:
         ax.set_ylim(bottom=0)
@@ -201,16 +191,9 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     ideal = pd.Series(rows[curve].itertuples(index=False, name=None), index=rows.index)
     ideal = ideal.map(one_gpu) / rows["gpus"]
     # A dash across each bar: a line, so that its legend entry is as small as the others'.
-    ax.hlines(
-        ideal,
-        [i - BAR_WIDTH / 2 for i in x],
-        [i + BAR_WIDTH / 2 for i in x],
-        color="black",
-        zorder=3,
-        label=f"ideal: time on 1 {one} / N",
-        **IDEAL_STYLE,
-    )
-    mark_gpu_busy(ax, rows["gpu_busy"] if "gpu_busy" in rows else [], bottom)
+    dash = dict(color="black", zorder=3, label=f"ideal: time on 1 {one} / N", **IDEAL_STYLE)
+    ax.hlines(ideal, [i - BAR_WIDTH / 2 for i in x], [i + BAR_WIDTH / 2 for i in x], **dash)
+    mark_gpu_busy(ax, rows.get("gpu_busy", pd.Series(math.nan, index=rows.index)), bottom)
     ax.set_xticks(
         list(x),
         [results_summary.point_name(rows, r).replace(" on ", "\n") for _, r in rows.iterrows()],
@@ -221,20 +204,14 @@ def plot_time_breakdown(summary: pd.DataFrame) -> Figure:
     return fig
 
 
-def mark_gpu_busy(ax, shares, tops) -> None:
+def mark_gpu_busy(ax, shares: pd.Series, tops: pd.Series) -> None:
     """Each bar's gpu_busy above it, so that a bar whose time is the host's says so; nothing
     where the share is unknown (a CPU's runs)."""
-    for i, (share, top) in enumerate(zip(shares, tops)):
-        if pd.notna(share):
-            ax.annotate(
-                results_summary.gpu_busy_mark(share, "\n"),
-                (i, top),
-                textcoords="offset points",
-                xytext=(0, 3),
-                ha="center",
-                fontsize="x-small",
-            )
-    if any(pd.notna(share) for share in shares):
+    known = shares.notna().to_numpy()
+    if known.any():
+        bars = [i for i, k in enumerate(known) if k]
+        marks = [results_summary.gpu_busy_mark(share, "\n") for share in shares[known]]
+        label_points(ax, bars, tops[known], marks, (0, 3), ha="center", fontsize="x-small")
         ax.set_ylim(top=1.15 * ax.get_ylim()[1])  # room for the marks above the tallest bar
 
 
@@ -278,17 +255,10 @@ def plot_comm_bandwidth(comm: pd.DataFrame | None) -> Figure:
                 line["bytes"], line["busbw_gbps"], marker="o", label=f"{world_size} ranks"
             )
             mine = own[(own["op"] == op) & (own["world_size"] == world_size)]
-            if not mine.empty:
-                ax.scatter(
-                    mine["bytes"],
-                    mine["busbw_gbps"],
-                    marker="*",
-                    s=140,
-                    color=curve.get_color(),
-                    edgecolors="black",
-                    zorder=3,
-                    label=f"{OWN_MESSAGES[op]}, {world_size} ranks",
-                )
+            if not mine.empty:  # the model's own messages: stars of the curve's colour
+                star = dict(marker="*", s=140, color=curve.get_color(), edgecolors="black")
+                label = f"{OWN_MESSAGES[op]}, {world_size} ranks"
+                ax.scatter(mine["bytes"], mine["busbw_gbps"], zorder=3, label=label, **star)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes), log scale")
         ax.set_ylabel("bus bandwidth (GB/s, nccl-tests' busbw)")
@@ -308,18 +278,11 @@ def plot_gpu_timeline(timeline: pd.DataFrame | None) -> Figure:
         )
     fig, (memory, use) = figure(2)
     runs = timeline.groupby(["strategy", "gpus", "job_id"], dropna=False, sort=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, ((strategy, gpus, job_id), run) in enumerate(runs):
         for j, (_, samples) in enumerate(run.groupby(["host", "gpu"])):
             label = f"{strategy} {gpus:.0f} GPU(s), job {job_id}" if j == 0 else None
             for ax, column in ((memory, "mem_mib"), (use, "util_pct")):
-                ax.plot(
-                    samples["seconds"],
-                    samples[column],
-                    color=colors[i % len(colors)],
-                    linewidth=1,
-                    label=label,
-                )
+                ax.plot(samples["seconds"], samples[column], color=color(i), lw=1, label=label)
     memory.set_ylabel("memory used (MiB, nvidia-smi)")
     use.set_ylabel("utilisation (%, nvidia-smi)")
     use.set_ylim(0, 105)
@@ -337,23 +300,11 @@ def plot_bubble(results: pd.DataFrame) -> Figure:
     if table.empty:
         raise NotPlottable("no pipeline runs (bubble)")
     fig, (ax,) = figure()
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (stages, points) in enumerate(table.groupby("gpus")):
-        color = cycle[i % len(cycle)]
-        ax.plot(
-            points["microbatches"],
-            points["bubble"],
-            marker="o",
-            color=color,
-            label=f"{stages:.0f} stages, measured",
-        )
-        ax.plot(
-            points["microbatches"],
-            points["bubble_ideal"],
-            color=color,
-            label=f"{stages:.0f} stages, textbook",
-            **IDEAL_STYLE,
-        )
+        m, line = points["microbatches"], dict(color=color(i))
+        ax.plot(m, points["bubble"], marker="o", label=f"{stages:.0f} stages, measured", **line)
+        textbook = dict(label=f"{stages:.0f} stages, textbook", **line, **IDEAL_STYLE)
+        ax.plot(m, points["bubble_ideal"], **textbook)
     log2_axis(ax, "x", table["microbatches"])
     ax.set_xlabel("micro-batches per step (m)")
     ax.set_ylabel("share of a step a stage waits")
@@ -395,10 +346,8 @@ def plot_all(
     """Every figure there is data for; `beside` holds the CSVs found beside the results, and
     gpu_memory the GB of the GPU the projection is for (None: projection.gpu_memory's)."""
     beside = beside or {}
-    summary, subtitle = (
-        results_summary.summarize(results, beside.get(COMM_CSV)),
-        results_summary.context(results),
-    )
+    summary = results_summary.summarize(results, beside.get(COMM_CSV))
+    subtitle = results_summary.context(results)
     written = []
     for name, draw in FIGURES.items():
         try:
@@ -451,12 +400,7 @@ def read_beside(results_csv: Path, name: str) -> pd.DataFrame | None:
     """A CSV collect_results.py wrote beside the results (comm.csv, gpu_timeline.csv), or None
     where the jobs gave nothing for it."""
     path = side_path(results_csv, name)
-    if not path.exists():
-        return None
-    try:
-        return pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-        raise utils.UsageError(f"{path} is not a CSV: {str(e).strip().splitlines()[0]}") from None
+    return read_csv(path) if path.exists() else None
 
 
 def main(argv=None) -> int:

@@ -38,14 +38,19 @@ LINE_ALPHA = 0.8
 CURVE = ["model", "strategy"]  # a curve's key: one line per model and strategy
 
 
+def color(i: int) -> str:
+    """The i-th colour of matplotlib's cycle, round again past its end."""
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return cycle[i % len(cycle)]
+
+
 def line_styles(summary: pd.DataFrame) -> dict[tuple[str, str], dict]:
     """The same colour, marker and line style for a curve (model, strategy) in every figure: a
     colour per strategy; a marker per strategy where one model ran, per model where several."""
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     models = sorted(summary["model"].unique())
     return {
         (model, strategy): {
-            "color": cycle[i % len(cycle)],
+            "color": color(i),
             "marker": MARKERS[(i if len(models) == 1 else j) % len(MARKERS)],
             "linestyle": LINESTYLES[i % len(LINESTYLES)],
         }
@@ -121,24 +126,12 @@ def plot_lines(ax, summary: pd.DataFrame, column: str, ylabel: str) -> pd.DataFr
     if rows.empty:
         raise NotPlottable(f"no {column} values")
     for style, label, points in curves(summary, column):
-        ax.plot(
-            points["gpus"],
-            points[column],
-            alpha=LINE_ALPHA,
-            label=f"{label}{step_mark(points)}",
-            **style,
-        )
+        x, y = points["gpus"], points[column]
+        ax.plot(x, y, alpha=LINE_ALPHA, label=f"{label}{step_mark(points)}", **style)
         low, high = f"{column}_min", f"{column}_max"
         if low in points and (points["runs"] > 1).any():  # min-max over repeated runs
-            spread = [points[column] - points[low], points[high] - points[column]]
-            ax.errorbar(
-                points["gpus"],
-                points[column],
-                yerr=spread,
-                fmt="none",
-                ecolor=style["color"],
-                capsize=3,
-            )
+            spread = [y - points[low], points[high] - y]
+            ax.errorbar(x, y, yerr=spread, fmt="none", ecolor=style["color"], capsize=3)
     rank_axis(ax, rows)
     ax.set_ylabel(ylabel)
     return rows
@@ -149,14 +142,16 @@ def plot_ideal_scaling(ax, summary: pd.DataFrame, column: str, exponent: int) ->
     for style, label, points in curves(summary, column):
         base = points.loc[points["gpus"] == 1, column]
         if not base.empty:
-            gpus = points["gpus"]
-            ax.plot(
-                gpus,
-                base.iloc[0] * gpus.astype(float) ** exponent,
-                color=style["color"],
-                label=f"{label} ideal",
-                **IDEAL_STYLE,
-            )
+            gpus = points["gpus"].astype(float)
+            ideal = dict(color=style["color"], label=f"{label} ideal", **IDEAL_STYLE)
+            ax.plot(gpus, base.iloc[0] * gpus**exponent, **ideal)
+
+
+def label_points(ax, xs, ys, texts, xytext=(4, -10), **style) -> None:
+    """Each point's text beside it (below right, unless xytext says otherwise)."""
+    style = {"fontsize": "small", **style}
+    for x, y, text in zip(xs, ys, texts):
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=xytext, **style)
 
 
 def figure(panels: int = 1) -> tuple[Figure, list]:

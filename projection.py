@@ -2,26 +2,11 @@
 GPU count, how many parameters fit a GPU of a given memory, state plus activations at the run's
 batch, for report.md and plot_results.py's figure.
 
-The measurement it projects from, per point (the largest over the point's epochs and runs):
-- bytes per parameter: state_mem (the parameters, gradients and optimizer state one rank keeps,
-  measured after a step) / the model's parameters ([CONFIG]). Replicated (DDP) it stays at
-  cost_model's per-parameter bytes (16 with Adam in fp32) at every GPU count; sharded (FSDP)
-  it falls as 1/N.
-- bytes per image: act_per_image, the training peak above the state per image of the rank's
-  batch (local_batch); times that batch, the activations a step holds.
-A model of the same family with P parameters then needs P x bytes per parameter + activations,
-and the largest that fits M bytes is P = (M - act_per_image x local_batch) / bytes per
-parameter (largest_parameters). The family is the measured model scaled in its parameters (the
-CNN's width, a ResNet's depth): its activations per image are taken as measured, which holds
-where the parameters grow in the layers that hold few activations (wider fully-connected
-layers, deeper stages at low resolution) and understates them where they grow in the early,
-high-resolution convolutions.
-
-Where the assumption stops holding (CAVEATS): FSDP gathers one unit's full parameters while it
-runs, transient memory inside the measured peak that grows with the largest unit, not with the
-shard: one unit much larger than the rest makes the projection too generous. And the peak is
-what the allocator handed out; the CUDA caching allocator reserves more (reserved_mem), and
-fragmentation can keep a model that fits on paper from fitting.
+Per point (the largest over its epochs and runs): bytes per parameter, state_mem / parameters
+(flat for DDP, 1/N for FSDP), and bytes per image, act_per_image. A model of the same family
+(the measured one scaled in its parameters, its activations per image as measured) fits M bytes
+up to P = (M - act_per_image x local_batch) / bytes per parameter (largest_parameters). Where
+that stops holding is CAVEATS, which report.md prints.
 """
 
 import math

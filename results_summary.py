@@ -1,10 +1,8 @@
 """The summary of a results table (collect_results.py's CSV, or the course's): one row per
-strategy and GPU count, with medians over repeated runs, speedup and efficiency against one GPU,
-and the communication the runs' messages would take at the bandwidth they measured; its markdown,
-the pipeline's bubble table, and the warnings on how the runs ran. collect_results.py prints
-it, plot_results.py draws it, so the table and the figures agree. And the words around it:
-what ran (each figure's subtitle) and report.md, the table with the largest cost of each
-point, the pipeline's bubble and the figures plot_results.py wrote.
+strategy and GPU count, medians over repeated runs, speedup and efficiency against one GPU, and
+the time the runs' messages would take at the bandwidth they measured. collect_results.py prints
+it and plot_results.py draws it, so table and figures agree; the words around it (what ran,
+the warnings, report.md with each point's largest cost) are written here too.
 """
 
 import math
@@ -36,46 +34,47 @@ def rank_unit(table: pd.DataFrame) -> tuple[str, str]:
 
 
 def cores_outnumbered(results: pd.DataFrame) -> str | None:
-    """A warning naming the configurations whose ranks had more threads than their node had
-    CPU cores (several ranks on a laptop's cores), or None: their times measure the sharing."""
+    """A warning naming the points whose ranks had more threads than their node had cores."""
     if "threads_per_core" not in results:
         return None
     shared = results[pd.to_numeric(results["threads_per_core"], errors="coerce") > 1]
     if shared.empty:
         return None
-    names = [
-        f"{strategy} on {gpus:.0f}"
-        for strategy, gpus in sorted(set(zip(shared["strategy"], shared["gpus"])))
-    ]
+    points = sorted(set(zip(shared["strategy"], shared["gpus"])))
+    names = ", ".join(f"{strategy} on {gpus:.0f}" for strategy, gpus in points)
     return (
-        f"warning: the ranks outnumbered the CPU cores of their node in {', '.join(names)} "
+        f"warning: the ranks outnumbered the CPU cores of their node in {names} "
         f"{rank_unit(shared)[1]}: their times measure how the ranks shared the cores, not the "
         "strategy"
     )
 
 
 def mixed_steps(results: pd.DataFrame) -> list[str]:
-    """A warning for each strategy whose points mix graphed and eager steps: its curve then
-    compares two clocks (a graph's step against an eager one's launches), not GPU counts."""
+    """A warning for each strategy whose points mix graphed and eager steps (two clocks)."""
     if "step" not in results:
         return []
-    warnings = []
+    found = []
     for strategy, rows in results.dropna(subset=["step"]).groupby("strategy"):
         kinds = {k: sorted(set(r["gpus"])) for k, r in rows.groupby("step")}
         if len(kinds) > 1:
             where = "; ".join(
                 f"{k} at {', '.join(f'{g:.0f}' for g in v)}" for k, v in kinds.items()
             )
-            warnings.append(
+            found.append(
                 f"warning: {strategy}'s points mix graphed and eager steps ({where} "
                 f"{rank_unit(rows)[1]}): its curve compares two clocks, not only rank counts"
             )
-    return warnings
+    return found
+
+
+def warnings(results: pd.DataFrame) -> list[str]:
+    """How the runs ran that makes their times measure something other than the strategy."""
+    shared = cores_outnumbered(results)
+    return ([shared] if shared else []) + mixed_steps(results)
 
 
 def with_run_columns(results: pd.DataFrame) -> pd.DataFrame:
-    """Adds the run columns a CSV lacks (the course's has only strategy and gpus) as unknown,
-    and the model where it does not say (DEFAULT_MODEL)."""
+    """The run columns a CSV lacks (the course's) as unknown; the model as DEFAULT_MODEL."""
     missing = {c: pd.NA for c in RUN_COLUMNS if c not in results}
     results = results.assign(**missing)
     return results.assign(model=results["model"].fillna(DEFAULT_MODEL))
@@ -95,10 +94,9 @@ LATER_PARTS = {"t_other": 0.0}
 
 
 def steady_breakdown(run: pd.DataFrame) -> dict:
-    """The time parts of one epoch, so that they add up to its time: of the epochs after the
-    first whose breakdown is reliable, the one of median time (the faster of two in the
-    middle); and how many were not (breakdown=unreliable: the compute calibration could not
-    tell compute from the rest, measure.time_breakdown)."""
+    """The time parts of one epoch, so that they add up to its time: the reliable epoch after
+    the first of median time (the faster of two in the middle); and how many were unreliable
+    (measure.time_breakdown could not tell compute from the rest)."""
     steady = run.iloc[1:] if len(run) > 1 else run
     flags = steady["breakdown"] if "breakdown" in steady else pd.Series("ok", index=steady.index)
     unreliable = flags == "unreliable"
@@ -130,14 +128,9 @@ def run_summaries(results: pd.DataFrame) -> pd.DataFrame:
                 **{m: run[m].max() if m in run else math.nan for m in MEMORY},
                 **steady_breakdown(run),
                 **{t: median_after_first(run, t) for t in (*UTILISATION, *BUBBLE)},
-                "microbatches": final.get("microbatches", math.nan),
                 "steps": final.get("train_images", math.nan) / final.get("global_batch", math.nan),
-                "sharding": final.get("sharding", pd.NA),
-                "threads_per_core": final.get("threads_per_core", math.nan),
-                "step": final.get("step", pd.NA),
-                "device": final.get("device", pd.NA),
-                **{c: final.get(c, math.nan) for c in SIZES},
-                **{c: final.get(c, pd.NA) for c in STATE_SETTING},
+                **{c: final.get(c, math.nan) for c in ("microbatches", "threads_per_core", *SIZES)},
+                **{c: final.get(c, pd.NA) for c in ("sharding", "step", "device", *STATE_SETTING)},
             }
         )
     return pd.DataFrame(rows)
@@ -153,9 +146,9 @@ SIZES = ("parameters", "local_batch", "gpu_memory")
 STATE_SETTING = ("optimizer", "precision")
 
 
-def joined(values: pd.Series) -> str:
-    """A point's distinct values of a text column, as one: `cpu`, or `a/b` where runs differ."""
-    return "/".join(sorted(set(values.dropna())))
+def joined(values: pd.Series, sep: str = "/", fmt: str = "{}") -> str:
+    """The distinct values of a column as one text: `cpu`, or `a/b` where runs differ."""
+    return sep.join(fmt.format(v) for v in sorted(values.dropna().unique()))
 
 
 # How close to the hardware (cost_model.py): model TFLOP/s per device, MFU in percent (empty where
@@ -186,10 +179,9 @@ def message_seconds(comm: pd.DataFrame, op: str, label_prefix: str) -> float:
 
 
 def comm_model_time(strategy: str, steps: float, sharding, comm: pd.DataFrame) -> float:
-    """Seconds per epoch this model's messages take at the bandwidth measured in the same job,
-    if nothing hid them. DDP: each step all-reduces every gradient bucket. FSDP: each step
-    gathers every unit for forward and, when full sharding freed it again, for backward, then
-    reduce-scatters its gradients; unsharded (no_shard, FSDP at 1 rank) it all-reduces them."""
+    """Seconds per epoch the model's messages take at the job's measured bandwidth, if nothing
+    hid them. DDP all-reduces every bucket a step; FSDP gathers every unit for forward (and
+    again for backward unless grad_op kept it) and reduce-scatters its gradients."""
     if comm.empty:
         return math.nan
     if strategy == "ddp":
@@ -225,33 +217,23 @@ def with_comm_model(runs: pd.DataFrame, comm: pd.DataFrame | None) -> pd.DataFra
 
 
 def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per strategy and GPU count (medians over runs when it ran more than once, with their
-    minimum and maximum), with speedup and efficiency against the same strategy's 1-GPU steady
-    epoch time (a pipeline has no 1-GPU run: against DDP's, the model on one GPU); where the
-    runs' [COMM] lines are given, the communication time their messages would take at the
-    measured bandwidth (comm_model) beside the measured t_comm."""
+    """Per model, strategy and GPU count: medians over runs (with min and max), speedup and
+    efficiency against the strategy's 1-GPU epoch time, and where [COMM] lines are given the
+    modelled communication (comm_model) beside the measured t_comm."""
     runs = with_comm_model(run_summaries(results), comm)
     table = runs.groupby(POINT, as_index=False).agg(
-        nodes=("nodes", lambda n: ",".join(sorted({str(int(v)) for v in n.dropna()}))),
+        nodes=("nodes", lambda n: joined(n, ",", "{:.0f}")),
         runs=("epochs", "size"),
         epochs=("epochs", "max"),
         epochs_logged=("epochs_logged", "min"),
-        val_loss=("val_loss", "median"),
-        acc=("acc", "median"),
-        time=("time", "median"),
-        throughput=("throughput", "median"),
+        **{c: (c, "median") for c in ("val_loss", "acc", "time", "throughput")},
         # The spread over repeated runs (--repeats): a single run is one point, not a measurement.
-        time_min=("time", "min"),
-        time_max=("time", "max"),
-        throughput_min=("throughput", "min"),
-        throughput_max=("throughput", "max"),
-        peak_mem=("peak_mem", "max"),
-        **{m: (m, "max") for m in MEMORY},
-        **{c: (c, "max") for c in SIZES},
+        **{f"{c}_{f}": (c, f) for c in ("time", "throughput") for f in ("min", "max")},
+        **{c: (c, "max") for c in ("peak_mem", *MEMORY, *SIZES)},
         **{t: (t, "median") for t in (*TIME_PARTS, *UTILISATION, *BUBBLE, "comm_model")},
         unreliable_epochs=("unreliable_epochs", "sum"),
         threads_per_core=("threads_per_core", "max"),
-        step=("step", lambda s: "/".join(sorted(set(s.dropna()))) or pd.NA),
+        step=("step", lambda s: joined(s) or pd.NA),
         **{c: (c, joined) for c in ("device", *STATE_SETTING)},
     )
     one_gpu = table[table["gpus"] == 1].set_index(["model", "strategy"])["time"]
@@ -264,8 +246,7 @@ def summarize(results: pd.DataFrame, comm: pd.DataFrame | None = None) -> pd.Dat
 
 
 def bubble_table(results: pd.DataFrame) -> pd.DataFrame:
-    """The pipeline's runs by stages (GPUs) and micro-batches: the measured bubble (the median
-    over runs of each run's median after epoch 1) beside the textbook's."""
+    """The pipeline's median bubble by stages (GPUs) and micro-batches, beside the textbook's."""
     runs = run_summaries(results)
     if "bubble" not in runs:
         return pd.DataFrame(columns=["gpus", "microbatches", "runs", *BUBBLE])
@@ -275,20 +256,22 @@ def bubble_table(results: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+# (column, header, format) of the pipeline's bubble table (markdown).
+BUBBLE_COLUMNS = (
+    ("gpus", "stages (GPUs)", "{:.0f}"),
+    ("microbatches", "micro-batches", "{:.0f}"),
+    ("runs", "runs", "{:.0f}"),
+    ("bubble", "bubble measured", "{:.3f}"),
+    ("bubble_ideal", "textbook (p-1)/(m+p-1)", "{:.3f}"),
+)
+
+
 def bubble_markdown(table: pd.DataFrame) -> str:
-    lines = ["| stages (GPUs) | micro-batches | runs | bubble measured | textbook (p-1)/(m+p-1) |"]
-    lines.append("|--:|--:|--:|--:|--:|")
-    for _, row in table.iterrows():
-        lines.append(
-            f"| {row['gpus']:.0f} | {row['microbatches']:.0f} | {row['runs']:.0f} | "
-            f"{row['bubble']:.3f} | {row['bubble_ideal']:.3f} |"
-        )
-    return "\n".join(lines)
+    return markdown(table, BUBBLE_COLUMNS)
 
 
 def scaling(results: pd.DataFrame, brief: bool = False) -> str | None:
-    """Which study the runs make: strong scaling (one global batch at every rank count; brief:
-    without those words) or weak (one batch per rank), ranks named after their device; None
+    """Which study the runs make, strong (one global batch) or weak (one batch per rank); None
     where the CSV does not say or the runs mix batch sizes."""
     if not {"global_batch", "local_batch"} <= set(results) or results["gpus"].nunique() < 2:
         return None
@@ -344,22 +327,30 @@ def time_range(row) -> str:
     return f"{row['time_min']:.2f}-{row['time_max']:.2f}" if row["runs"] > 1 else ""
 
 
+def markdown(table: pd.DataFrame, columns) -> str:
+    """A markdown table of the columns (column, header, format): text ({}) to the left, numbers
+    to the right, n/a where empty."""
+    lines = [
+        "| " + " | ".join(header for _, header, _ in columns) + " |",
+        "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in columns) + "|",
+    ]
+    for _, row in table.iterrows():
+        lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in columns) + " |")
+    return "\n".join(lines)
+
+
 def markdown_table(summary: pd.DataFrame) -> str:
-    """TABLE_COLUMNS' columns, but gpu_busy where no row has it (a CPU's table names no GPU),
-    and the model where one alone ran (the subtitle names it)."""
+    """TABLE_COLUMNS, less gpu_busy where no row has it and the model where one alone ran."""
     summary = summary.assign(time_range=summary.apply(time_range, axis=1))
     left_out = {"gpu_busy"} if summary["gpu_busy"].isna().all() else set()
     left_out |= {"model"} if summary["model"].nunique() == 1 else set()
-    columns = [c for c in TABLE_COLUMNS if c[0] not in left_out]
     rank, ranks = rank_unit(summary)
-    headers = (header.format(rank=rank, ranks=ranks) for _, header, _ in columns)
-    lines = [
-        "| " + " | ".join(headers) + " |",
-        "|" + "|".join("---" if fmt == "{}" else "--:" for *_, fmt in columns) + "|",
+    columns = [
+        (c, header.format(rank=rank, ranks=ranks), fmt)
+        for c, header, fmt in TABLE_COLUMNS
+        if c not in left_out
     ]
-    for _, row in summary.iterrows():
-        lines.append("| " + " | ".join(cell(row[c], fmt) for c, _, fmt in columns) + " |")
-    return "\n".join(lines)
+    return markdown(summary, columns)
 
 
 # ------------------------------------------------------------------ report.md
@@ -369,7 +360,7 @@ def values(results: pd.DataFrame, column: str, fmt: str = "{}") -> str | None:
     """A column's distinct values as text ('a / b' where runs differ), or None if absent."""
     if column not in results or results[column].isna().all():
         return None
-    return " / ".join(fmt.format(v) for v in sorted(results[column].dropna().unique()))
+    return joined(results[column], " / ", fmt)
 
 
 def context(results: pd.DataFrame) -> str:
@@ -388,18 +379,15 @@ def context(results: pd.DataFrame) -> str:
     elif batch := values(results, "global_batch", "{:.0f}"):
         parts.append(f"global batch {batch}")
     epochs = results.groupby(["strategy", "gpus"])["epoch"].max()
-    parts.append(f"{values(epochs.to_frame(), 'epoch', '{:.0f}')} epochs")
+    parts.append(f"{joined(epochs, ' / ', '{:.0f}')} epochs")
     if sweep := values(results, "sweep"):
         parts.append(f"sweep {sweep}")
-    if warning := cores_outnumbered(results):
-        parts.append(warning.removeprefix("warning: "))
-    parts += [warning.removeprefix("warning: ") for warning in mixed_steps(results)]
+    parts += [warning.removeprefix("warning: ") for warning in warnings(results)]
     return " · ".join(parts)
 
 
 def gpu_busy_mark(share: float, sep: str = ", ") -> str:
-    """What a bar or a report line says of a point's gpu_busy (measure.gpu_busy): the share,
-    and host-bound below HOST_BOUND_BELOW."""
+    """A point's gpu_busy in words, host-bound below HOST_BOUND_BELOW."""
     mark = f"GPU busy {100 * share:.0f}%"
     return f"{mark}{sep}host-bound" if host_bound(share) else mark
 
@@ -412,13 +400,9 @@ def point_name(summary: pd.DataFrame, row) -> str:
 
 
 def largest_costs(summary: pd.DataFrame) -> list[str]:
-    """One sentence per strategy and GPU count: the largest of the parts of an epoch, what the
-    step's model does not explain where that is not the largest, and the modelled communication
-    beside the measured where the jobs measured their collectives and the point sends; and the
-    epochs whose breakdown was unreliable (their compute calibration could not tell compute
-    from the rest: left out of the parts, docs/metrics.md), where there were any; and on a GPU
-    the share of the epoch it ran kernels, host-bound where that is low (gpu_busy_mark), with
-    what that means."""
+    """One sentence per point: the largest part of an epoch, what the step's model does not
+    explain, the modelled communication beside the measured, the unreliable epochs left out,
+    and on a GPU its gpu_busy_mark; then what host-bound means."""
     sentences = []
     for _, row in summary.iterrows():
         point = point_name(summary, row)
@@ -482,8 +466,7 @@ def report_text(
     gpu_memory: float | None = None,
 ) -> str:
     """report.md: what ran, the table, the largest costs, the pipeline's bubble, the largest
-    model that fits a GPU of gpu_memory GB (projection.py: None, the runs' own or 80 GB), and
-    the figures."""
+    model that fits a GPU of gpu_memory GB (projection.py), and the figures."""
     summary = summarize(results, comm)
     return "\n".join(
         [

@@ -8,26 +8,15 @@
     python run_benchmarks.py --models cnn resnet50     # each model its own runs (default: cnn)
     python run_benchmarks.py --verify --wait           # first, on a new cluster: verify.py
 
-Each sweep has a folder of its own, logs/sweep-<date-time>/, so two sweeps never mix. First
-sbatch is looked for (unless --local or --dry-run), then every configuration is checked
-(`main.py --check`, one process per model and strategy, no training): one bad configuration and
-nothing is written or submitted. Then every configuration gets a script in
-jobs/sweep-<date-time>/ that submits run.sh with sbatch, sized for it: one task per GPU,
-ceil(gpus / gpus-per-node) nodes. run.sh stays the only launch recipe; run a job script again to
-resubmit it into the same sweep. Logs go to logs/sweep-<date-time>/<strategy>_<N>gpu_<job
-id>.log and .err (layout.configuration_name: the model before the job id, if not the CNN). A last
-job, started once all the others have ended, runs plot_results.sh on the sweep's folder:
-results.csv and plots/ appear by themselves (its own log stays in jobs/), and its outcome, one
-line and its log's last error, goes to the sweep's collect_outcome.txt; without --wait the sweep
-says so when it has submitted, with the sacct command for its jobs. Strong scaling (the default)
-keeps the global batch size the same for every GPU count, so the runs do the same steps and
-their times compare; --scaling weak keeps the batch per GPU instead (the global batch grows with
-the GPUs, the steps per epoch shrink). Jobs that share nodes or cores measure each other:
---one-at-a-time runs them in turn, --exclusive asks SLURM for whole nodes. Clusters are noisy:
---repeats R runs every configuration R times (the summary gives the median and the spread).
-
---verify submits one short job instead, the cluster's acceptance test (verify.py): by default 2
-nodes with --gpus-per-node GPUs each, or --gpus N; its report goes to logs/verify-<job id>/.
+Each sweep has a folder of its own, logs/sweep-<date-time>/, so two sweeps never mix. Every
+configuration is first checked (`main.py --check`, one process per model and strategy, no
+training): one bad configuration and nothing is written or submitted. Then each gets a script in
+jobs/sweep-<date-time>/ that submits run.sh, the only launch recipe, with sbatch, one task per
+GPU on ceil(gpus / gpus-per-node) nodes; a last job, once all have ended, runs plot_results.sh
+on the sweep's folder and writes its outcome to collect_outcome.txt there. Strong scaling (the
+default) keeps the global batch at every GPU count, weak the batch per GPU; --repeats R runs
+each configuration R times, --one-at-a-time and --exclusive keep jobs from measuring each other.
+--verify submits the cluster's acceptance test (verify.py) instead. docs/slurm.md tells it all.
 
 Arguments after `--` go to main.py. --partition and --account are optional: sbatch also reads
 SBATCH_PARTITION and SBATCH_ACCOUNT.
@@ -55,12 +44,15 @@ DEFAULT_MODEL = config.Config.model  # main.py's, the course CNN
 
 @dataclass(frozen=True)
 class Configuration:
-    """One point of the sweep: a model's strategy on a number of GPUs, with its global batch."""
+    """One point of the sweep: a model's strategy on a number of GPUs, and what its job trains
+    (the fields SWEEP_OPTION names: batch_size is the global batch)."""
 
     strategy: str
     gpus: int
     nodes: int
-    global_batch: int
+    batch_size: int
+    epochs: int
+    precision: str
     model: str = DEFAULT_MODEL
 
     @property
@@ -72,6 +64,23 @@ class Configuration:
     @property
     def tasks_per_node(self) -> int:
         return self.gpus // self.nodes
+
+    @property
+    def shape(self) -> str:
+        return f"{count(self.nodes, 'node')} x {count(self.tasks_per_node, 'task')}"
+
+
+# The switches that say what to do, and their help.
+MODES = {
+    "--dry-run": "print the job scripts; write and submit nothing",
+    "--wait": "wait for the sweep to end; exit 1 if a job did not complete",
+    "--local": "no SLURM: run the sweep one after the other here, through torchrun",
+    "--verify": "one short job that checks the cluster (verify.py): equivalence, a killed rank, "
+    "stop and resume, the network; run it first on a new cluster",
+    "--one-at-a-time": "each job waits for the one before it (jobs that share cores measure "
+    "each other)",
+    "--exclusive": "sbatch --exclusive: no other job on a benchmark's nodes",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,14 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="CSCS Alps: run the tasks in this container (EDF file or name)",
     )
     mode = p.add_argument_group("what to do")
-    mode.add_argument(
-        "--dry-run", action="store_true", help="print the job scripts; write and submit nothing"
-    )
-    mode.add_argument(
-        "--wait",
-        action="store_true",
-        help="wait for the sweep to end; exit 1 if a job did not complete",
-    )
+    for flag, help in MODES.items():
+        mode.add_argument(flag, action="store_true", help=help)
     mode.add_argument(
         "--poll-interval",
         type=float,
@@ -152,31 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="between two looks at the queue with --wait (default: %(default)s)",
     )
-    mode.add_argument(
-        "--local",
-        action="store_true",
-        help="no SLURM: run the sweep one after the other here, through torchrun",
-    )
-    mode.add_argument(
-        "--verify",
-        action="store_true",
-        help="one short job that checks the cluster (verify.py): equivalence, a killed rank, "
-        "stop and resume, the network; run it first on a new cluster",
-    )
-    mode.add_argument(
-        "--one-at-a-time",
-        action="store_true",
-        help="each job waits for the one before it (jobs that share cores measure each other)",
-    )
-    mode.add_argument(
-        "--exclusive",
-        action="store_true",
-        help="sbatch --exclusive: no other job on a benchmark's nodes",
-    )
     return p
 
 
-# main.py's options that the sweep sets in every job (sweep_choices), each with the sweep's own
+# main.py's options that the sweep sets in every job (Configuration's fields), each with its own
 # option that chooses it. Given again after `--`, main.py would take the last one: a job named
 # ddp_1gpu would train FSDP, silently.
 SWEEP_OPTION = {
@@ -260,7 +242,7 @@ def plan(args) -> list[Configuration]:
         return args.batch_size * gpus if args.scaling == "weak" else args.batch_size
 
     return [
-        Configuration(s, g, nodes[g], global_batch(g), m)
+        Configuration(s, g, nodes[g], global_batch(g), args.epochs, args.precision, m)
         for m in dict.fromkeys(args.models)
         for g in gpu_counts
         for s in dict.fromkeys(args.strategies)
@@ -285,22 +267,11 @@ def without_uncuttable(runs: list[Configuration]) -> list[Configuration]:
     return kept
 
 
-def sweep_choices(run: Configuration, args) -> dict:
-    """What the sweep decides for each job, by Config field (the keys of SWEEP_OPTION)."""
-    return {
-        "strategy": run.strategy,
-        "model": run.model,
-        "epochs": args.epochs,
-        "batch_size": run.global_batch,
-        "precision": args.precision,
-    }
-
-
-def main_args(run: Configuration, args, extra: list[str]) -> list[str]:
+def main_args(run: Configuration, extra: list[str]) -> list[str]:
     chosen = [
         word
-        for dest, value in sweep_choices(run, args).items()
-        for word in (config.option_flag(dest), str(value))
+        for dest in SWEEP_OPTION
+        for word in (config.option_flag(dest), str(getattr(run, dest)))
     ]
     return [*chosen, "--comm-benchmark", *extra]  # every job measures its collectives (comm.csv)
 
@@ -322,12 +293,12 @@ def run_script(run: Configuration, sweep: str, args, extra: list[str]) -> str:
     if args.environment:
         env["EDF"] = slurm_jobs.edf_value(args.environment)
     comment = (
-        f"# {run.model} {run.strategy} on {count(run.gpus, 'GPU')}: {count(run.nodes, 'node')} x "
-        f"{count(run.tasks_per_node, 'task')}, one per GPU. Written by run_benchmarks.py.\n"
+        f"# {run.model} {run.strategy} on {count(run.gpus, 'GPU')}: {run.shape}, one per GPU. "
+        "Written by run_benchmarks.py.\n"
         f"# Submit again with: bash {jobs}/{run.name}.sh [more sbatch options]\n"
         "# run.sh is the launch recipe; these options size the job and name its logs.\n"
     )
-    return slurm_jobs.script(comment, options, ["run.sh", *main_args(run, args, extra)], env)
+    return slurm_jobs.script(comment, options, ["run.sh", *main_args(run, extra)], env)
 
 
 def collect_script(sweep: str, args) -> str:
@@ -383,25 +354,14 @@ def submit_sweep(runs: list[Configuration], args, extra: list[str]) -> list[slur
     )
     try:
         for run, name in repeated(runs, args.repeats):
-            after = (
-                [f"--dependency=afterany:{jobs[-1].job_id}"]
-                if (args.one_at_a_time and jobs)
-                else []
-            )
-            job_id = slurm_jobs.submit(
-                slurm_jobs.write(
-                    layout.JOBS_DIR / sweep / f"{run.name}.sh", run_script(run, sweep, args, extra)
-                ),
-                *after,
-            )
-            jobs.append(
-                slurm_jobs.Job(name, job_id, logs / f"{layout.log_stem(run.name, job_id)}.log")
-            )
-            print(
-                f"{name}: job {job_id} ({count(run.nodes, 'node')} x "
-                f"{count(run.tasks_per_node, 'task')}), log {layout.relative(jobs[-1].log)}",
-                flush=True,
-            )
+            in_turn = args.one_at_a_time and jobs
+            after = [f"--dependency=afterany:{jobs[-1].job_id}"] if in_turn else []
+            script = layout.JOBS_DIR / sweep / f"{run.name}.sh"
+            slurm_jobs.write(script, run_script(run, sweep, args, extra))
+            job_id = slurm_jobs.submit(script, *after)
+            log = logs / f"{layout.log_stem(run.name, job_id)}.log"
+            jobs.append(slurm_jobs.Job(name, job_id, log))
+            print(f"{name}: job {job_id} ({run.shape}), log {layout.relative(log)}", flush=True)
         dependency = "--dependency=afterany:" + ":".join(j.job_id for j in jobs)
         job_id = slurm_jobs.submit(
             slurm_jobs.write(layout.JOBS_DIR / sweep / "collect.sh", collect_script(sweep, args)),
@@ -423,9 +383,7 @@ def how_to_follow(jobs: list[slurm_jobs.Job]) -> str:
     return (
         f"not waiting (--wait would, and report failures): when every job has ended, "
         f"{layout.logs_folder(sweep)}/{layout.SWEEP_OUTCOME} says whether collecting gave "
-        "results; each job's "
-        "state: "
-        f"sacct -X -j {ids} --format=JobID,JobName,State,ExitCode"
+        f"results; each job's state: sacct -X -j {ids} --format=JobID,JobName,State,ExitCode"
     )
 
 
@@ -465,27 +423,15 @@ def check_configurations(runs: list[Configuration], args, extra: list[str]) -> s
     if not python:
         return {"unknown"}
     # One check per model, strategy and global batch (weak scaling has one per GPU count).
+    checks = {}
+    for run in runs:
+        checks.setdefault((run.model, run.strategy, run.batch_size), []).append(run)
     devices = set()
-    for model, strategy, batch in dict.fromkeys(
-        (r.model, r.strategy, r.global_batch) for r in runs
-    ):
-        same = [
-            r for r in runs if (r.model, r.strategy, r.global_batch) == (model, strategy, batch)
-        ]
-        first, sizes = same[0], [str(r.gpus) for r in same]
+    for (model, strategy, _), same in checks.items():
         which = f"--strategy {strategy}" + (f" --model {model}" if len(args.models) > 1 else "")
-        devices.add(
-            slurm_jobs.check_main(
-                python,
-                [
-                    *main_args(first, args, extra),
-                    *slurm_jobs.check_device(args, extra),
-                    "--check",
-                    *sizes,
-                ],
-                which,
-            )
-        )
+        argv = [*main_args(same[0], extra), *slurm_jobs.check_device(args, extra)]
+        argv += ["--check", *(str(run.gpus) for run in same)]
+        devices.add(slurm_jobs.check_main(python, argv, which))
     return devices
 
 
@@ -496,7 +442,7 @@ def run_locally(runs: list[Configuration], args, extra: list[str], devices: set[
     plot = ["bash", "plot_results.sh"]
     if args.dry_run:
         for run, _ in repeated(runs, args.repeats):
-            command = ["bash", "run.sh", *main_args(run, args, extra)]
+            command = ["bash", "run.sh", *main_args(run, extra)]
             print(f"NPROC={run.gpus} {shlex.join(command)}")
         print(f"LOGS={layout.relative(logs)} {shlex.join(plot)}")
         return 0
@@ -512,27 +458,16 @@ def run_locally(runs: list[Configuration], args, extra: list[str], devices: set[
     for run, name in repeated(runs, args.repeats, in_words):
         # <sweep>/<name>_local-<time>.log: never an earlier run's file.
         log = layout.free_path(logs, layout.log_stem(run.name, layout.local_id()), ".log")
+        err_log = log.with_suffix(layout.ERR_SUFFIX)
         print(f"{name} here: log {layout.relative(log)}", flush=True)
-        with open(log, "w") as out, open(log.with_suffix(layout.ERR_SUFFIX), "w") as err:
-            status = subprocess.run(
-                ["bash", "run.sh", *main_args(run, args, extra)],
-                cwd=layout.REPO,
-                stdout=out,
-                stderr=err,
-                env={
-                    **slurm_jobs.without_slurm(),
-                    "NPROC": str(run.gpus),
-                    "SAMPLES_DIR": str(logs),
-                },
-            ).returncode
-        if status:
+        env = {**slurm_jobs.without_slurm(), "NPROC": str(run.gpus), "SAMPLES_DIR": str(logs)}
+        with open(log, "w") as out, open(err_log, "w") as err:
+            command = ["bash", "run.sh", *main_args(run, extra)]
+            done = subprocess.run(command, cwd=layout.REPO, stdout=out, stderr=err, env=env)
+        if done.returncode:
             failed.append(name)
-            print(
-                f"{name}: exit status {status}, see "
-                + layout.relative(log.with_suffix(layout.ERR_SUFFIX)),
-                file=sys.stderr,
-                flush=True,
-            )
+            where = f"exit status {done.returncode}, see {layout.relative(err_log)}"
+            print(f"{name}: {where}", file=sys.stderr, flush=True)
     status = subprocess.run(plot, cwd=layout.REPO, env={**os.environ, "LOGS": str(logs)}).returncode
     if status:
         failed.append("plot_results.sh")
@@ -566,16 +501,15 @@ def main(argv=None) -> int:
     if args.verify:
         refuse_sweep_only(ours)
         args.gpus = verify_gpus(args)
-        check_args(args)
-        if not (args.local or args.dry_run):
-            slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
-        return run_verify(args, extra)
-    args.gpus = args.gpus or list(SWEEP_GPUS)
-    refuse_sweep_options(extra, "after --")
+    else:
+        args.gpus = args.gpus or list(SWEEP_GPUS)
+        refuse_sweep_options(extra, "after --")
     check_args(args)
-    runs = without_uncuttable(plan(args))
     if not (args.local or args.dry_run):  # before the checks: without SLURM they are in vain
         slurm_jobs.require("sbatch", *(["squeue"] if args.wait else []))
+    if args.verify:
+        return run_verify(args, extra)
+    runs = without_uncuttable(plan(args))
     devices = check_configurations(runs, args, extra)
     if args.local:
         return run_locally(runs, args, extra, devices)

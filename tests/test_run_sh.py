@@ -520,7 +520,7 @@ def test_every_main_py_option_the_sweep_sets_is_refused_after_the_double_dash(re
     import run_benchmarks
 
     args = run_benchmarks.parse_args(["--gpus", "1"])
-    job = run_benchmarks.main_args(run_benchmarks.plan(args)[0], args, [])
+    job = run_benchmarks.main_args(run_benchmarks.plan(args)[0], [])
     set_with_a_value = {
         flag: value
         for flag, value in zip(job, job[1:])
