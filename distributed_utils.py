@@ -1,16 +1,14 @@
 """Who am I, how many are we, and where do we meet: one answer for every launcher.
 
-The same program runs as a plain script (world size 1), under `torchrun` (which exports
-RANK/LOCAL_RANK/WORLD_SIZE and MASTER_ADDR/MASTER_PORT) and under `srun` (which exports
-SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). Which rank this process is, and how many there are,
-is utils.read_ranks()'s to say (it needs no torch); this module owns the rest of the contract:
-the launch scripts export none of it. Under SLURM the rendezvous point is the first host of the
-step's node list (expanded here, without scontrol, so that it also works inside a container)
-and a port derived from the job id, so two jobs sharing a node meet at different ports (unless
-their ids differ by a multiple of len(JOB_PORTS)). With CUDA present each rank drives
-`cuda:(local_rank % device_count)` over NCCL (this also covers `--gpus-per-task=1`, where every
-task sees one GPU; two ranks on one GPU are refused); otherwise the CPU over gloo, but not
-silently where the job was given GPUs torch cannot see.
+The same program runs as a plain script (world size 1), under `torchrun` (RANK/LOCAL_RANK/
+WORLD_SIZE, MASTER_ADDR/MASTER_PORT) and under `srun` (SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS).
+Which rank this process is, and how many there are, is utils.read_ranks()'s to say (no torch);
+this module owns the rest, the launch scripts export none of it. Under SLURM the rendezvous
+point is the first host of the step's node list (expanded here, without scontrol, so that it
+works in a container) and a port derived from the job id, so two jobs sharing a node meet at
+different ports. With CUDA each rank drives `cuda:(local_rank % device_count)` over NCCL (also
+under `--gpus-per-task=1`; two ranks on one GPU are refused); otherwise the CPU over gloo, but
+not silently where the job was given GPUs torch cannot see.
 """
 
 import atexit
@@ -52,10 +50,9 @@ class DistEnv:
 
 
 def expand_hostlist(nodelist: str) -> list[str]:
-    """The hosts of a SLURM node list, in SLURM's order, as `scontrol show hostnames` prints them:
-    'nid[001234-001235,001240]' -> nid001234, nid001235, nid001240; 'a[1-2],b3' -> a1, a2, b3;
-    'rack[1-2]-n[01-02]' -> rack1-n01, rack1-n02, rack2-n01, rack2-n02. Zero padding is the
-    width of a range's first number, as in SLURM."""
+    """The hosts of a SLURM node list, as `scontrol show hostnames` prints them: 'a[1-2],b3' ->
+    a1, a2, b3; 'rack[1-2]-n[01-02]' -> rack1-n01, rack1-n02, rack2-n01, rack2-n02. Zero
+    padding is the width of a range's first number, as in SLURM."""
     items = re.findall(r"(?:[^,\[\]]+|\[[^\[\]]*\])+", nodelist)
     if not nodelist or ",".join(items) != nodelist:
         raise UsageError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
@@ -210,9 +207,9 @@ def shared_gpus(owners: list[str]) -> str | None:
 
 
 def refuse_shared_gpus(store, rank: int, world_size: int, device: torch.device) -> None:
-    """Every rank publishes its GPU at the store and reads all of them, before NCCL starts:
-    a missing LOCAL_RANK or more tasks than GPUs on a node is one clear line, not NCCL's
-    "Duplicate GPU detected" deep in the first collective."""
+    """Every rank publishes its GPU at the store and reads all of them, before NCCL starts: a
+    missing LOCAL_RANK or more tasks than GPUs on a node is one clear line, not NCCL's
+    "Duplicate GPU detected" in the first collective."""
     store = dist.PrefixStore("gpus", store)
     uuid = torch.cuda.get_device_properties(device).uuid
     store.set(str(rank), f"{socket.gethostname()} GPU {uuid}")
@@ -233,15 +230,11 @@ _timeout = datetime.timedelta(seconds=300)  # the run's --pg-timeout, for every 
 SHARE_ONE_GPU = False
 
 
-# NCCL's flight recorder (torch's TORCH_NCCL_* settings): every rank keeps its last collectives
-# in a ring buffer and, when one times out, writes them to FLIGHT_RECORDER_DIR/<job>_rank<N>,
-# so that a hang's dump says which collective each rank had entered. torch's trace analyzer
-# reads them (python -m torch.distributed.flight_recorder.fr_trace FOLDER).
+# NCCL's flight recorder: every rank keeps its last collectives in a ring buffer and, when one
+# times out, writes them to FLIGHT_RECORDER_DIR/<job>_rank<N>, so that a hang's dump says which
+# collective each rank had entered (python -m torch.distributed.flight_recorder.fr_trace FOLDER).
 FLIGHT_RECORDER_DIR = LOGS_DIR / "nccl-trace"
-
-
-# The ring buffer's size, under the name torch reads since 2.9 (older than every torch the
-# project runs on, OLDEST_TORCH): the old name, TORCH_NCCL_TRACE_BUFFER_SIZE, still works but
+# The ring buffer's size, under the name torch reads since 2.9: the old name still works but
 # makes every rank warn twice that it is deprecated. A job that set either keeps its own.
 FR_BUFFER_SIZE, FR_BUFFER_SIZE_OLD, FR_BUFFER_SIZE_SINCE = (
     "TORCH_FR_BUFFER_SIZE",
@@ -250,20 +243,15 @@ FR_BUFFER_SIZE, FR_BUFFER_SIZE_OLD, FR_BUFFER_SIZE_SINCE = (
 )
 
 
-def flight_recorder_env(job: str, folder: Path = FLIGHT_RECORDER_DIR) -> dict[str, str]:
-    return {
-        FR_BUFFER_SIZE: "2000",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder.resolve() / f"{job}_rank"),
-    }
-
-
 def turn_on_flight_recorder(folder: Path = FLIGHT_RECORDER_DIR) -> None:
     """Before NCCL starts: the flight recorder's settings, where the job has not set its own."""
     folder.mkdir(parents=True, exist_ok=True)
-    settings = flight_recorder_env(job_id(), folder)
-    if FR_BUFFER_SIZE_OLD in os.environ:  # the job's own size, under the old name
-        del settings[FR_BUFFER_SIZE]
+    settings = {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder.resolve() / f"{job_id()}_rank"),
+    }
+    if FR_BUFFER_SIZE_OLD not in os.environ:  # else the job's own size, under the old name
+        settings[FR_BUFFER_SIZE] = "2000"
     for name, value in settings.items():
         os.environ.setdefault(name, value)
 
@@ -271,17 +259,14 @@ def turn_on_flight_recorder(folder: Path = FLIGHT_RECORDER_DIR) -> None:
 def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     """Join (or, alone, create) the process group and bind this process to its device.
 
-    A world of one still gets a process group, from an in-memory store: DDP and FSDP need one,
-    and no port is opened for nobody. Otherwise rank 0 hosts the store at rendezvous(), or,
-    under torchrun, its agent already does there and every rank is a client (dist.rendezvous
-    knows which).
+    A world of one still gets a process group (DDP and FSDP need one), from an in-memory store:
+    no port is opened for nobody. Otherwise rank 0 hosts the store at rendezvous() (under
+    torchrun its agent already does, and every rank is a client).
     """
     global _handshake_group, _timeout
-    # What is imported by now lives as long as the process: frozen, Python's collections (the
-    # training loop's, cleanup's) scan only what the run made, not torch's modules too (0.15 s
-    # each). main.py loads them with the collector off: it goes back on here. At exit they thaw:
-    # triton (loaded by torch's FLOP counter since torch 2.15) checks then, through nanobind,
-    # that its objects were freed, and prints a line on stderr for each that was not.
+    # What is imported by now lives as long as the process: frozen, the collector (off while
+    # main.py imported, back on here) scans only what the run made, not torch's modules (0.15 s
+    # a collection). Thawed at exit: triton (nanobind) checks then that its objects were freed.
     gc.freeze()
     atexit.register(gc.unfreeze)
     gc.enable()
@@ -343,15 +328,12 @@ def subgroups(rank_lists: list[list[int]]) -> dist.ProcessGroup:
 
 def cleanup(failed: bool = False) -> None:
     """Destroy the process groups while the interpreter is fully alive; after a peer failed,
-    abort them first.
+    abort them first (NCCL's work queued towards a dead peer never completes).
 
-    On NCCL, work queued towards a dead peer never completes and destroying the group would
-    wait for it: abort drops it. destroy_process_group only forgets the groups; their C++ side
-    dies with the last Python reference. A reference cycle (modules, hooks) can postpone that to
-    the interpreter's teardown, where gloo's threads are torn down unjoined: "terminate called
-    without an active exception", SIGABRT, after all the work was done. Collect the cycles first.
-    The pulse and its watchdog stop before: unless this rank failed, it tells the others' pulses
-    that it leaves, so that a rank still at work does not take it for dead.
+    A group's C++ side dies with its last Python reference: a reference cycle would postpone
+    that to the interpreter's teardown, where gloo's threads end unjoined (SIGABRT after all
+    the work was done), so the cycles are collected first. The pulse stops before, telling the
+    peers (unless this rank failed) that it leaves, not dies.
     """
     global _handshake_group
     peer_failures.leave(cleanly=not failed)
@@ -371,11 +353,9 @@ def barrier() -> None:
 
 
 def on_rank0(fn, *args):
-    """Run fn on rank 0 alone and hand its result, or its UsageError, to every rank.
-
-    For work only one rank may do (download, create folders): the broadcast is also the
-    barrier, and a failure ends every rank with rank 0's message instead of a hang. The others
-    wait up to HANDSHAKE_TIMEOUT_S, not --pg-timeout: a download takes minutes.
+    """Run fn on rank 0 alone and hand its result, or its UsageError, to every rank (download,
+    create folders): a failure ends every rank with rank 0's message instead of a hang. The
+    others wait up to HANDSHAKE_TIMEOUT_S, not --pg-timeout: a download takes minutes.
     """
     outcome = [None]
     if not dist.is_initialized() or is_rank_zero():
