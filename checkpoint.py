@@ -55,9 +55,8 @@ from layout import CHECKPOINTS_DIR, run_id
 from peer_failures import is_peer_failure
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
 
-# torch.distributed.checkpoint (DCP) is imported inside the functions that write or read a
-# checkpoint: it loads FSDP and DTensor (about a second), which `main.py --check`, run before
-# every launch to find the run's checkpoint folder, does without.
+# torch.distributed.checkpoint (DCP) is imported where a checkpoint is written or read: it loads
+# FSDP and DTensor (about a second), which `main.py --check`, run before every launch, skips.
 
 
 def run_identity(cfg: Config, parameters: int) -> Identity:
@@ -67,7 +66,7 @@ def run_identity(cfg: Config, parameters: int) -> Identity:
 
 class Resumable(NamedTuple):
     """What a checkpoint holds of a run beside its position: the model and optimizer (any
-    wrapper's, through get/set_state_dict), the loaders' random stream and the schedule."""
+    wrapper's), the loaders' random stream and the schedule."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -304,14 +303,10 @@ def _agree(error: str | None) -> str | None:
         return error
     errors = [None] * _world()
     dist.all_gather_object(errors, error)
-    return next(
-        (
-            f"rank {rank}: {e}" if not e.startswith("rank ") else e
-            for rank, e in enumerate(errors)
-            if e
-        ),
-        None,
-    )
+    for rank, e in enumerate(errors):
+        if e:
+            return e if e.startswith("rank ") else f"rank {rank}: {e}"
+    return None
 
 
 def _intact(directory: Path) -> str:

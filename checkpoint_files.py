@@ -11,7 +11,7 @@ its meta.pt; one set aside as unreadable is `<name>.damaged`.
 
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -180,11 +180,7 @@ def misfit(path: Path, meta: Meta, identity: Identity, world_size: int) -> str |
     """Why checkpoint `path` (its meta) cannot resume a run of `identity` on world_size ranks,
     or None: what checkpoint.load refuses, and `--check` before it."""
     theirs = meta.identity
-    if (theirs.strategy, theirs.model, theirs.parameters) != (
-        identity.strategy,
-        identity.model,
-        identity.parameters,
-    ):
+    if replace(theirs, global_batch=identity.global_batch) != identity:  # another kind of run
         return (
             f"checkpoint {path} was written by strategy={theirs.strategy} "
             f"model={theirs.model} ({theirs.parameters} parameters); this run is "

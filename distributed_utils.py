@@ -104,8 +104,7 @@ def rendezvous_text(world_size: int) -> str:
     """Where the ranks meet, for the [CONFIG] line: host:port, or none for a world of one."""
     if world_size == 1:
         return "none"  # a world of one meets nobody
-    addr, port = rendezvous()
-    return f"{addr}:{port}"
+    return "{}:{}".format(*rendezvous())
 
 
 def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:
@@ -143,9 +142,8 @@ GPU_GROUP_BACKEND = ",".join(f"{kind}:{name}" for kind, name in BACKENDS.items()
 
 
 def check_torch(version: str | None = None) -> None:
-    """Refuse a torch (this one: torch.__version__) older than OLDEST_TORCH in one line. By its
-    release alone: NVIDIA's NGC containers carry builds such as 2.10.0a0+b4e4ee81d3, made on
-    the way to 2.10."""
+    """Refuse a torch (this one: torch.__version__) older than OLDEST_TORCH in one line, by its
+    release alone: NVIDIA's NGC containers carry builds such as 2.10.0a0+b4e4ee81d3."""
     version = version or torch.__version__
     if release(version) < OLDEST_TORCH:
         oldest = ".".join(map(str, OLDEST_TORCH))
@@ -181,9 +179,8 @@ def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[
 
 
 def check_device(wanted: str) -> tuple[torch.device, str]:
-    """For `main.py --check`: the device the run would take here (--device `wanted`), or, for
-    `--device cuda` checked on a machine without a GPU (a login node planning a sweep), a GPU
-    assumed: its model is unknown here."""
+    """For `main.py --check`: the device the run would take here, or a GPU assumed for
+    `--device cuda` checked without one (a login node planning a sweep)."""
     if wanted == "cuda" and not torch.cuda.is_available():
         return torch.device("cuda"), "cuda (no GPU here: bf16 support not checked)"
     device, _ = pick_device(0, wanted)
@@ -192,18 +189,15 @@ def check_device(wanted: str) -> tuple[torch.device, str]:
 
 def shared_gpus(owners: list[str]) -> str | None:
     """owners[rank] = 'host GPU-uuid': which ranks would drive one GPU together, or None."""
-    ranks_of = {}
-    for rank, owner in enumerate(owners):
-        ranks_of.setdefault(owner, []).append(rank)
-    clashes = [(owner, ranks) for owner, ranks in ranks_of.items() if len(ranks) > 1]
-    if not clashes:
-        return None
-    owner, ranks = clashes[0]
-    return (
-        f"ranks {', '.join(map(str, ranks))} would share one GPU ({owner}; NCCL refuses "
-        f"that): start one task per GPU (--ntasks-per-node = GPUs per node, or "
-        f"--gpus-per-task=1)"
-    )
+    for owner in dict.fromkeys(owners):
+        ranks = [str(rank) for rank, theirs in enumerate(owners) if theirs == owner]
+        if len(ranks) > 1:
+            return (
+                f"ranks {', '.join(ranks)} would share one GPU ({owner}; NCCL refuses that): "
+                "start one task per GPU (--ntasks-per-node = GPUs per node, or "
+                "--gpus-per-task=1)"
+            )
+    return None
 
 
 def refuse_shared_gpus(store, rank: int, world_size: int, device: torch.device) -> None:
@@ -219,9 +213,8 @@ def refuse_shared_gpus(store, rank: int, world_size: int, device: torch.device) 
         raise UsageError(clash)
 
 
-# Waiting for rank 0's one-off work (a 170 MB download, a cache) is not a hung peer: it gets a
-# CPU group of its own with a long timeout. On NCCL it also keeps that wait off the GPU, where
-# the watchdog would abort the job after --pg-timeout.
+# Waiting for rank 0's one-off work (a 170 MB download) is not a hung peer: a CPU group of its
+# own with a long timeout (on NCCL, off the GPU, whose watchdog would abort after --pg-timeout).
 HANDSHAKE_TIMEOUT_S = 3600.0
 _handshake_group = None
 _timeout = datetime.timedelta(seconds=300)  # the run's --pg-timeout, for every group we make

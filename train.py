@@ -131,8 +131,8 @@ class Trainer(Learner):
 
     @property
     def reports_sums(self) -> bool:
-        """Whether this rank's images and losses count in the global sums (a pipeline's stages
-        all take the same batch, and only its last stage computes the loss)."""
+        """Whether this rank's images and losses count in the global sums (not a pipeline's
+        stages but its last, which computes the loss)."""
         return True
 
     @property
@@ -232,8 +232,7 @@ class Trainer(Learner):
         self.loaders.set_position(start.epoch, start.step)
         total = len(self.loaders.train)
         progress = Progress(start.epoch, total, self.print_every, self.shows_progress, start.step)
-        meters = self.meters
-        data_wait = meters.data_wait
+        meters, data_wait = self.meters, self.meters.data_wait
         data_wait.reset()
         planned = meters.calibration_plan(start.step, total)
         held = 0.0  # seconds the compute calibration's rounds held the epoch up: not its time
@@ -296,9 +295,7 @@ class Trainer(Learner):
         self.model.eval()
         # exercise 6.1 end
         loaders, device = self.loaders, self.env.device
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device)
-        count = torch.zeros((), device=device)
+        loss_sum, correct, count = torch.zeros(3, device=device).unbind()
         offset = 0
         say_where("in validation")
         synchronize(device)
