@@ -47,8 +47,8 @@ def is_peer_failure(error: BaseException) -> bool:
 # ranks that are not a dead rank's neighbours waiting, until those exit). Not through the
 # rendezvous store: a store that is gone makes torch's C++ client log a 20-frame backtrace.
 PULSE_WAIT_S = 0.5  # for a rank's answer
-# What a caller says to a pulse before it answers: a question, or that rank N leaves cleanly
-# (it finished: not to be taken for dead once its pulse is gone).
+# What a caller says to a pulse: a question, or that rank N leaves cleanly (not to be taken
+# for dead once its pulse is gone).
 ASKING, LEAVING = b"?", b"leaving "
 # The store every rank met at, kept for the check-in after a failed collective (silent_ranks):
 # torch offers no public way to get it back from the process group.

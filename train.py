@@ -95,9 +95,8 @@ class Learner:
                 with self.precision.autocast(x.device):
                     logits = model(x)
                 loss = F.cross_entropy(loss_input(logits), y)
-                # Weighted by its share of the rank's batch, a micro-batch's mean loss gives
-                # gradients that add up to those of the share's mean (one micro-batch: weight 1,
-                # no operation). Without fp16 the scaler passes everything through.
+                # Weighted by its share of the rank's batch, the micro-batches' gradients add up
+                # to the share's mean's. Without fp16 the scaler passes everything through.
                 weight = len(y) / len(labels)
                 weighted = loss if weight == 1 else loss * weight
                 # exercise 6.1 begin

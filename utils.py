@@ -50,11 +50,9 @@ class MetricField:
     fmt: str = ""  # the course's five fields' fixed format (peak_mem in MB with its suffix)
 
 
-# Every field of a `[METRIC]` line, in the line's order: the one place that order is written.
-# After the course's five come the labels that name the run, the project's first measurements,
-# the labels that say how it ran, then what was added since: measurements, then labels. New
-# fields go at the end of the last two groups, so that the positions readers rely on stay put.
-# format_metric() orders any line by it; fields it does not name follow in the order given.
+# Every field of a `[METRIC]` line, in the line's order (format_metric's; others follow as given):
+# the course's five, the labels naming the run, first measurements, the setting, then what came
+# since: measurements, then labels. New fields go at the end of those two, so positions stay put.
 METRIC = (
     MetricField("epoch", fmt="{:d}"),  # the course's, in the course's order and units
     MetricField("time", "s", fmt="{:.2f}"),
