@@ -3,20 +3,18 @@
 DDP: every rank holds the same weights, so rank 0 alone writes one file (a full state dict).
 FSDP: each rank writes its own shard through torch.distributed.checkpoint (DCP), which reshards
 on load, so a run may resume at another world size. A pipeline: each rank writes its stage's
-file, resumed by the same number of stages. All go through `get_state_dict` /
-`set_state_dict`, which understand every wrapper. What a checkpoint's folder holds, and how its
-files are found and read, is checkpoint_files.py's.
+file. All go through `get_state_dict` / `set_state_dict`, which understand every wrapper. What
+a checkpoint's folder holds, and how its files are read, is checkpoint_files.py's.
 
-Everything is written into `<name>.tmp/` first and rank 0 renames it once every rank has
-finished, so a crash mid-write leaves the previous checkpoint as the latest. Only `prune`
-deletes checkpoints: the oldest of a run beyond --keep-last, never the one resumed from.
-A run's checkpoints share a folder (`folder_for`); a fresh run never writes into a folder that
-holds another run's checkpoints. When to save on a signal is stopping.py's to say.
+Everything is written into `<name>.tmp/` first and renamed once every rank has finished, so a
+crash mid-write leaves the previous checkpoint as the latest. Only `prune` deletes checkpoints
+(beyond --keep-last, never the one resumed from); a fresh run never writes into a folder that
+holds another run's. When to save on a signal is stopping.py's to say.
 
 Faults (docs/reliability.md): a failure while saving or loading, on any rank, becomes the same
-`CheckpointError` on every rank (they agree on each step's outcome), after which no half-written
-folder is left; a checkpoint that cannot be read is never overwritten, pruned or deleted: once
-a run goes on from an older one, it is renamed aside to `<name>.damaged`.
+`CheckpointError` on every rank, leaving no half-written folder; a checkpoint that cannot be
+read is never overwritten, pruned or deleted: once a run goes on from an older one, it is
+renamed aside to `<name>.damaged`.
 """
 
 import contextlib
@@ -57,9 +55,8 @@ from layout import CHECKPOINTS_DIR, run_id
 from peer_failures import is_peer_failure
 from utils import CheckpointError, UsageError, is_rank_zero, log0, read_ranks
 
-# torch.distributed.checkpoint (DCP) is imported inside the functions that write or read a
-# checkpoint: it loads FSDP and DTensor (about a second), which `main.py --check`, run before
-# every launch to find the run's checkpoint folder, does without.
+# torch.distributed.checkpoint (DCP) is imported where a checkpoint is written or read: it loads
+# FSDP and DTensor (about a second), which `main.py --check`, run before every launch, skips.
 
 
 def run_identity(cfg: Config, parameters: int) -> Identity:
@@ -69,7 +66,7 @@ def run_identity(cfg: Config, parameters: int) -> Identity:
 
 class Resumable(NamedTuple):
     """What a checkpoint holds of a run beside its position: the model and optimizer (any
-    wrapper's, through get/set_state_dict), the loaders' random stream and the schedule."""
+    wrapper's), the loaders' random stream and the schedule."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -79,10 +76,9 @@ class Resumable(NamedTuple):
 
 @contextlib.contextmanager
 def _quiet_fsdp1_state_dict():
-    """FSDP1's sharded state dict is made of ShardedTensors, which torch warns it will replace
-    by DTensors (FSDP2); the warnings, once per tensor per rank, say nothing a user can act on.
-    At world size 1 FSDP runs NO_SHARD on purpose (fsdp_utils.get_fsdp_model) and warns at each
-    state dict that it gives the whole model's: what its one rank holds anyway."""
+    """FSDP1's warnings at every state dict, once per tensor per rank, that say nothing a user
+    can act on: its ShardedTensors are to become DTensors; at world size 1 (NO_SHARD on
+    purpose) the state dict is the whole model's."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*")
@@ -113,10 +109,8 @@ def _rng_state(generator: torch.Generator | None) -> dict:
 
 
 def _set_rng_state(state: dict, generator: torch.Generator | None) -> bool:
-    """Restore the random streams; False if they cannot carry over and start afresh instead.
-
-    A generator's state is specific to its device type: a CPU run's loader stream cannot seed
-    a CUDA generator, nor the other way round (a checkpoint moved between machines)."""
+    """Restore the random streams; False if they cannot carry over (a generator's state is
+    specific to its device type: a checkpoint moved between a CPU and a GPU machine)."""
     if generator is not None and state.get("loader_device", "cpu") != generator.device.type:
         return False
     torch.set_rng_state(state["torch"])
@@ -128,22 +122,24 @@ def _set_rng_state(state: dict, generator: torch.Generator | None) -> bool:
 
 
 def _whole(identity: Identity) -> bool:
-    """Whether every rank holds the whole model (one file from rank 0), or a part of it: a
-    shard (DCP) or a pipeline stage (a file per rank)."""
+    """Whether every rank holds the whole model, or a part of it (a shard, a pipeline stage)."""
     return identity.strategy not in (*SHARDED, *STAGED)
 
 
-def _stage_file(tmp: Path) -> Path:
-    return tmp / STAGE_FILE.format(rank=_rank())
+def _state_file(folder: Path, identity: Identity) -> Path | None:
+    """This rank's file of the model's and optimizer's state: the whole model's (rank 0 writes
+    it), or its pipeline stage's; None for FSDP's shards, which are DCP's files."""
+    if identity.strategy in SHARDED:
+        return None
+    return folder / (DDP_FILE if _whole(identity) else STAGE_FILE.format(rank=_rank()))
 
 
 def save(directory: Path, position: Position, identity: Identity, resumable: Resumable) -> Path:
     """Every rank calls this. Returns the checkpoint's folder (replacing one of that name).
 
-    A failure on any rank (the file system, torch's serialization) raises the same
-    CheckpointError on every rank, once the others have finished their part: it names the
-    checkpoint, the cause and the newest checkpoint left intact; the half-written folder is
-    removed (where the file system refuses that too, the line says so)."""
+    A failure on any rank raises the same CheckpointError on every rank, once the others have
+    finished their part, naming the checkpoint, the cause and the newest one left intact; the
+    half-written folder is removed (where the file system refuses that too, the line says so)."""
     directory = Path(directory)
     final = directory / position.name
     tmp = directory / (position.name + ".tmp")
@@ -176,9 +172,8 @@ def _make_empty(directory: Path, tmp: Path) -> None:
 
 
 def _discard(tmp: Path) -> None:
-    """Remove a save's unfinished folder, if it was made. The ranks agree on how it went, so
-    that the line on the failed save says whether it was left behind (a read-only file system
-    refuses this too)."""
+    """Remove a failed save's unfinished folder, if it was made (a read-only file system refuses
+    this too: the ranks agree on how it went, and the line says so)."""
     if tmp.exists():
         shutil.rmtree(tmp)
 
@@ -190,18 +185,16 @@ def _write(tmp: Path, position: Position, identity: Identity, resumable: Resumab
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model, optimizer, generator, scheduler = resumable
-    full = _whole(identity)
+    full, file = _whole(identity), _state_file(tmp, identity)
     with _quiet_fsdp1_state_dict():
         model_state, optim_state = get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
         )
-        if full:
-            if is_rank_zero():
-                torch.save({"model": model_state, "optim": optim_state}, tmp / DDP_FILE)
-        elif identity.strategy in STAGED:
-            torch.save({"model": model_state, "optim": optim_state}, _stage_file(tmp))
-        else:
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        state = {"model": model_state, "optim": optim_state}
+        if file is None:
+            dcp.save(state, checkpoint_id=tmp)
+        elif not full or is_rank_zero():
+            torch.save(state, file)
     torch.save(_rng_state(generator), tmp / RNG_FILE.format(rank=_rank()))
     if is_rank_zero():
         torch.save(
@@ -227,9 +220,8 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     """Rename a finished checkpoint folder to its name: atomic, so it appears complete or not at
     all, and only once its files are on disk (fsync: a power cut must not leave a named
     checkpoint of empty files). One already there is set aside first: one without its meta
-    file (damaged) for good, as `<name>.damaged`; a finished one (a run resumed from an older
-    checkpoint on purpose) is deleted once the new one is in place. (Those that --resume auto
-    found unreadable were set aside when it did.)"""
+    file (damaged) for good, as `<name>.damaged`; a finished one (resumed from an older
+    checkpoint on purpose) is deleted once the new one is in place."""
     for f in tmp.iterdir():
         _fsync(f)
     _fsync(tmp)
@@ -263,9 +255,8 @@ def _aside(path: Path) -> Path:
 
 
 def _remove_leftovers(directory: Path) -> None:
-    """Folders that runs killed mid-write (or mid-delete) left half-written (rank 0, after a
-    save): never a checkpoint, never resumed from. Whatever cannot be removed stays,
-    harmlessly."""
+    """Folders that runs killed mid-write (or mid-delete) left (rank 0, after a save): never a
+    checkpoint. Whatever cannot be removed stays, harmlessly."""
     for path in directory.glob("ckpt_e*_s*.*"):
         stem, _, suffix = path.name.rpartition(".")
         if suffix in ("tmp", "deleting") and NAME_RE.match(stem) and path.is_dir():
@@ -289,9 +280,8 @@ def _together(fn, *args, alone: bool = False) -> tuple[object, str | None]:
     """fn on every rank (alone: on rank 0 only), after which the ranks agree on how it went:
     (fn's result, None) where it worked everywhere, else (None, the first failure) on every
     rank. Each step of a save or a load goes through here, so that a rank that failed goes on
-    to the same next collective as the others, never to another (a mismatch, or a hang until
-    --pg-timeout). A peer's death is no checkpoint fault: it goes on up, to end the run as
-    one."""
+    to the same next collective as the others (not a mismatch, or a hang until --pg-timeout).
+    A peer's death is no checkpoint fault: it goes on up, to end the run as one."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     value, error = None, None
@@ -307,20 +297,16 @@ def _together(fn, *args, alone: bool = False) -> tuple[object, str | None]:
 
 
 def _agree(error: str | None) -> str | None:
-    """Every rank's outcome of a step, gathered: the first failure (naming its rank where there
-    are several), the same on every rank; None if every rank succeeded. Also a barrier."""
+    """Every rank's outcome of a step, gathered: the first failure (naming its rank), the same on
+    every rank; None if every rank succeeded. Also a barrier."""
     if not dist.is_initialized() or _world() == 1:
         return error
     errors = [None] * _world()
     dist.all_gather_object(errors, error)
-    return next(
-        (
-            f"rank {rank}: {e}" if not e.startswith("rank ") else e
-            for rank, e in enumerate(errors)
-            if e
-        ),
-        None,
-    )
+    for rank, e in enumerate(errors):
+        if e:
+            return e if e.startswith("rank ") else f"rank {rank}: {e}"
+    return None
 
 
 def _intact(directory: Path) -> str:
@@ -332,8 +318,7 @@ def _intact(directory: Path) -> str:
 
 def folder_for(checkpoint_dir: str | None, resume: str | None) -> Path:
     """Where a run's checkpoints go: the folder asked for; else beside the checkpoint resumed
-    from; else one per SLURM job (a requeued job keeps its id, so it finds its own); else a new
-    one per local run, named by its start time."""
+    from; else one per run_id (a requeued SLURM job keeps its id, so it finds its own)."""
     if checkpoint_dir:
         return Path(checkpoint_dir)
     if resume not in (None, "auto"):
@@ -370,8 +355,7 @@ def prepare_folder(checkpoint_dir: str | None, resume: str | None) -> Path:
 
 def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]:
     """Delete all but the newest `keep` finished checkpoints (0: keep all), never `protect`
-    (the one the run resumed from) nor one being written. Rank 0 calls this. Returns what went:
-    a sweep of large models' checkpoints would otherwise fill a quota."""
+    (the one resumed from) nor one being written. Rank 0 calls this. Returns what went."""
     old = finished(directory)[:-keep] if keep else []
     gone = [p for p in old if protect is None or p.resolve() != Path(protect).resolve()]
     for path in list(gone):
@@ -386,8 +370,8 @@ def prune(directory: Path, keep: int, protect: Path | None = None) -> list[Path]
 
 
 def chosen(resume: str) -> Path:
-    """The checkpoint `--resume PATH` names: itself, or the newest in a folder of them. Looked
-    for before the run builds or creates anything: a mistyped path is one line, no folder."""
+    """The checkpoint `--resume PATH` names: itself, or the newest in a folder of them (looked
+    for before the run creates anything: a mistyped path is one line, no folder)."""
     path = named_by(resume)
     if not (path / META_FILE).is_file():
         path = latest(path)  # a folder of checkpoints
@@ -403,8 +387,7 @@ def resolve(resume: str, directory: Path) -> Path | None:
 
 def _read(path: Path, fn, *args):
     """fn(*args), a read of checkpoint `path` on every rank, which then agree: what any rank
-    cannot read is Unreadable on all of them, at the same step (rather than one rank failing
-    while the others go on to a collective and wait for it)."""
+    cannot read is Unreadable on all of them, at the same step (_together)."""
     value, error = _together(fn, *args)
     if error:
         raise unreadable(path, error)
@@ -433,9 +416,9 @@ def _load_shards(path: Path, model, optimizer) -> dict:
 
 def check_resume(resume: str, directory: Path, identity: Identity, world_sizes: list[int]) -> None:
     """`--check`'s word on `--resume`: the checkpoint the run would start from is there and
-    fits the run at every world size, or the run's own error now. Its meta.pt alone is read,
-    weights-only (no shard, DCP not loaded). With auto, one whose meta cannot be read is left
-    to the run, which passes over it to an older one."""
+    fits the run at every world size, or the run's own error now, from its meta.pt alone (DCP
+    not loaded). With auto, one whose meta cannot be read is left to the run, which passes over
+    it to an older one."""
     path = resolve(resume, directory)
     if path is None:
         return
@@ -452,8 +435,7 @@ def check_resume(resume: str, directory: Path, identity: Identity, world_sizes: 
 
 def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
     """Every rank calls this. Restore model, optimizer, scheduler and (at the same world size)
-    every rank's random streams. A file that any rank cannot read raises the same Unreadable
-    on every rank."""
+    every rank's random streams. What any rank cannot read is Unreadable on every rank."""
     model, optimizer, generator, scheduler = resumable
     meta = _read(path, read_meta, path / META_FILE)
     if why := misfit(path, meta, identity, _world()):
@@ -461,20 +443,18 @@ def load(path: Path, identity: Identity, resumable: Resumable) -> Position:
     position = meta.position
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    full = _whole(identity)
+    file = _state_file(path, identity)
     with _quiet_fsdp1_state_dict():
-        if full:
-            state = _read(path, read_state, path / DDP_FILE)
-        elif identity.strategy in STAGED:
-            state = _read(path, read_state, _stage_file(path))
-        else:
+        if file is None:
             state = _read(path, _load_shards, path, model, optimizer)
+        else:
+            state = _read(path, read_state, file)
         set_state_dict(
             model,
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=StateDictOptions(full_state_dict=full),
+            options=StateDictOptions(full_state_dict=_whole(identity)),
         )
     if scheduler is not None and meta.scheduler:
         scheduler.load_state_dict(meta.scheduler)
@@ -505,12 +485,10 @@ def load_chosen(path: Path, identity: Identity, resumable: Resumable) -> Positio
 def load_newest_readable(
     directory: Path, identity: Identity, resumable: Resumable
 ) -> tuple[Path | None, Position]:
-    """`--resume auto`: the newest checkpoint that every rank can read. One that any rank
-    cannot read (a disk fault) is passed over, saying so, for the next newest; the ranks
-    decide together, so that all of them resume from the same one. Those passed over are then
-    renamed aside (`<name>.damaged`): never overwritten, pruned or deleted. Where there are
-    checkpoints but none can be read, raises Unreadable naming each, having written nothing:
-    starting from scratch would throw the run's training away."""
+    """`--resume auto`: the newest checkpoint that every rank can read (the ranks decide
+    together). One that any rank cannot read is passed over, saying so, and then renamed aside
+    (`<name>.damaged`). Where there are checkpoints but none can be read, raises Unreadable
+    naming each, having written nothing: starting afresh would throw the training away."""
     found, damaged = candidates(directory), []
     for path in reversed(found):
         try:

@@ -1,19 +1,17 @@
-"""A checkpoint on disk: its folder's name and files, what its meta.pt says (`Position`,
-`Identity`), finding checkpoints in a folder, reading their files without running their code
-(safe_load), and whether one fits a run (`misfit`). Writing, resuming and pruning them are
-checkpoint.py's.
+"""A checkpoint on disk: its folder's name and files, what its meta.pt says, finding checkpoints
+in a folder, reading their files without running their code (safe_load), and whether one fits
+a run (`misfit`). Writing, resuming and pruning them are checkpoint.py's.
 
 A checkpoint is a folder `ckpt_e{epoch}_s{step}` (`Position.name`: where training continues)
 holding meta.pt (the position, the run's identity, the world size, the schedule), each rank's
-random streams (`rng_rank{rank}.pt`) and the model's and optimizer's state: `state.pt` where
-every rank holds the whole model, a file per pipeline stage, or FSDP's shards through
-torch.distributed.checkpoint (DCP). Only a finished checkpoint has its meta.pt; one set aside as
-unreadable is `<name>.damaged`.
+random streams and the model's and optimizer's state: `state.pt` where every rank holds the
+whole model, a file per pipeline stage, or FSDP's shards (DCP). Only a finished checkpoint has
+its meta.pt; one set aside as unreadable is `<name>.damaged`.
 """
 
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,8 +47,7 @@ class Position:
 
     @property
     def resumes(self) -> str:
-        """Where training goes on from here, in words: the name gives where it resumes, which
-        after epoch 1 reads as epoch 2 (ckpt_e0002_s000000)."""
+        """Where training goes on from here, in words (after epoch 1 the name says epoch 2)."""
         if self.step:
             return f"after step {self.step} of epoch {self.epoch}: resumes there"
         if self.epoch == 1:
@@ -72,8 +69,8 @@ class Identity:
 
 
 def named_by(resume: str) -> Path:
-    """The path `--resume PATH` names: a checkpoint, a folder of them, or one of a checkpoint's
-    files (its meta.pt, ...), which names that checkpoint."""
+    """The path `--resume PATH` names: a checkpoint or a folder of them (one of a checkpoint's
+    files names that checkpoint)."""
     path = Path(resume)
     return path.parent if path.is_file() and (path.parent / META_FILE).is_file() else path
 
@@ -103,8 +100,7 @@ def latest(directory: Path) -> Path | None:
 
 
 def candidates(directory: Path) -> list[Path]:
-    """Every checkpoint in `directory`, oldest first: the finished ones and those named as one
-    but without their meta file (damaged: a finished checkpoint always has it)."""
+    """Every checkpoint in `directory`, oldest first, finished or damaged (no meta file)."""
     return _named(directory, Path.is_dir)
 
 
@@ -133,8 +129,8 @@ class Meta(NamedTuple):
 
 
 def read_meta(path: Path) -> Meta:
-    """meta.pt, read weights-only and held to the fields checkpoint.save writes: a file of
-    another shape raises here, not as a traceback further on."""
+    """meta.pt, read weights-only and held to the fields checkpoint.save writes (a file of
+    another shape raises here, not further on)."""
     meta = safe_load.torch_file(path)
     return Meta(
         Identity(**meta["identity"]),
@@ -158,8 +154,8 @@ def read_streams(path: Path) -> dict | None:
 
 
 def read_model(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model's state dict from checkpoint `path`, in one process (verify.py): from
-    state.pt, or gathered from FSDP's shards (only the model's tensors are read)."""
+    """The whole model's state dict from checkpoint `path`, in one process (verify.py): state.pt,
+    or FSDP's shards gathered (only the model's tensors)."""
     whole = path / DDP_FILE
     if whole.is_file():
         return read_state(whole)["model"]
@@ -184,11 +180,7 @@ def misfit(path: Path, meta: Meta, identity: Identity, world_size: int) -> str |
     """Why checkpoint `path` (its meta) cannot resume a run of `identity` on world_size ranks,
     or None: what checkpoint.load refuses, and `--check` before it."""
     theirs = meta.identity
-    if (theirs.strategy, theirs.model, theirs.parameters) != (
-        identity.strategy,
-        identity.model,
-        identity.parameters,
-    ):
+    if replace(theirs, global_batch=identity.global_batch) != identity:  # another kind of run
         return (
             f"checkpoint {path} was written by strategy={theirs.strategy} "
             f"model={theirs.model} ({theirs.parameters} parameters); this run is "

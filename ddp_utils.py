@@ -26,11 +26,9 @@ def get_ddp_model(model: nn.Module, device: torch.device) -> DDP:
 
 
 def get_dp_model(model: nn.Module, device: torch.device) -> nn.Module:
-    """DataParallel: one process scatters each batch over every visible GPU, replicates the
-    model onto them at every forward and gathers the outputs on the first. It is what DDP
-    replaces: one process drives all GPUs, a Python thread per GPU (parallel_apply), and the
-    threads contend for the interpreter's lock. Without GPUs it runs the model on the CPU as
-    one device, and says so."""
+    """DataParallel, what DDP replaces: one process scatters each batch over every visible GPU,
+    replicates the model at every forward and gathers the outputs on the first, a Python thread
+    per GPU contending for the interpreter's lock. Without GPUs: the CPU as one device."""
     model = model.to(device)
     if device.type != "cuda":
         log0("dp: no GPU here: DataParallel runs the model on the CPU as one device")

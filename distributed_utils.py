@@ -1,16 +1,14 @@
 """Who am I, how many are we, and where do we meet: one answer for every launcher.
 
-The same program runs as a plain script (world size 1), under `torchrun` (which exports
-RANK/LOCAL_RANK/WORLD_SIZE and MASTER_ADDR/MASTER_PORT) and under `srun` (which exports
-SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). Which rank this process is, and how many there are,
-is utils.read_ranks()'s to say (it needs no torch); this module owns the rest of the contract:
-the launch scripts export none of it. Under SLURM the rendezvous point is the first host of the
-step's node list (expanded here, without scontrol, so that it also works inside a container)
-and a port derived from the job id, so two jobs sharing a node meet at different ports (unless
-their ids differ by a multiple of len(JOB_PORTS)). With CUDA present each rank drives
-`cuda:(local_rank % device_count)` over NCCL (this also covers `--gpus-per-task=1`, where every
-task sees one GPU; two ranks on one GPU are refused); otherwise the CPU over gloo, but not
-silently where the job was given GPUs torch cannot see.
+The same program runs as a plain script (world size 1), under `torchrun` (RANK/LOCAL_RANK/
+WORLD_SIZE, MASTER_ADDR/MASTER_PORT) and under `srun` (SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS).
+Which rank this process is, and how many there are, is utils.read_ranks()'s to say (no torch);
+this module owns the rest, the launch scripts export none of it. Under SLURM the rendezvous
+point is the first host of the step's node list (expanded here, without scontrol, so that it
+works in a container) and a port derived from the job id, so two jobs sharing a node meet at
+different ports. With CUDA each rank drives `cuda:(local_rank % device_count)` over NCCL (also
+under `--gpus-per-task=1`; two ranks on one GPU are refused); otherwise the CPU over gloo, but
+not silently where the job was given GPUs torch cannot see.
 """
 
 import atexit
@@ -52,10 +50,9 @@ class DistEnv:
 
 
 def expand_hostlist(nodelist: str) -> list[str]:
-    """The hosts of a SLURM node list, in SLURM's order, as `scontrol show hostnames` prints them:
-    'nid[001234-001235,001240]' -> nid001234, nid001235, nid001240; 'a[1-2],b3' -> a1, a2, b3;
-    'rack[1-2]-n[01-02]' -> rack1-n01, rack1-n02, rack2-n01, rack2-n02. Zero padding is the
-    width of a range's first number, as in SLURM."""
+    """The hosts of a SLURM node list, as `scontrol show hostnames` prints them: 'a[1-2],b3' ->
+    a1, a2, b3; 'rack[1-2]-n[01-02]' -> rack1-n01, rack1-n02, rack2-n01, rack2-n02. Zero
+    padding is the width of a range's first number, as in SLURM."""
     items = re.findall(r"(?:[^,\[\]]+|\[[^\[\]]*\])+", nodelist)
     if not nodelist or ",".join(items) != nodelist:
         raise UsageError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
@@ -107,8 +104,7 @@ def rendezvous_text(world_size: int) -> str:
     """Where the ranks meet, for the [CONFIG] line: host:port, or none for a world of one."""
     if world_size == 1:
         return "none"  # a world of one meets nobody
-    addr, port = rendezvous()
-    return f"{addr}:{port}"
+    return "{}:{}".format(*rendezvous())
 
 
 def network_warning(nodes: int, backend: str, environ=os.environ) -> str | None:
@@ -146,9 +142,8 @@ GPU_GROUP_BACKEND = ",".join(f"{kind}:{name}" for kind, name in BACKENDS.items()
 
 
 def check_torch(version: str | None = None) -> None:
-    """Refuse a torch (this one: torch.__version__) older than OLDEST_TORCH in one line. By its
-    release alone: NVIDIA's NGC containers carry builds such as 2.10.0a0+b4e4ee81d3, made on
-    the way to 2.10."""
+    """Refuse a torch (this one: torch.__version__) older than OLDEST_TORCH in one line, by its
+    release alone: NVIDIA's NGC containers carry builds such as 2.10.0a0+b4e4ee81d3."""
     version = version or torch.__version__
     if release(version) < OLDEST_TORCH:
         oldest = ".".join(map(str, OLDEST_TORCH))
@@ -184,9 +179,8 @@ def pick_device(local_rank: int, wanted: str = "auto", env=os.environ) -> tuple[
 
 
 def check_device(wanted: str) -> tuple[torch.device, str]:
-    """For `main.py --check`: the device the run would take here (--device `wanted`), or, for
-    `--device cuda` checked on a machine without a GPU (a login node planning a sweep), a GPU
-    assumed: its model is unknown here."""
+    """For `main.py --check`: the device the run would take here, or a GPU assumed for
+    `--device cuda` checked without one (a login node planning a sweep)."""
     if wanted == "cuda" and not torch.cuda.is_available():
         return torch.device("cuda"), "cuda (no GPU here: bf16 support not checked)"
     device, _ = pick_device(0, wanted)
@@ -195,24 +189,21 @@ def check_device(wanted: str) -> tuple[torch.device, str]:
 
 def shared_gpus(owners: list[str]) -> str | None:
     """owners[rank] = 'host GPU-uuid': which ranks would drive one GPU together, or None."""
-    ranks_of = {}
-    for rank, owner in enumerate(owners):
-        ranks_of.setdefault(owner, []).append(rank)
-    clashes = [(owner, ranks) for owner, ranks in ranks_of.items() if len(ranks) > 1]
-    if not clashes:
-        return None
-    owner, ranks = clashes[0]
-    return (
-        f"ranks {', '.join(map(str, ranks))} would share one GPU ({owner}; NCCL refuses "
-        f"that): start one task per GPU (--ntasks-per-node = GPUs per node, or "
-        f"--gpus-per-task=1)"
-    )
+    for owner in dict.fromkeys(owners):
+        ranks = [str(rank) for rank, theirs in enumerate(owners) if theirs == owner]
+        if len(ranks) > 1:
+            return (
+                f"ranks {', '.join(ranks)} would share one GPU ({owner}; NCCL refuses that): "
+                "start one task per GPU (--ntasks-per-node = GPUs per node, or "
+                "--gpus-per-task=1)"
+            )
+    return None
 
 
 def refuse_shared_gpus(store, rank: int, world_size: int, device: torch.device) -> None:
-    """Every rank publishes its GPU at the store and reads all of them, before NCCL starts:
-    a missing LOCAL_RANK or more tasks than GPUs on a node is one clear line, not NCCL's
-    "Duplicate GPU detected" deep in the first collective."""
+    """Every rank publishes its GPU at the store and reads all of them, before NCCL starts: a
+    missing LOCAL_RANK or more tasks than GPUs on a node is one clear line, not NCCL's
+    "Duplicate GPU detected" in the first collective."""
     store = dist.PrefixStore("gpus", store)
     uuid = torch.cuda.get_device_properties(device).uuid
     store.set(str(rank), f"{socket.gethostname()} GPU {uuid}")
@@ -222,9 +213,8 @@ def refuse_shared_gpus(store, rank: int, world_size: int, device: torch.device) 
         raise UsageError(clash)
 
 
-# Waiting for rank 0's one-off work (a 170 MB download, a cache) is not a hung peer: it gets a
-# CPU group of its own with a long timeout. On NCCL it also keeps that wait off the GPU, where
-# the watchdog would abort the job after --pg-timeout.
+# Waiting for rank 0's one-off work (a 170 MB download) is not a hung peer: a CPU group of its
+# own with a long timeout (on NCCL, off the GPU, whose watchdog would abort after --pg-timeout).
 HANDSHAKE_TIMEOUT_S = 3600.0
 _handshake_group = None
 _timeout = datetime.timedelta(seconds=300)  # the run's --pg-timeout, for every group we make
@@ -233,15 +223,11 @@ _timeout = datetime.timedelta(seconds=300)  # the run's --pg-timeout, for every 
 SHARE_ONE_GPU = False
 
 
-# NCCL's flight recorder (torch's TORCH_NCCL_* settings): every rank keeps its last collectives
-# in a ring buffer and, when one times out, writes them to FLIGHT_RECORDER_DIR/<job>_rank<N>,
-# so that a hang's dump says which collective each rank had entered. torch's trace analyzer
-# reads them (python -m torch.distributed.flight_recorder.fr_trace FOLDER).
+# NCCL's flight recorder: every rank keeps its last collectives in a ring buffer and, when one
+# times out, writes them to FLIGHT_RECORDER_DIR/<job>_rank<N>, so that a hang's dump says which
+# collective each rank had entered (python -m torch.distributed.flight_recorder.fr_trace FOLDER).
 FLIGHT_RECORDER_DIR = LOGS_DIR / "nccl-trace"
-
-
-# The ring buffer's size, under the name torch reads since 2.9 (older than every torch the
-# project runs on, OLDEST_TORCH): the old name, TORCH_NCCL_TRACE_BUFFER_SIZE, still works but
+# The ring buffer's size, under the name torch reads since 2.9: the old name still works but
 # makes every rank warn twice that it is deprecated. A job that set either keeps its own.
 FR_BUFFER_SIZE, FR_BUFFER_SIZE_OLD, FR_BUFFER_SIZE_SINCE = (
     "TORCH_FR_BUFFER_SIZE",
@@ -250,20 +236,15 @@ FR_BUFFER_SIZE, FR_BUFFER_SIZE_OLD, FR_BUFFER_SIZE_SINCE = (
 )
 
 
-def flight_recorder_env(job: str, folder: Path = FLIGHT_RECORDER_DIR) -> dict[str, str]:
-    return {
-        FR_BUFFER_SIZE: "2000",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder.resolve() / f"{job}_rank"),
-    }
-
-
 def turn_on_flight_recorder(folder: Path = FLIGHT_RECORDER_DIR) -> None:
     """Before NCCL starts: the flight recorder's settings, where the job has not set its own."""
     folder.mkdir(parents=True, exist_ok=True)
-    settings = flight_recorder_env(job_id(), folder)
-    if FR_BUFFER_SIZE_OLD in os.environ:  # the job's own size, under the old name
-        del settings[FR_BUFFER_SIZE]
+    settings = {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder.resolve() / f"{job_id()}_rank"),
+    }
+    if FR_BUFFER_SIZE_OLD not in os.environ:  # else the job's own size, under the old name
+        settings[FR_BUFFER_SIZE] = "2000"
     for name, value in settings.items():
         os.environ.setdefault(name, value)
 
@@ -271,17 +252,14 @@ def turn_on_flight_recorder(folder: Path = FLIGHT_RECORDER_DIR) -> None:
 def setup(timeout_s: float = 300.0, device: str = "auto") -> DistEnv:
     """Join (or, alone, create) the process group and bind this process to its device.
 
-    A world of one still gets a process group, from an in-memory store: DDP and FSDP need one,
-    and no port is opened for nobody. Otherwise rank 0 hosts the store at rendezvous(), or,
-    under torchrun, its agent already does there and every rank is a client (dist.rendezvous
-    knows which).
+    A world of one still gets a process group (DDP and FSDP need one), from an in-memory store:
+    no port is opened for nobody. Otherwise rank 0 hosts the store at rendezvous() (under
+    torchrun its agent already does, and every rank is a client).
     """
     global _handshake_group, _timeout
-    # What is imported by now lives as long as the process: frozen, Python's collections (the
-    # training loop's, cleanup's) scan only what the run made, not torch's modules too (0.15 s
-    # each). main.py loads them with the collector off: it goes back on here. At exit they thaw:
-    # triton (loaded by torch's FLOP counter since torch 2.15) checks then, through nanobind,
-    # that its objects were freed, and prints a line on stderr for each that was not.
+    # What is imported by now lives as long as the process: frozen, the collector (off while
+    # main.py imported, back on here) scans only what the run made, not torch's modules (0.15 s
+    # a collection). Thawed at exit: triton (nanobind) checks then that its objects were freed.
     gc.freeze()
     atexit.register(gc.unfreeze)
     gc.enable()
@@ -343,15 +321,12 @@ def subgroups(rank_lists: list[list[int]]) -> dist.ProcessGroup:
 
 def cleanup(failed: bool = False) -> None:
     """Destroy the process groups while the interpreter is fully alive; after a peer failed,
-    abort them first.
+    abort them first (NCCL's work queued towards a dead peer never completes).
 
-    On NCCL, work queued towards a dead peer never completes and destroying the group would
-    wait for it: abort drops it. destroy_process_group only forgets the groups; their C++ side
-    dies with the last Python reference. A reference cycle (modules, hooks) can postpone that to
-    the interpreter's teardown, where gloo's threads are torn down unjoined: "terminate called
-    without an active exception", SIGABRT, after all the work was done. Collect the cycles first.
-    The pulse and its watchdog stop before: unless this rank failed, it tells the others' pulses
-    that it leaves, so that a rank still at work does not take it for dead.
+    A group's C++ side dies with its last Python reference: a reference cycle would postpone
+    that to the interpreter's teardown, where gloo's threads end unjoined (SIGABRT after all
+    the work was done), so the cycles are collected first. The pulse stops before, telling the
+    peers (unless this rank failed) that it leaves, not dies.
     """
     global _handshake_group
     peer_failures.leave(cleanly=not failed)
@@ -371,11 +346,9 @@ def barrier() -> None:
 
 
 def on_rank0(fn, *args):
-    """Run fn on rank 0 alone and hand its result, or its UsageError, to every rank.
-
-    For work only one rank may do (download, create folders): the broadcast is also the
-    barrier, and a failure ends every rank with rank 0's message instead of a hang. The others
-    wait up to HANDSHAKE_TIMEOUT_S, not --pg-timeout: a download takes minutes.
+    """Run fn on rank 0 alone and hand its result, or its UsageError, to every rank (download,
+    create folders): a failure ends every rank with rank 0's message instead of a hang. The
+    others wait up to HANDSHAKE_TIMEOUT_S, not --pg-timeout: a download takes minutes.
     """
     outcome = [None]
     if not dist.is_initialized() or is_rank_zero():

@@ -6,24 +6,18 @@ optimizer state. Two APIs, one idea:
 - `--strategy fsdp2`: `fully_shard` (PyTorch's current FSDP), applied explicitly to each unit,
   then to the root; parameters become DTensors sharded over a device mesh.
 
-The units (`model.own_units`): each of the model's `shard_units()` (the CNN's conv blocks and
-classifier, a ResNet's stages) that holds at least MIN_UNIT_PARAMS parameters; the root holds
-the rest (the CNN's three conv blocks, 4% of its parameters, a ResNet's stem and head). A unit
-costs the host the same hooks and copies whatever its size, and a tiny one's gather is all
-latency: one unit per block cost the CNN's step far more host operations than DDP's, for no
-memory saved (counts: docs/performance.md; budgets: tests/test_step_cost.py). Both APIs keep
-the root's parameters from forward to backward, which needs them first (torchtitan likewise
-does not reshard its last block): a root of small blocks is gathered once a step. The CNN's
-classifier stays resharded after forward under `full`: it is 96% of the model, and keeping it
-would make ZeRO-3 ZeRO-2.
-
 Just before a unit runs, its full parameters are all-gathered; right after, they are freed
 again; in backward, gradients are reduce-scattered so each rank keeps the shard it owns. A rank
-never holds the whole model: at its peak, in backward, it holds its shards plus the current
-unit's full parameters and gradients and the next unit's parameters, gathered ahead (FSDP1's
-default backward_prefetch=BACKWARD_PRE: torch.distributed.fsdp.BackwardPrefetch; FSDP2 also
-prefetches one unit). Bought with more communication than DDP: worth it for models too large
-for one GPU, not for this small CNN.
+never holds the whole model: at its peak, in backward, its shards plus the current unit's full
+parameters and gradients and the next unit's parameters, prefetched. Bought with more
+communication than DDP: worth it for models too large for one GPU, not for this small CNN.
+
+The units (`model.own_units`): each of the model's `shard_units()` (the CNN's conv blocks and
+classifier, a ResNet's stages) of at least MIN_UNIT_PARAMS parameters; the root holds the rest.
+A unit costs the host the same hooks and copies whatever its size, and a tiny one's gather is
+all latency (docs/performance.md; budgets: tests/test_step_cost.py). Both APIs keep the root's
+parameters from forward to backward, which needs them first (as torchtitan keeps its last
+block); the CNN's classifier, 96% of the model, is still resharded after forward under `full`.
 
 Sharding (`--sharding`):
   full     parameters, gradients and optimizer state sharded (ZeRO-3): FULL_SHARD, or
@@ -35,11 +29,9 @@ Sharding (`--sharding`):
 NO_SHARD is deprecated upstream: for replicated training, use DDP (--strategy ddp).
 
 Mixed precision: compute in bf16/fp16, reduce gradients in fp32 (as DDP under autocast does;
-precision.py).
-
-What the training step does differently under each wrapper: `gradient_sync` (accumulating
-micro-batches without reducing: FSDP2's own switch, the `no_sync` that FSDP1 shares with DDP),
-`clip_gradients` (FSDP1's flat shards) and `reshard` (FSDP2's units left gathered).
+precision.py). What the step does differently under each wrapper: `gradient_sync` (micro-batches
+accumulated without reducing), `clip_gradients` (FSDP1's flat shards) and `reshard` (FSDP2's
+units left gathered).
 """
 
 import contextlib
@@ -75,8 +67,7 @@ SHARDING = {
 
 def check_ranks_by_node(ranks_per_node: int) -> None:
     """Hybrid sharding shards within a node over the mesh's rows: ranks 0..k-1 must share a
-    node, then k..2k-1, and so on (srun's and torchrun's default block layout). A cyclic
-    layout (srun --distribution=cyclic) would shard across the network instead: refuse it."""
+    node, then k..2k-1, ... (srun's and torchrun's default block layout), not cyclic."""
     hosts = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(hosts, socket.gethostname())
     for rank, host in enumerate(hosts):
@@ -185,9 +176,8 @@ def get_fsdp2_model(
 
 
 def effective_sharding(model: nn.Module, sharding: str) -> str:
-    """The sharding really applied, for the [METRIC] line: FSDP falls back to NO_SHARD at world
-    size 1 whatever was asked (FSDP2 on a mesh of one rank likewise holds everything), so a
-    1-GPU FSDP baseline is DDP-like. Not FSDP: `replicate`."""
+    """The sharding really applied, for the [METRIC] line: at world size 1 FSDP holds everything
+    whatever was asked (NO_SHARD), a DDP-like baseline. Not FSDP: `replicate`."""
     root = getattr(model, "_orig_mod", model)  # under torch.compile
     if isinstance(root, FSDP):
         names = {strategy: name for name, strategy in SHARDING.items()}
@@ -213,9 +203,9 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale the gradients so that their norm over all ranks and shards is at most max_norm.
-    FSDP1's flat shards need its own method; DDP's gradients are whole and equal on every
-    rank, and FSDP2's are DTensors whose norm torch's function already takes over all shards."""
+    """Scale the gradients so that their norm over all ranks and shards is at most max_norm:
+    FSDP1's flat shards need its own method; DDP's are whole, FSDP2's DTensors whose norm
+    torch's function takes over all shards."""
     root = getattr(model, "_orig_mod", model)
     if isinstance(root, FSDP):
         return root.clip_grad_norm_(max_norm)
@@ -223,9 +213,8 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def reshard(model: nn.Module) -> None:
-    """Free the parameters every FSDP2 unit holds gathered, putting its shards back in the
-    module (FSDPModule.reshard, which is not recursive). Other wrappers hold nothing between
-    steps: nothing to do."""
+    """Free the parameters every FSDP2 unit holds gathered (FSDPModule.reshard is not
+    recursive). Other wrappers hold nothing between steps."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -66,52 +66,36 @@ def _process_memory_bytes(field: str) -> int | None:
     return None
 
 
-def current_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: torch.device) -> tuple[int, int]:
+    """This rank's (allocated, reserved) peaks since reset_peak_memory: the CUDA caching
+    allocator's (reserved: its cache too, what the process really took), or on CPU the peak
+    resident set, libraries included, for both."""
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    return _process_memory_bytes("VmRSS") or 0
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """This rank's peak since reset_peak_memory: CUDA allocator peak, or peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
     peak = _process_memory_bytes("VmHWM")
     if peak is None:  # no /proc: the lifetime peak instead of the epoch's
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return peak
-
-
-def reserved_peak_bytes(device: torch.device) -> int:
-    """What the process really took at its peak: the CUDA caching allocator's reserved peak
-    (allocations plus its cache), or on CPU the peak resident set, libraries included."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device)
-    return peak_memory_bytes(device)
-
-
-def release_free_heap() -> None:
-    """Hand the C heap's free memory back to the system (glibc's malloc_trim). Memory freed
-    before the baseline (e.g. the temporaries of decoding or generating the data set) would
-    otherwise stay resident, inflate the baseline, and be reused by training unseen: the
-    training peak would then vary by tens of MB from run to run."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
+    return peak, peak
 
 
 class MemoryMeter:
     """Training memory: the peak above a baseline taken once the data set is resident on the
-    device and before the model exists. It counts the model, its gradients, optimizer state,
-    activations and batches, not the data set (reported on its own) nor, on CPU, torch's own
-    libraries: so it compares with a run that keeps its data on the host, as the course's does,
-    and it means the same on a GPU and on a CPU. Nor what runs set_aside within the epoch (the
-    compute calibration's rounds: their model is not the trained one)."""
+    device and before the model exists: the model, its gradients, optimizer state, activations
+    and batches, not the data set (reported on its own), nor on CPU torch's own libraries (so
+    it means the same on a GPU and on a CPU, and compares with the course's runs), nor what
+    runs set_aside within the epoch (the compute calibration's rounds)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        if device.type == "cpu":
-            release_free_heap()
-        self.baseline = current_memory_bytes(device)
+        if device.type == "cuda":
+            self.baseline = torch.cuda.memory_allocated(device)
+        else:
+            # Hand the C heap's free memory back (glibc's malloc_trim): what was freed before
+            # (decoding the data set) would otherwise stay resident, inflate the baseline, and
+            # be reused by training unseen, moving its peak by tens of MB from run to run.
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None).malloc_trim(0)
+            self.baseline = _process_memory_bytes("VmRSS") or 0
         self.kept = (0, 0)  # the epoch's peaks, allocated and reserved, before work set aside
 
     def reset(self) -> None:
@@ -120,7 +104,7 @@ class MemoryMeter:
 
     def peaks(self) -> tuple[int, int]:
         """Since reset(), the work set aside left out: (allocated, reserved) peak bytes."""
-        now = (peak_memory_bytes(self.device), reserved_peak_bytes(self.device))
+        now = peak_memory_bytes(self.device)
         return max(now[0], self.kept[0]), max(now[1], self.kept[1])
 
     @contextlib.contextmanager
@@ -140,17 +124,15 @@ class MemoryMeter:
         return max(0, max(self.peaks()[0], at_least) - self.baseline)
 
     def reserved_peak(self) -> int:
-        """Since reset(): what the process really took (reserved_peak_bytes)."""
+        """Since reset(): what the process really took (peak_memory_bytes)."""
         return self.peaks()[1]
 
 
 class StageTimer:
-    """Seconds spent in one stage of every step (fetching the next batch), over an epoch.
-
-    On CUDA a call returns once the stage's kernels are queued, so the wall clock would see only
-    their launch: events recorded on the stream around the stage measure the device's time
-    (including any wait for the host), and are read once, when the epoch has synchronized. On
-    the CPU the work is done when the call returns: the wall clock."""
+    """Seconds spent in one stage of every step (fetching the next batch), over an epoch. On
+    CUDA the wall clock would see only the kernels' launch: events recorded on the stream around
+    the stage measure the device's time, read once the epoch has synchronized. On the CPU the
+    work is done when the call returns: the wall clock."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -185,11 +167,8 @@ def state_bytes_by_device(
     model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[torch.device, int]:
     """Exact bytes of parameters, gradients and optimizer state held by this rank, by the device
-    that holds them (--cpu-offload keeps them all in host memory).
-
-    Under FSDP, model.parameters() are this rank's shards (FSDP1: views of its flat shard;
-    FSDP2: DTensors, whose local part is counted), so this shrinks with sharding.
-    """
+    that holds them (--cpu-offload keeps them in host memory). Under FSDP, model.parameters()
+    are this rank's shards (FSDP2's DTensors: their local part), so this shrinks with sharding."""
     tensors = list(model.parameters())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -220,34 +199,29 @@ def all_reduce(
 
 @dataclass
 class Segment:
-    """What this rank did in the part of an epoch this process trained (the whole epoch unless
-    it resumed mid-way): the part's wall time (its slowest rank's, the compute calibration's
-    rounds beside it left out), this rank's own time fetching batches, and its steps."""
+    """What this rank did in the part of an epoch this process trained (all of it unless it
+    resumed mid-way): the part's wall time (its slowest rank's, the compute calibration's rounds
+    left out), this rank's own time fetching batches, and its steps."""
 
     elapsed: float
     data: float
     steps: int
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def every_rank(values: list[float], device: torch.device) -> list[list[float]]:
     """Each rank's values, in rank order, on every rank: one all-reduce (a sum) of a vector in
-    which each rank fills its own slots and leaves the others' zero, so each value arrives
-    exactly as its rank had it."""
-    rank, count = (dist.get_rank() if dist.is_initialized() else 0), len(values)
-    mine = [v if r == rank else 0.0 for r in range(world_size()) for v in values]
+    which each rank fills its own slots, the others' left zero."""
+    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = [v if r == rank else 0.0 for r in range(size) for v in values]
     flat = all_reduce(mine, device)
-    return [flat[r * count : (r + 1) * count] for r in range(world_size())]
+    return [flat[r * len(values) : (r + 1) * len(values)] for r in range(size)]
 
 
 @dataclass
 class StepCompute:
-    """One step's compute on this rank, for t_compute: the median of the compute calibration's
-    rounds beside the epoch (ComputeCalibration), and the fastest and the slowest of them; the
-    three alike where a step's compute is measured as it trains (a pipeline's stages)."""
+    """One step's compute on this rank, for t_compute: the median, fastest and slowest of the
+    compute calibration's rounds; all three alike where it is measured as it trains (a
+    pipeline's stages)."""
 
     median: float
     fastest: float
@@ -258,39 +232,27 @@ class StepCompute:
         return cls(seconds, seconds, seconds)
 
 
-# Above this share of the epoch, compute_spread leaves the epoch's compute too uncertain to be
-# told apart from the rest: breakdown=unreliable.
+# Above this share of the epoch, compute_spread leaves compute too uncertain: unreliable.
 SPREAD_LIMIT = 0.25
 
 
 def time_breakdown(segment: Segment, step: StepCompute, device: torch.device, sends: bool) -> dict:
-    """Where the epoch's time went, in seconds, each the mean over ranks, none negative; they add
-    up to the segment's time by construction:
+    """Where the epoch's time went, in seconds, each the mean over ranks, none negative, adding
+    up to the segment's time by construction (docs/metrics.md):
 
-    t_compute  the steps' forward, backward and optimizer work as one process does it on this
-               rank's local batch (ComputeCalibration: step.median x steps)
-    t_data     fetching batches (the data_wait of this rank)
-    t_wait     waiting for the slowest rank: the busiest rank's compute + data, minus this
-               rank's own
-    t_comm     where the run sends (sends: its devices are more than one): the rest, the
-               epoch's time beyond its busiest rank's compute and data, that is communication
-               and the wrapper's work not hidden behind compute, and what the step's model
-               misses (the same on every rank: every rank takes the slowest one's time); 0
-               where nothing is sent
-    t_other    where nothing is sent: the rest, what the step's model does not explain (the
-               wrapper's own work, the loop's, other work on the machine beyond what the
-               calibration saw); 0 where the run sends (the rest is t_comm's)
+    t_compute  the steps' work as one process does it on this rank's batch (step.median x steps)
+    t_data     fetching batches (this rank's data_wait)
+    t_wait     waiting for the busiest rank: its compute + data, minus this rank's own
+    t_comm     the rest, where the run sends (more than one device): communication and the
+               wrapper's work not hidden behind compute, and what the step's model misses
+    t_other    the rest, where nothing is sent: what the step's model does not explain
 
-    Where the median round's compute does not fit in the epoch beside its data, the most that
-    does: the rest is then 0. compute_spread, how uncertain the compute is: the slowest round's
-    compute minus the fastest's, or minus the most that fits where the fastest's does not, the
-    largest over ranks. Above SPREAD_LIMIT of the epoch, how the epoch split between compute and
-    the rest is unknown: both are `na`, with breakdown=unreliable (never a negative time;
-    breakdown_warning says why).
-    Also the straggler: which rank was the busiest (slowest_rank), and by how many seconds the
-    busiest and the least busy differ (rank_time_spread). Every rank's compute, data and
-    spread come in one all-reduce (every_rank), from which each rank takes the same sums,
-    means and largest.
+    Compute is capped at what fits beside the data (the rest is then 0). compute_spread, how
+    uncertain it is: the slowest round's compute minus the fastest's (or the cap), the largest
+    over ranks; above SPREAD_LIMIT of the epoch, compute and the rest are `na`,
+    breakdown=unreliable (breakdown_warning says why). Also the straggler: slowest_rank, and
+    rank_time_spread between the busiest and least busy ranks. Every rank's numbers come in one
+    all-reduce (every_rank), so every rank takes the same sums.
     """
     steps, data = segment.steps, segment.data
     room = segment.elapsed - data  # the most compute this rank's part of the epoch can hold
@@ -330,12 +292,10 @@ def breakdown_warning(fields: dict) -> str | None:
 
 
 def busy_seconds(events) -> float:
-    """Seconds in which the GPU ran at least one of a kernel trace's device events (the torch
-    profiler's FunctionEvents: kernels, memory copies and sets, timed by the device from their
-    start to their end, in microseconds): the union of their intervals, so that kernels that
-    overlap on two streams count once. Left out as torch's own device totals leave them out:
-    the host's events (operators, launches), and user annotations mirrored onto the device's
-    timeline, which span the gaps between kernels."""
+    """Seconds in which the GPU ran at least one of a kernel trace's device events (kernels,
+    copies and sets, in microseconds): the union of their intervals, so that kernels overlapping
+    on two streams count once. As in torch's own device totals, the host's events and user
+    annotations mirrored onto the device's timeline (which span the gaps) are left out."""
     spans = sorted(
         (e.time_range.start, e.time_range.end)
         for e in events
@@ -350,8 +310,7 @@ def busy_seconds(events) -> float:
 
 def traced_busy_seconds(work: Callable[[], None], device: torch.device) -> float:
     """busy_seconds of what work() runs on the GPU, from a trace of the device's activity only:
-    CUPTI records each kernel's start and end on the device, so whatever the trace costs the
-    host lengthens no kernel (it may widen the gaps between them, which are not counted)."""
+    CUPTI times each kernel on the device, so the trace's cost to the host lengthens none."""
     quiet_kineto()  # its markers at start and stop would otherwise reach every run's stderr
     # acc_events: torch 2.10 warns on stderr at every trace that does not keep its events.
     cuda = [torch.profiler.ProfilerActivity.CUDA]
@@ -362,10 +321,9 @@ def traced_busy_seconds(work: Callable[[], None], device: torch.device) -> float
 
 
 def gpu_busy(segment: Segment, kernel_seconds: float | None) -> dict:
-    """gpu_busy: the share of the segment's training time the GPU spent running the steps'
-    kernels, kernel_seconds a step (EpochMeters.kernel_seconds_per_step) x the steps / the
-    segment's time; UNKNOWN where no kernel time is known (a CPU, more than one rank, a trace
-    that saw no kernel). Not clamped: above 1 the trace and the clock disagree."""
+    """gpu_busy: the share of the segment's time the GPU ran the steps' kernels (kernel_seconds
+    a step x steps / time); UNKNOWN where no kernel time is known. Not clamped: above 1 the
+    trace and the clock disagree."""
     if not kernel_seconds:
         return {"gpu_busy": UNKNOWN}
     return {"gpu_busy": kernel_seconds * segment.steps / segment.elapsed}
@@ -374,10 +332,9 @@ def gpu_busy(segment: Segment, kernel_seconds: float | None) -> dict:
 def epoch_fields(
     reached: Position, val: dict, memory: list[int], data_bytes: int, device: torch.device
 ) -> dict:
-    """The `[METRIC]` fields of an epoch's training (its sums global) and validation, and of
-    memory: this rank's [peak, state, reserved, activations per image] bytes, the maximum over
-    ranks, in MB (state_mem and act_per_image in bytes); data_mem, the data set on the device,
-    the same on every rank."""
+    """The `[METRIC]` fields of an epoch's training (its sums global), validation and memory:
+    this rank's [peak, state, reserved, activations per image] bytes, the maximum over ranks,
+    in MB (state_mem and act_per_image in bytes); data_mem, the data set on the device."""
     peak, state, reserved, per_image = all_reduce(memory, device, dist.ReduceOp.MAX)
     return {
         "epoch": reached.epoch,
@@ -398,29 +355,22 @@ def epoch_fields(
 
 class ComputeCalibration:
     """One optimizer step's compute as one process does it on this rank's local batch: an
-    unwrapped model of its own, stepped as the run steps (micro-batches, precision, clipping;
-    compiled, or captured as one CUDA graph, where the run's step is: session.calibrate_compute
-    builds it) on fixed random data. It touches neither the trained model nor any random stream.
+    unwrapped model of its own, stepped as the run steps (micro-batches, precision, clipping,
+    compiled or graphed: session.calibrate_compute builds it) on fixed random data, touching
+    neither the trained model nor any random stream.
 
-    Timed beside the epoch's training, so that it sees the machine the epoch sees: rounds of its
-    steps interleaved with the epoch's, spread evenly over it (plan), on every rank at once, the
-    epoch's clock stopped while they run (train.Trainer.train_epoch; their memory is not
-    training's either: MemoryMeter.set_aside). Timed after the epoch instead, on a shared
-    machine, it saw another one: the epoch's steps slowed by other work, its own fastest round
-    not, and the difference was taken for communication.
+    Timed beside the epoch, so that it sees the machine the epoch sees: rounds interleaved with
+    the epoch's steps, spread evenly (plan), on every rank at once, the epoch's clock stopped
+    and their memory set aside meanwhile. (Timed after the epoch on a shared machine, its
+    fastest round missed the other work that slowed the epoch, taken then for communication.)
+    A round's steps run back to back, synchronised around the round only, as the loop runs
+    them: a step timed alone would add the launch latency the loop hides. A step's compute is
+    the median round's: the typical one, neither the luckiest nor the unluckiest."""
 
-    A round's steps run back to back, the device synchronised around the round only, as the
-    training loop runs them: on a GPU the host queues a step's kernels while the last step's
-    run, and a step timed alone would add the launch latency the loop hides. A step's compute
-    is the median round's (step_compute): other work on the machine slows some of the epoch's
-    steps and some rounds alike, and the median is the typical one, neither the luckiest nor the
-    unluckiest."""
-
-    # Rounds an epoch: as many as take a tenth of its steps, never fewer than LEAST, nor more
-    # than MOST.
+    # Rounds an epoch: as many as take a tenth of its steps, LEAST to MOST.
     EPOCH_SHARE, LEAST, MOST = 0.1, 3, 10
-    # Steps a round: a CPU computes as it is called, one step is a round; a GPU's queue holds
-    # the next steps' launches while the device works, as in the training loop.
+    # Steps a round on a GPU, whose queue holds the next steps' launches while the device works
+    # (a CPU computes as it is called: one step a round).
     QUEUED_STEPS = 8
 
     def __init__(
@@ -455,9 +405,8 @@ class ComputeCalibration:
         return [first + (2 * i + 1) * steps // (2 * count) for i in range(count)]
 
     def timed_round(self) -> float:
-        """One round beside the epoch, on every rank at once: its step's time joins this epoch's
-        rounds. Returns the seconds it held this rank's epoch up, the wait for the other ranks'
-        rounds included (none of it is the epoch's)."""
+        """One round beside the epoch, on every rank at once, its step's time kept. Returns the
+        seconds it held this rank's epoch up, the wait for the other ranks' rounds included."""
         synchronize_device(self.device)  # the epoch's queued steps are the epoch's time
         start = time.perf_counter()
         self.run_round()
@@ -473,9 +422,8 @@ class ComputeCalibration:
 
     def kernel_seconds_per_step(self) -> float | None:
         """The GPU's time running one step's kernels (for gpu_busy): one more round, after the
-        epoch and never timed itself, under a kernel trace (traced_busy_seconds). Traced at
-        the first call only: a step runs the same kernels every epoch. None on a CPU, or where
-        the trace saw no kernel."""
+        epoch, under a kernel trace, at the first call only (a step's kernels are the same every
+        epoch). None on a CPU, or where the trace saw no kernel."""
         if not self.traced:
             self.traced = True
             busy = traced_busy_seconds(self.run_round, self.device)
@@ -485,10 +433,10 @@ class ComputeCalibration:
 
 @dataclass(kw_only=True)
 class EpochMeters:
-    """What a trainer measures its epochs with, one of each for the run (session.build_trainer
-    makes them): the memory meter, data_wait's timer, the compute calibration (None for a
-    pipeline's stages, which measure their own compute), --profile's profiler, the model's
-    FLOPs, and the `[METRIC]` line's fields that are not measured (labels)."""
+    """What a trainer measures its epochs with (session.build_trainer makes them): the memory
+    meter, data_wait's timer, the compute calibration (None for a pipeline's stages, which
+    measure their own), --profile's profiler, the model's FLOPs, and the `[METRIC]` line's
+    fields that are not measured (labels)."""
 
     memory: MemoryMeter
     flops: ModelFlops  # for tflops and mfu
@@ -506,9 +454,8 @@ class EpochMeters:
         return self.profiler is not None and not self.profiler.saved
 
     def calibration_plan(self, first: int, total: int) -> list[int]:
-        """The steps of an epoch that trains steps first..total-1 before which the compute
-        calibration times a round (ComputeCalibration.plan): none without one; while
-        --profile's trace is still to come, after the steps it traces."""
+        """The steps of an epoch (first..total-1) before which the calibration times a round:
+        none without one; while --profile's trace is still to come, after the steps it traces."""
         if self.calibration is None:
             return []
         if self.tracing():
@@ -516,12 +463,14 @@ class EpochMeters:
         return self.calibration.plan(first, total)
 
     def calibrate(self, planned: list[int], step: int) -> float:
-        """The compute calibration's rounds planned before `step` (total: after the last),
-        beside the epoch, their memory set aside; returns the seconds they held it up."""
-        held, count = 0.0, planned.count(step)
-        if count:
+        """The calibration's rounds planned before `step` (total: after the last), their memory
+        set aside; returns the seconds they held the epoch up. `planned` is in order: the
+        rounds due are taken off its front."""
+        held = 0.0
+        if planned and planned[0] == step:
             say_where(f"in the compute calibration's rounds before step {step}")
-        for _ in range(count):
+        while planned and planned[0] == step:
+            planned.pop(0)
             with self.memory.set_aside():
                 held += self.calibration.timed_round()
         return held
@@ -533,10 +482,9 @@ class EpochMeters:
 
     def kernel_seconds_per_step(self, world_size: int) -> float | None:
         """One step's GPU kernel time, for gpu_busy; None where unknown: no calibration (a
-        pipeline), or more than one rank, where the calibration's unwrapped step runs none of
-        the wrapper's collectives and copies that the run's step does (its share would not be
-        the run's). Not while --profile's own trace is still to come: the profiler runs one
-        trace at a time (the next epoch's calibration traces instead)."""
+        pipeline), or more than one rank (the unwrapped step runs none of the wrapper's
+        collectives). Not while --profile's own trace is still to come: the profiler runs one
+        trace at a time."""
         if self.calibration is None or world_size > 1 or self.tracing():
             return None
         return self.calibration.kernel_seconds_per_step()

@@ -3,11 +3,10 @@ line naming the ranks that failed and where every rank was last seen, and exit s
 
 Every rank of a multi-rank run has a pulse: a thread that answers on a socket of its own,
 whatever the rank's main thread is blocked in. A rank whose collective failed asks the pulses
-of the ranks that did not check in after it (describe_peer_failure). A rank whose main thread
-waits where no collective will ever fail is ended by its watchdog, a thread that asks the peers'
-pulses every few seconds: the collectives a CUDA graph replays are never handed to NCCL's own
-watchdog, so a peer that dies during replays would leave this rank blocked in its next host
-sync (C++, which never returns to Python) until SLURM's time limit.
+of the ranks that did not check in after it (describe_peer_failure). A rank blocked where no
+collective will ever fail (a CUDA graph's replayed collectives escape NCCL's watchdog: C++
+that never returns to Python) is ended by its own watchdog, a thread that asks the peers'
+pulses every few seconds.
 """
 
 import contextlib
@@ -32,11 +31,10 @@ GLOO_PAIRS_CLOSED = "Application timeout caused pair closure"
 def is_peer_failure(error: BaseException) -> bool:
     """A collective that failed because another rank died or hung (not a bug of ours).
 
-    NCCL and the store raise DistError's subclasses. gloo raises a plain RuntimeError (torch
-    2.14, measured: "[.../gloo/transport/tcp/pair.cc:545] Read error ...: Connection reset by
-    peer" for a killed peer, "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting
-    5000ms for recv operation" for a stopped one, GLOO_PAIRS_CLOSED for the operations beside
-    the one that timed out), so for gloo its text is all there is.
+    NCCL and the store raise DistError's subclasses; gloo a plain RuntimeError whose text is all
+    there is (torch 2.14: "[.../gloo/transport/tcp/pair.cc:545] Read error ...: Connection reset
+    by peer" for a killed peer, "[.../unbound_buffer.cc:78] Timed out waiting 5000ms for recv
+    operation" for a stopped one, GLOO_PAIRS_CLOSED beside the one that timed out).
     """
     text = str(error)
     return isinstance(error, dist.DistError) or (
@@ -44,15 +42,13 @@ def is_peer_failure(error: BaseException) -> bool:
     )
 
 
-# A rank's pulse: a thread of its own answers every connection to a socket of its own, whatever
-# the rank's main thread is blocked in. It tells a rank that died (nothing listens) or hung
-# (SIGSTOP stops the thread too: no answer) from one that is alive but still blocked in a
-# collective: gloo's ring leaves the ranks that are not a dead rank's neighbours waiting for
-# ranks that have already left it, until those exit (seen at 4 and 8 ranks). Not through the
+# A rank's pulse tells a rank that died (nothing listens) or hung (SIGSTOP stops the thread
+# too: no answer) from one alive but still blocked in a collective (gloo's ring leaves the
+# ranks that are not a dead rank's neighbours waiting, until those exit). Not through the
 # rendezvous store: a store that is gone makes torch's C++ client log a 20-frame backtrace.
 PULSE_WAIT_S = 0.5  # for a rank's answer
-# What a caller says to a pulse before it answers: a question, or that rank N leaves cleanly
-# (it finished: not to be taken for dead once its pulse is gone).
+# What a caller says to a pulse: a question, or that rank N leaves cleanly (not to be taken
+# for dead once its pulse is gone).
 ASKING, LEAVING = b"?", b"leaving "
 # The store every rank met at, kept for the check-in after a failed collective (silent_ranks):
 # torch offers no public way to get it back from the process group.
@@ -140,12 +136,9 @@ WATCH_EVERY_S = 5.0
 
 class Watchdog:
     """Ends this rank as a failed collective would (the same line, exit status 1) once a peer's
-    pulse has been silent for silence_s and that peer did not say it left cleanly.
-
-    The main thread may be blocked in C++ for good (a replayed collective waiting for a dead
-    peer, which no timeout reaches): this thread prints the line and ends the process itself. A
-    peer that is slow, or starts up, still answers: its pulse runs from before the process group
-    to the rank's cleanup. A peer that finished says so to this rank's pulse before it goes.
+    pulse has been silent for silence_s and that peer did not say it left cleanly: the main
+    thread may be blocked in C++ for good, so this thread ends the process itself. A slow peer
+    still answers: its pulse runs from before the process group to the rank's cleanup.
     """
 
     def __init__(self, rank: int, peers: dict[int, tuple[str, int] | None], silence_s: float):
@@ -200,8 +193,7 @@ def watch(timeout_s: float) -> None:
 
 def leave(cleanly: bool) -> None:
     """Stop watching and answering. A rank that leaves cleanly tells every peer first, so that
-    none still at work (slower out of the last collective, or in a test's own order) takes it
-    for dead. A failed rank does not: a peer blocked in a replay is to name it."""
+    none still at work takes it for dead; a failed rank does not, so that they name it."""
     global _watchdog, _pulse
     if _watchdog is not None:
         _watchdog.stop()
@@ -214,13 +206,10 @@ def leave(cleanly: bool) -> None:
 
 
 def silent_ranks(grace_s: float = 3.0) -> tuple[list[int], list[int]]:
-    """After a failed collective: the ranks that did not check in at the rendezvous store,
-    split into those whose pulse does not answer (they died or hung) and those whose pulse
-    does (alive, still blocked in a collective: they lost their peers).
-
-    Every rank that meets the failure does so within moments of the others (a dead peer closes
-    its sockets; a hung one times every rank out together), writes its check-in, and waits a
-    little for the others'.
+    """After a failed collective: the ranks that did not check in at the rendezvous store
+    within grace_s (the ranks meet a failure within moments of each other), split into those
+    whose pulse does not answer (died or hung) and those whose pulse does (alive, still blocked
+    in a collective: they lost their peers).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     store = dist.PrefixStore("checkin", _store)
@@ -238,8 +227,8 @@ def silent_ranks(grace_s: float = 3.0) -> tuple[list[int], list[int]]:
 
 def say_where(text: str) -> None:
     """Leave at the rendezvous store where this rank is now (e.g. "epoch 2 step 40, in DDP's
-    gradient all-reduces"), for the line that names it if it dies or hangs after this. One small
-    write; the training loop makes one every stopping.STOP_POLL_EVERY steps."""
+    gradient all-reduces"), for the line that names it if it dies or hangs after this: one
+    small write every stopping.STOP_POLL_EVERY steps."""
     if _store is not None and dist.is_initialized() and dist.get_world_size() > 1:
         dist.PrefixStore("where", _store).set(str(dist.get_rank()), text)
 
@@ -266,8 +255,8 @@ def last_seen_if_reachable(dead: list[int]) -> str:
 
 
 def native_stderr_held(fn):
-    """fn()'s result, with what was written meanwhile to stderr's file descriptor (torch's C++
-    logs) shown after it; where fn raises, that text is dropped and the exception raised."""
+    """fn()'s result, what it wrote to stderr's file descriptor (torch's C++ logs) shown after
+    it; where fn raises, that text is dropped."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -306,8 +295,6 @@ def describe_peer_failure(error: BaseException) -> str:
     try:
         who = native_stderr_held(who_failed)
     except Exception:  # the store lives in rank 0 (or torchrun's agent): it may be gone too
-        # (torch's C++ client logged the broken connection with a 20-frame backtrace: dropped,
-        # this line says it)
         who = (
             "the rendezvous store is gone too: rank 0 has ended (its own error line names "
             "the rank that failed) or died"

@@ -10,14 +10,11 @@ micro-batches rather than m (docs/concepts.md draws both).
 
 Every stage takes the whole global batch (config.data_world): the first feeds its images, the
 last computes each micro-batch's mean loss with its labels, and the schedule divides the
-gradients by m: the mean over the global batch, as one process computes it. The loss and
-accuracy are the last stage's; the other stages add zeros to the all-reduced sums, so that every
-rank reports the same `[METRIC]` line.
-
-Where the time goes: a stage computes in its forwards and backwards (`TimedStage`) and waits
-for its neighbours the rest of a step: the bubble, (p - 1) / (m + p - 1) of a step in the
-textbook's pipeline of p equal stages and m micro-batches, which communication and unequal
-stages make larger.
+gradients by m: the global batch's mean, as one process computes it. The loss and accuracy are
+the last stage's; the others add zeros to the all-reduced sums, so every rank reports the same
+`[METRIC]` line. A stage computes in its forwards and backwards (`TimedStage`) and waits for its
+neighbours the rest of a step: the bubble, (p - 1) / (m + p - 1) of a step for p equal stages
+and m micro-batches, which communication and unequal stages make larger.
 """
 
 import time
@@ -43,16 +40,15 @@ def get_stage_model(model: nn.Module, device: torch.device, rank: int, stages: i
 
 
 def ideal_bubble(stages: int, microbatches: int) -> float:
-    """The share of a step each of p equal stages waits with m micro-batches and no cost of
-    communication: (p - 1) / (m + p - 1), in GPipe's and 1F1B's schedules alike."""
+    """The share of a step each of p equal stages waits with m micro-batches, communication
+    free: (p - 1) / (m + p - 1), in GPipe's and 1F1B's schedules alike."""
     return (stages - 1) / (microbatches + stages - 1)
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that times its forwards and backwards with measure.StageTimer: CUDA events
-    on the stage's stream on a GPU, so that the timing waits for nothing (a synchronisation
-    around each would also wait for the stage's sends, on NCCL's streams, and keep them from
-    overlapping the next micro-batch); the host's clock on a CPU."""
+    """A PipelineStage that times its forwards and backwards with measure.StageTimer: on a GPU
+    CUDA events, which wait for nothing (a synchronisation would also wait for the stage's
+    sends and keep them from overlapping the next micro-batch)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -168,9 +164,8 @@ class PipelineTrainer(Trainer):
         }
 
     def predict(self, images: torch.Tensor) -> torch.Tensor | None:
-        """The pipeline's logits of a validation batch on the last stage (None on the others).
-        The schedule's buffers have the training batch's shape: a shorter last batch is padded
-        with zeros, and the padding's logits are dropped."""
+        """The logits of a validation batch on the last stage (None on the others), a short last
+        batch padded with zeros to the schedule's buffers' shape, the padding's logits dropped."""
         n, full = len(images), self.loaders.train.batch_size
         padded = torch.cat([images, images.new_zeros(full - n, *images.shape[1:])])
         # The schedule computes its loss in eval too, so the last stage needs labels: any will do.

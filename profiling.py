@@ -26,18 +26,15 @@ def quiet_kineto() -> None:
 
 
 class StepProfiler:
-    """--profile: torch.profiler over a few training steps of this rank, saved as a Chrome
-    trace (open it in https://ui.perfetto.dev): operator by operator and, on a GPU, kernel by
-    kernel, with the collectives and whether they overlap compute."""
+    """--profile's torch.profiler over this rank's steps: operator by operator and, on a GPU,
+    kernel by kernel, with the collectives and whether they overlap compute."""
 
     def __init__(self, path: Path, device: torch.device, graphed: bool = False):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         else:
-            # Without a GPU kineto reports at every trace that it found none ("ERROR: ...
-            # gpuGetDeviceCount failed"), and its start and stop: noise, not the user's error.
-            quiet_kineto()
+            quiet_kineto()  # else kineto's "ERROR: ... gpuGetDeviceCount failed" at every trace
         self.path, self.saved, self.graphed = path, False, graphed
         self.schedule = {
             **PROFILE_SCHEDULE,

@@ -1,10 +1,9 @@
 """Reading files that someone else may have written, without running their code.
 
 A pickle is a program: its GLOBAL opcodes name any importable callable and REDUCE calls it, so
-`pickle.load` of a crafted file runs whatever it asks for (Python's pickle docs, "Restricting
-globals"). A checkpoint from a colleague's folder or a data set from a mirror is such a file.
-Every pickle a run reads comes through here, each read by an allow-list of what its format
-holds, so that anything else is refused before it is imported, let alone called:
+`pickle.load` of a crafted file (a checkpoint from a colleague's folder, a data set from a
+mirror) runs whatever it asks for. Every pickle a run reads comes through here, each read by an
+allow-list of what its format holds, anything else refused before it is imported:
 - torch's files (a checkpoint's meta.pt, state.pt, stage and rng files): `torch_file`, torch's
   weights-only loader (tensors and plain data; torch's default since 2.6).
 - CIFAR-10's python batches: `pickle`, with dataset_files' list of numpy's array classes.
@@ -43,8 +42,7 @@ class _Unpickler(_pickle.Unpickler):
 
 def pickle(file: BinaryIO, allowed: frozenset[tuple[str, str]], **kwargs):
     """pickle.load(file, **kwargs), resolving only the (module, name) globals in `allowed`;
-    Refused for any other. The data itself is read by pickle's C unpickler as usual: only the
-    look-up of a global comes through Python, so the speed is pickle's."""
+    Refused for any other. Only the look-up of a global comes through Python: pickle's speed."""
     return _Unpickler(file, allowed, **kwargs).load()
 
 
@@ -92,9 +90,8 @@ DCP_METADATA_GLOBALS = frozenset(
 
 def dcp_metadata(folder: Path):
     """The Metadata of the DCP checkpoint in `folder`, read by the allow-list (Refused
-    otherwise), every rank for itself. Torch reads the same file again with plain pickle in
-    dcp.load: between the two reads the file is trusted not to change (it is a finished
-    checkpoint: nothing writes into it)."""
+    otherwise). dcp.load reads it again with plain pickle: a finished checkpoint is trusted not
+    to change between the two reads."""
     with open(folder / DCP_METADATA, "rb") as f:
         return pickle(f, DCP_METADATA_GLOBALS)
 

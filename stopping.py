@@ -1,13 +1,11 @@
 """Stopping on a signal: SIGUSR1 or SIGUSR2 (SLURM's warning before the time limit; run.sh asks
-for USR1 with `--signal=B:USR1@T`, other sites and tools use USR2, and srun forwards it to every
-task), SIGTERM (preemption, `scancel`) and SIGINT (Ctrl-C) no longer end the process once
-`catch_stop_signals` is entered: they become a stop that every rank takes at the same step
-boundary, within a few steps (`StopRequest`), after which the run saves a checkpoint
-(checkpoint.py) and exits with status 3. A second Ctrl-C ends the process at once.
+for USR1 with `--signal=B:USR1@T`, other sites and tools use USR2), SIGTERM (preemption,
+`scancel`) and SIGINT (Ctrl-C) no longer end the process once taken: they become a stop that
+every rank takes at the same step boundary, within a few steps (`StopRequest`), after which the
+run saves a checkpoint (checkpoint.py) and exits with status 3. A second Ctrl-C ends at once.
 
-Catching the signals needs no torch: main.py catches them before torch loads, so that a warning
-during that import (seconds) does not kill the process either. Only `StopRequest`, which agrees
-on the stop over the ranks, imports torch.distributed, when it is made.
+Catching the signals needs no torch: main.py catches them before torch loads (seconds, during
+which a warning must not kill the process either). Only `StopRequest` imports torch.distributed.
 """
 
 import contextlib
@@ -63,17 +61,16 @@ def _end_at_once() -> None:
 
 
 def take_stop_signals() -> None:
-    """From here on SIGUSR1 or SIGUSR2 (SLURM's time-limit warning: sites and tools differ on
-    which), SIGTERM (preemption, scancel) and SIGINT (Ctrl-C) no longer end the process: they
-    only ask for a checkpoint and a stop."""
+    """From here on the STOP_SIGNALS no longer end the process: they ask for a checkpoint and a
+    stop."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop_signal)
 
 
 def ignore_stop_signals() -> None:
-    """From here to the process's very end a stop signal does nothing: ignored, not handled,
-    since Python gives handled signals their default action back when its interpreter shuts
-    down (torch's teardown, seconds at times), and leaves ignored ones ignored."""
+    """From here to the process's very end a stop signal does nothing: ignored, not handled
+    (Python gives handled signals their default action back while its interpreter shuts down,
+    torch's teardown taking seconds at times; ignored ones stay ignored)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
@@ -96,33 +93,26 @@ def stop_signal() -> str | None:
 
 
 def await_stop_signal(timeout_s: float) -> str | None:
-    """Wait, stop signals taken, until one comes or timeout_s passes; its name, or None.
-
-    A rank other than 0 whose command line is bad says nothing (rank 0 says it) and should not
-    exit before rank 0 has: torchrun and srun --kill-on-bad-exit end the other ranks with SIGTERM
-    as soon as one exits non-zero, and rank 0, still starting up, would die with its error unsaid.
-    """
+    """Wait, stop signals taken, until one comes or timeout_s passes; its name, or None. (A rank
+    other than 0 with a bad command line waits for rank 0 to say so: torchrun and srun
+    --kill-on-bad-exit would otherwise end rank 0 with SIGTERM, its error unsaid.)"""
     deadline = time.monotonic() + timeout_s
     while _stop_signal is None and time.monotonic() < deadline:
         time.sleep(0.05)
     return _stop_signal
 
 
-# Steps between two agreements on a stop. One agreement (a gloo all-reduce, started in one step
-# and read in a later one) cost about 0.5 ms per step between two ranks on a 2-core machine: a
-# sixth of a whole training step of this model on an H100 (3-4 ms, docs/performance.md), paid
-# once every this many steps. A stop then comes at most this many steps later, well within
-# SLURM's warning time.
+# Steps between two agreements on a stop. One agreement (a gloo all-reduce) cost about 0.5 ms
+# between two ranks on a 2-core machine, a sixth of this model's step on an H100 (3-4 ms,
+# docs/performance.md): paid once every this many steps, well within SLURM's warning time.
 STOP_POLL_EVERY = 10
 
 
 class StopRequest:
-    """A signal to one rank becomes a stop at the same step on every rank.
-
-    Every STOP_POLL_EVERY-th call, `poll` starts a tiny all-reduce (MAX) of this rank's flag on
-    a CPU gloo group and reads the result of the previous one: the ranks agree at most two
-    intervals after the first of them was signalled, at the same step (every rank calls `poll`
-    once per step), without any device synchronization in the training loop.
+    """A signal to one rank becomes a stop at the same step on every rank: every
+    STOP_POLL_EVERY-th call, `poll` starts a tiny all-reduce (MAX) of this rank's flag on a CPU
+    gloo group and reads the previous one's result, so the ranks agree at most two intervals
+    after the first signal, without any device synchronization in the training loop.
     """
 
     def __init__(self, timeout_s: float = 300.0):

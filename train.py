@@ -1,13 +1,12 @@
 """Train and evaluate one data-parallel replica: the loop, the step and validation.
 
-`Trainer.fit` is the whole loop: epochs of training and validation, one `[METRIC]` line each,
-a checkpoint after each, and an early stop (with a checkpoint) when SLURM warns; the step is
+`Trainer.fit` is the whole loop: epochs of training and validation, one `[METRIC]` line and a
+checkpoint each, and an early stop (with a checkpoint) when SLURM warns; the step is
 `Learner.step`. Each rank runs the same loop on its own shard. Nothing in the hot loop waits on
-the device: losses and counts accumulate as device tensors and are all-reduced (summed) once
-per epoch, so loss and accuracy are those of the whole data set, not of rank 0's shard. Epoch
-time is taken between two barriers around the training part only (validation is timed on its
-own), less the compute calibration's rounds that run beside its steps; what else an epoch
-measures, and how, is measure.py's.
+the device: losses and counts accumulate as device tensors, all-reduced (summed) once per epoch,
+so loss and accuracy are the whole data set's, not rank 0's shard's. Epoch time is taken between
+two barriers around training only, less the compute calibration's rounds beside its steps; what
+else an epoch measures, and how, is measure.py's.
 """
 
 import contextlib
@@ -66,8 +65,8 @@ class Learner:
 
     @functools.cached_property
     def loss_sum(self) -> torch.Tensor:
-        """Where the steps add their mean losses: one tensor for the whole run (zeroed every
-        epoch), so that a CUDA graph of the step adds to the same memory every time."""
+        """Where the steps add their mean losses: one tensor for the run (zeroed every epoch), the
+        same memory for every replay of a CUDA graph of the step."""
         return torch.zeros((), device=self.env.device)
 
     @functools.cached_property
@@ -96,9 +95,8 @@ class Learner:
                 with self.precision.autocast(x.device):
                     logits = model(x)
                 loss = F.cross_entropy(loss_input(logits), y)
-                # Weighted by its share of the rank's batch, a micro-batch's mean loss gives
-                # gradients that add up to those of the share's mean (one micro-batch: weight 1,
-                # no operation). Without fp16 the scaler passes everything through.
+                # Weighted by its share of the rank's batch, the micro-batches' gradients add up
+                # to the share's mean's. Without fp16 the scaler passes everything through.
                 weight = len(y) / len(labels)
                 weighted = loss if weight == 1 else loss * weight
                 # exercise 6.1 begin
@@ -132,8 +130,8 @@ class Trainer(Learner):
 
     @property
     def reports_sums(self) -> bool:
-        """Whether this rank's images and losses count in the global sums (a pipeline's stages
-        all take the same batch, and only its last stage computes the loss)."""
+        """Whether this rank's images and losses count in the global sums (not a pipeline's
+        stages but its last, which computes the loss)."""
         return True
 
     @property
@@ -172,21 +170,16 @@ class Trainer(Learner):
     def run_epoch(
         self, start: Position, stop: StopRequest | None = None
     ) -> tuple[Position, dict | None]:
-        """Train (from `start`) and validate one epoch: the measurements of its `[METRIC]` line.
-
-        Returns the position reached and the measurements, or None for them if a stop came
-        mid-epoch.
-        """
+        """Train (from `start`) and validate one epoch: the position reached and the measurements
+        of its `[METRIC]` line, None for them if a stop came mid-epoch."""
         device, meters = self.env.device, self.meters
         meters.memory.reset()
         replay_peak = self.replay_peak()
         reached, complete, segment = self.train_epoch(start, stop)
         if not complete:
             return reached, None
-        # Read before validation runs, the calibration's rounds set aside: their memory is not
-        # training's (the calibration's unsharded model would otherwise hide FSDP's saving), nor
-        # is validation's, whose forward holds FSDP2's root gathered (reshard_after_forward=
-        # False) until it ends: its parameters whole, without their gradients' shards.
+        # Read before validation (whose forward holds FSDP2's root gathered), the calibration's
+        # rounds set aside (its unsharded model would hide FSDP's saving): training's memory.
         own_peak = meters.memory.training_peak(replay_peak)
         state = state_bytes_by_device(self.model, self.optimizer)
         # The activations' share: what the peak held beyond the state on its device, per image.
@@ -208,9 +201,9 @@ class Trainer(Learner):
         }
 
     def replay_peak(self) -> int:
-        """The least peak of an epoch whose every step replays a captured graph: the capture's,
-        which each replay holds again where the allocator no longer sees it (an epoch that
-        captures sees it while capturing). So peak_mem means the same graphed as eager."""
+        """The least peak of an epoch whose steps replay a captured graph: the capture's, which
+        each replay holds again unseen by the allocator, so peak_mem means the same graphed as
+        eager."""
         step = self.train_step
         return step.replay_peak if isinstance(step, GraphedStep) and step.graph else 0
 
@@ -226,11 +219,9 @@ class Trainer(Learner):
     def train_epoch(
         self, start: Position, stop: StopRequest | None = None
     ) -> tuple[Position, bool, Segment]:
-        """Train from `start` until the epoch ends or a stop is agreed.
-
-        Returns the position reached, its sums global (all ranks) and including `start`'s,
-        whether the epoch is complete, and this rank's own timing of what it trained.
-        """
+        """Train from `start` until the epoch ends or a stop is agreed. Returns the position
+        reached (its sums global and including `start`'s), whether the epoch is complete, and
+        this rank's own timing of what it trained."""
         # exercise 6.1 begin
         self.model.train()
         # exercise 6.1 end
@@ -240,8 +231,7 @@ class Trainer(Learner):
         self.loaders.set_position(start.epoch, start.step)
         total = len(self.loaders.train)
         progress = Progress(start.epoch, total, self.print_every, self.shows_progress, start.step)
-        meters = self.meters
-        data_wait = meters.data_wait
+        meters, data_wait = self.meters, self.meters.data_wait
         data_wait.reset()
         planned = meters.calibration_plan(start.step, total)
         held = 0.0  # seconds the compute calibration's rounds held the epoch up: not its time
@@ -304,9 +294,7 @@ class Trainer(Learner):
         self.model.eval()
         # exercise 6.1 end
         loaders, device = self.loaders, self.env.device
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device)
-        count = torch.zeros((), device=device)
+        loss_sum, correct, count = torch.zeros(3, device=device).unbind()
         offset = 0
         say_where("in validation")
         synchronize(device)
@@ -323,13 +311,10 @@ class Trainer(Learner):
             loss_sum += (losses * weights).sum()
             correct += ((logits.argmax(dim=1) == labels).float() * weights).sum()
             count += weights.sum()
-        # A forward alone leaves gathered the units kept from forward to backward (FSDP2's root;
-        # every unit under grad_op): no backward frees them. An eager step would only skip their
-        # next gather, but a CUDA graph's replay runs no FSDP2 hook: it gathers into buffers of
-        # its own, and the next validation, finding the units gathered, would read this one's
-        # copy, weights an epoch old. So they go back to their shards here, the one place the
-        # run leaves a unit gathered between steps: the state a capture begins in (an eager
-        # step, a checkpoint's save and load reshard too) and that every replay expects.
+        # A forward alone leaves gathered the units kept for backward (FSDP2's root; every unit
+        # under grad_op). A CUDA graph's replay runs no FSDP2 hook, so the next validation would
+        # read this one's gathered copy, weights an epoch old: back to their shards, the state
+        # a capture begins in and every replay expects.
         reshard(self.model)
         synchronize(device)
         elapsed = time.perf_counter() - start

@@ -1,9 +1,7 @@
-"""Logging on rank 0 and the one `[METRIC]` line format, written and parsed here only; main.py's
-exit statuses; a command-line tool's one-line error, notes and atomic writes; torchvision,
-loaded where a run needs it, or a one-line error where it cannot load.
-
-Every other file that prints a metric or reads a log goes through `format_metric` and
-`parse_metric`, so the training program, the collector and the tests cannot drift apart.
+"""Logging on rank 0 and the one `[METRIC]` line format, written and parsed here only (so the
+training program, the collector and the tests cannot drift apart); main.py's exit statuses; a
+command-line tool's one-line error, notes and atomic writes; torchvision, loaded where a run
+needs it, or a one-line error where it cannot load.
 
 The line starts with the course's five fields, in the course's order and units, so the
 course's published regex keeps matching; more `key=value` fields follow:
@@ -52,11 +50,9 @@ class MetricField:
     fmt: str = ""  # the course's five fields' fixed format (peak_mem in MB with its suffix)
 
 
-# Every field of a `[METRIC]` line, in the line's order: the one place that order is written.
-# After the course's five come the labels that name the run, the project's first measurements,
-# the labels that say how it ran, then what was added since: measurements, then labels. New
-# fields go at the end of the last two groups, so that the positions readers rely on stay put.
-# format_metric() orders any line by it; fields it does not name follow in the order given.
+# Every field of a `[METRIC]` line, in the line's order (format_metric's; others follow as given):
+# the course's five, the labels naming the run, first measurements, the setting, then what came
+# since: measurements, then labels. New fields go at the end of those two, so positions stay put.
 METRIC = (
     MetricField("epoch", fmt="{:d}"),  # the course's, in the course's order and units
     MetricField("time", "s", fmt="{:.2f}"),
@@ -128,13 +124,10 @@ def env_int(env, name: str) -> int:
 
 
 def read_ranks(env=os.environ) -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's variables, else SLURM's, else (0, 0, 1).
-
-    The one reading of the launchers' variables: distributed_utils.setup() joins the process
-    group as this rank, and is_rank_zero() asks it too (no torch here: the logging and the
-    option checks ask it before torch loads). SLURM's are used only inside a job step
-    (`srun`): the batch script itself also carries SLURM_PROCID=0 and the job's SLURM_NTASKS,
-    and would otherwise wait for peers that never come.
+    """(rank, local_rank, world_size) from torchrun's variables, else SLURM's, else (0, 0, 1):
+    the one reading of the launchers' variables, without torch (logging asks it before torch
+    loads). SLURM's only inside a job step (`srun`): the batch script also carries
+    SLURM_PROCID=0 and the job's SLURM_NTASKS, and would wait for peers that never come.
     """
     if "RANK" in env and "WORLD_SIZE" in env:
         names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -149,9 +142,8 @@ def read_ranks(env=os.environ) -> tuple[int, int, int]:
 
 
 def is_rank_zero(env=os.environ) -> bool:
-    """Whether this process is rank 0, as read_ranks() says: the same before and after the
-    process group exists. Where the launcher's variables make no sense, every process is
-    rank 0, so that the error about them is seen."""
+    """Whether this process is rank 0, as read_ranks() says; where the launcher's variables make
+    no sense, every process is, so that the error about them is seen."""
     try:
         return read_ranks(env)[0] == 0
     except UsageError:
@@ -222,16 +214,26 @@ def _convert(text: str):
     return text
 
 
-def parse_metric(line: str) -> dict | None:
-    """Fields of a `[METRIC]` line as numbers or strings, or None if the line is not one.
+def _bare(line: str) -> str:
+    """A log line without its `srun -l` rank prefix and ANSI colour codes."""
+    return _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
 
-    Accepts the project's lines and the course's, also with an `srun -l` rank prefix and ANSI
-    colour codes. A line whose course fields are missing or cut off is not a metric line.
-    """
-    line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
-    if not line.startswith(METRIC_TAG) or not COURSE_METRIC_RE.match(line):
+
+def _tagged_fields(line: str, tag: str) -> dict | None:
+    """The key=value fields, as numbers or strings, of a log line that begins with `tag`, or
+    None if it does not."""
+    line = _bare(line)
+    if not line.startswith(tag):
         return None
-    fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(METRIC_TAG) :])}
+    return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(tag) :])}
+
+
+def parse_metric(line: str) -> dict | None:
+    """Fields of a `[METRIC]` line (the project's or the course's), or None if the line is not
+    one. A line whose course fields are missing or cut off is not a metric line."""
+    if not COURSE_METRIC_RE.match(_bare(line)):
+        return None
+    fields = _tagged_fields(line, METRIC_TAG)
     fields["peak_mem"] = int(str(fields["peak_mem"]).removesuffix("MB"))
     return fields
 
@@ -242,10 +244,7 @@ def format_config(fields: dict) -> str:
 
 def parse_config(line: str) -> dict | None:
     """Fields of a `[CONFIG]` line, or None if the line is not one."""
-    line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
-    if not line.startswith(CONFIG_TAG):
-        return None
-    return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(CONFIG_TAG) :])}
+    return _tagged_fields(line, CONFIG_TAG)
 
 
 def release(version: str) -> tuple[int, int]:
@@ -255,10 +254,8 @@ def release(version: str) -> tuple[int, int]:
 
 
 def require_torchvision(needed_for: str) -> None:
-    """Load torchvision, or end with one line saying why it cannot. Only some runs need it (a
-    ResNet, the classic loader, a download), so it is imported there, not by every run. A
-    torchvision built for another torch (installed from another package index than torch's)
-    fails at import, e.g. "operator torchvision::nms does not exist"."""
+    """Load torchvision (only some runs need it), or end with one line saying why it cannot: one
+    built for another torch fails at import ("operator torchvision::nms does not exist")."""
     try:
         import torchvision  # noqa: F401
     except Exception as e:
@@ -282,10 +279,9 @@ def note(text: str) -> None:
 
 
 def rank_unit(devices: set[str]) -> tuple[str, str]:
-    """What a count of ranks counts, singular and plural, by the devices they trained on: a
-    rank per GPU on CUDA (and where no device is known: the course's runs, a SLURM sweep's),
-    processes on CPU cores on the CPU, plain ranks for a mix or an unknown device. The one
-    owner of the word: the sweep's lines, the tables and the figures."""
+    """What a count of ranks counts, singular and plural, by the devices they trained on: GPUs on
+    CUDA (and where no device is known: the course's runs), CPU ranks on the CPU, plain ranks
+    for a mix. The one owner of the word, for the sweep's lines, the tables and the figures."""
     devices = devices - {""}
     if devices <= {"cuda"}:
         return "GPU", "GPUs"
@@ -334,8 +330,5 @@ def format_comm(fields: dict) -> str:
 
 def parse_comm(line: str) -> dict | None:
     """Fields of a `[COMM]` line, or None if the line is not one or lacks one of COMM_FIELDS."""
-    line = _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
-    if not line.startswith(COMM_TAG):
-        return None
-    fields = {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(COMM_TAG) :])}
-    return fields if all(k in fields for k in COMM_FIELDS) else None
+    fields = _tagged_fields(line, COMM_TAG)
+    return fields if fields is not None and all(k in fields for k in COMM_FIELDS) else None
