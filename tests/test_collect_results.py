@@ -174,10 +174,19 @@ def test_speedup_and_efficiency():
     assert pd.isna(summary.loc[("fsdp", 2), "speedup"])
 
     table = results_summary.markdown_table(summary.reset_index())
+    assert table.splitlines()[1].startswith("|---|--:|---|--:|---|")  # text left, numbers right
     ddp4 = next(line for line in table.splitlines() if line.startswith("| ddp | 4 |"))
     assert "| 2.00 |" in ddp4 and "| 4.00 | 100% |" in ddp4
     fsdp2 = next(line for line in table.splitlines() if line.startswith("| fsdp | 2 |"))
     assert fsdp2.endswith("| n/a | n/a | n/a |")  # no breakdown: no rest, of either kind
+
+
+def test_what_differs_between_runs_is_joined_once_each_in_order():
+    """report.md's context line spaces its `a / b`; the summary's cells are `a/b`."""
+    results = runs_frame({("ddp", 1): [9.0], ("fsdp", 2): [9.0]}).assign(device=["cuda", "cpu"])
+    assert results_summary.values(results, "device") == "cpu / cuda"
+    assert results_summary.values(results, "no_such_column") is None
+    assert results_summary.joined(pd.Series([2.0, 1.0, 2.0, None]), ",", "{:.0f}") == "1,2"
 
 
 def test_one_epoch_run_uses_its_only_epoch_and_repeated_runs_take_medians():
