@@ -40,11 +40,11 @@ def check_tests() -> dict[str, list[str]]:
     return found
 
 
-def make_check_command(copy: Path, tests: str = "", python: str = sys.executable) -> list[str]:
+def make_check_command(copy: Path, tests: str = "") -> list[str]:
     """`make check` in copy with this Python (the copy has no .venv of its own), of the checks
     that pytest's `-k tests` picks where given."""
-    command = ["make", "-s", "--no-print-directory", "-C", copy, "-o", ".venv/.installed"]
-    return command + ["check", f"PY={python}"] + ([f'PYTEST_ARGS=-k "{tests}"'] if tests else [])
+    command = ["make", "-s", "--no-print-directory", "-C", copy, "-o", ".venv/.installed", "check"]
+    return [*command, f"PY={sys.executable}", *([f'PYTEST_ARGS=-k "{tests}"'] if tests else [])]
 
 
 def checks_here(copy: Path, arguments: list[str]) -> tuple[int, str]:
@@ -106,8 +106,14 @@ def passed(output: str) -> int:
 # ----------------------------------------------------------------------------- marks and sheet
 
 
-def test_every_region_is_a_sheet_exercise_to_complete_and_each_has_a_region_and_checks():
-    exercises, regions = mx.sheet_exercises(), mx.all_regions()
+@pytest.fixture(scope="module")
+def regions() -> list[mx.Region]:
+    """The repository's marked regions, read once (seconds: every Python file tokenized)."""
+    return mx.all_regions()
+
+
+def test_every_region_is_a_sheet_exercise_to_complete_and_each_has_a_region_and_checks(regions):
+    exercises = mx.sheet_exercises()
     mx.check_marks(regions, exercises)
     assert {r.number for r in regions} == mx.to_complete(exercises) == COURSE
     assert set(check_tests()) == COURSE, check_tests()
@@ -271,11 +277,10 @@ def region_text(region: mx.Region, repo: Path = REPO) -> str:
     return "\n".join((repo / region.path).read_text().splitlines()[region.begin + 1 : region.end])
 
 
-def test_each_answer_is_its_exercises_code():
+def test_each_answer_is_its_exercises_code(regions):
     """Each call of ANSWERS is written in its exercise's regions or their twins: the list names
     the answers, not words that happen to be near them."""
     assert set(ANSWERS) == COURSE
-    regions = mx.all_regions()
     for exercise, calls in ANSWERS.items():
         code = "\n".join(region_text(r) for r in regions if r.number == exercise)
         assert [c for c in calls if not answer(c).search(code)] == [], exercise
@@ -307,9 +312,9 @@ def test_the_copy_holds_no_answer_outside_the_cut(stubbed):
 
 @pytest.mark.slow
 def test_each_check_fails_on_its_stub_and_passes_with_its_region_alone_restored(stubbed, tmp_path):
-    """The stubbed copy through make check itself, as a student runs it; the restored copies
-    through its pytest run alone (check_in_process)."""
-    done = run(make_check_command(stubbed[0]), timeout=CHECK_TIMEOUT_S)
+    """The stubbed copy through make check itself, as a student runs it (writing no byte code
+    there: the tests that read the copy share it); the restored copies through check_in_process."""
+    done = run(make_check_command(stubbed[0]), timeout=CHECK_TIMEOUT_S, PYTHONDONTWRITEBYTECODE="1")
     output = done.stdout + done.stderr
     assert done.returncode != 0 and passed(output) == 0, output[-3000:]
     failed = failures(output)
@@ -721,10 +726,9 @@ MISTAKES = [plant for plant in PLANTS if plant.fails]
 ALTERNATIVES = [plant for plant in PLANTS if not plant.fails]
 
 
-def test_each_plant_changes_its_exercises_code_alone():
+def test_each_plant_changes_its_exercises_code_alone(regions):
     """A plant edits only lines of its exercise's regions (as a student's copy would differ from
     the solution), each hunk found once; the mistakes name checks that exist."""
-    regions = mx.all_regions()
     names = {name for names in check_tests().values() for name in names}
     for plant in PLANTS:
         lines = (REPO / plant.path).read_text().splitlines()
