@@ -638,7 +638,7 @@ def test_ex5_1_the_strategy_chooses_the_wrapper(monkeypatch, strategy):
 
 
 class Recorder(nn.Module):
-    """A linear model that notes the mode and whether gradients are on at every forward."""
+    """A linear model that notes its mode (training or not) at every forward."""
 
     def __init__(self):
         super().__init__()
@@ -646,7 +646,7 @@ class Recorder(nn.Module):
         self.seen = []
 
     def forward(self, x):
-        self.seen.append((self.training, torch.is_grad_enabled()))
+        self.seen.append(self.training)
         return self.linear(x)
 
 
@@ -692,10 +692,7 @@ LR = 0.1
 def trainer(model: nn.Module, env=ALONE, val_size: int = 10, **learner) -> Trainer:
     """A Trainer of model on stand-in loaders, with WatchedSGD, in fp32 unless `learner` gives
     another precision (or grad_accum)."""
-    fields = {
-        "precision": Precision(None, torch.amp.GradScaler("cpu", enabled=False)),
-        **learner,
-    }
+    learner.setdefault("precision", Precision(None, torch.amp.GradScaler("cpu", enabled=False)))
     return Trainer(
         model=model,
         optimizer=WatchedSGD(model.parameters(), lr=LR),
@@ -706,7 +703,7 @@ def trainer(model: nn.Module, env=ALONE, val_size: int = 10, **learner) -> Train
             flops=ModelFlops(per_image=0, devices=1, peak_tflops=None),
         ),
         print_every=1000,
-        **fields,
+        **learner,
     )
 
 
@@ -853,10 +850,10 @@ def modes_seen(env) -> tuple[list, list]:
 def test_ex6_1_validation_in_eval_mode_then_back_to_training():
     # In a group of one rank, as the program always runs: collectives may be called directly.
     validating, training = spawn(modes_seen, 1, plain=True, timeout=120)[0]
-    assert validating and not any(mode for mode, _ in validating), (
+    assert validating and not any(validating), (
         "the model validates in training mode: dropout and batch norm would act as in training"
     )
-    assert training and all(mode for mode, _ in training), (
+    assert training and all(training), (
         "after validation the next epoch trains in evaluation mode: nothing puts the model "
         "back in training mode"
     )

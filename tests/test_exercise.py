@@ -313,21 +313,25 @@ def test_the_copy_holds_no_answer_outside_the_cut(stubbed):
 @pytest.mark.slow
 def test_each_check_fails_on_its_stub_and_passes_with_its_region_alone_restored(stubbed, tmp_path):
     """The stubbed copy through make check itself, as a student runs it (writing no byte code
-    there: the tests that read the copy share it); the restored copies through check_in_process."""
-    done = run(make_check_command(stubbed[0]), timeout=CHECK_TIMEOUT_S, PYTHONDONTWRITEBYTECODE="1")
-    output = done.stdout + done.stderr
-    assert done.returncode != 0 and passed(output) == 0, output[-3000:]
-    failed = failures(output)
-    assert set(failed) == COURSE, output[-3000:]
-    for exercise, lines in failed.items():
-        assert all(f"NotImplementedError: exercise {exercise}: " in line for line in lines), lines
+    there: the tests that read the copy share it); the restored copies through check_in_process,
+    beside it."""
 
-    def restored(exercise: str) -> tuple[int, str]:
+    def checked(exercise: str | None) -> tuple[int, str]:
+        if exercise is None:
+            command = make_check_command(stubbed[0])
+            done = run(command, timeout=CHECK_TIMEOUT_S, PYTHONDONTWRITEBYTECODE="1")
+            return done.returncode, done.stdout + done.stderr
         copy = tmp_path / f"restored-{exercise}"
         mx.build(copy, keep=frozenset({exercise}))
         return check_in_process(copy, f"ex{exercise.replace('.', '_')}_")
 
-    for exercise, (status, output) in zip(sorted(COURSE), two_at_a_time(restored, sorted(COURSE))):
+    (status, output), *restored = two_at_a_time(checked, [None, *sorted(COURSE)])
+    assert status != 0 and passed(output) == 0, output[-3000:]
+    failed = failures(output)
+    assert set(failed) == COURSE, output[-3000:]
+    for exercise, lines in failed.items():
+        assert all(f"NotImplementedError: exercise {exercise}: " in line for line in lines), lines
+    for exercise, (status, output) in zip(sorted(COURSE), restored):
         assert status == 0, f"exercise {exercise} restored: {output[-3000:]}"
         assert passed(output) == len(failed[exercise]), (exercise, output[-3000:])
 
