@@ -2,15 +2,13 @@
 test_ex2_1_*, `make check` all of them, one line for each failure saying what is wrong, but
 not the code that would be right.
 
-Each exercise's tests run its own code alone: the multi-rank ones join a plain gloo group
-(dist_harness.spawn(plain=True)) unless the set-up is what they test, and stand-ins take the
-place of the other exercises' functions, so that a part passes once it is right whatever the
-others' state. They run on the CPU, on a laptop: no GPU, no SLURM. What a part does on a GPU
-node is seen through stand-ins too: torch told that there are GPUs, and the calls that would
-need one noted instead of made. So the checks look at how a part works (what it gives the
-process group, DDP, FSDP, the loss scaler), not only at what comes out on a CPU. Not collected
-by `make test` (its name): tests/test_exercise.py runs them on the solution, on the student's
-copy, and on copies with mistakes planted.
+Each exercise's tests run its own code alone, so that a part passes once it is right whatever
+the others' state: the multi-rank ones join a plain gloo group (dist_harness.spawn(plain=True))
+unless the set-up is what they test, and stand-ins take the other exercises' places. They run
+on a laptop's CPU: what a part does on a GPU node is seen through stand-ins too (torch told
+that there are GPUs, the calls that would need one noted instead of made), so the checks look
+at how a part works, not only at what comes out on a CPU. Not collected by `make test` (its
+name): tests/test_exercise.py runs them on the solution, the student's copy and planted mistakes.
 """
 
 import inspect
@@ -43,17 +41,19 @@ from precision import Precision
 from train import Trainer
 
 CPU = torch.device("cpu")
+FSDP_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype")  # of its mixed precision
+ALONE = distributed_utils.DistEnv(0, 0, 1, CPU, "gloo")
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE")  # the variables torchrun sets for a rank
 
 # ----------------------------------------------------------------------------- 2.1 the set-up
 
 
 def what_setup_made(env) -> dict:
-    launcher = {name: int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     total = torch.tensor([float(env.rank + 1)])
     dist.all_reduce(total)
     return {
         "env": (env.rank, env.local_rank, env.world_size),
-        "launcher": (launcher["RANK"], launcher["LOCAL_RANK"], launcher["WORLD_SIZE"]),
+        "launcher": tuple(int(os.environ[name]) for name in LAUNCHER),
         "group": (dist.get_rank(), dist.get_world_size()),
         "device": str(env.device),
         "sum": total.item(),
@@ -77,14 +77,14 @@ def test_ex2_1_each_rank_joins_as_the_launcher_says():
         assert made["sum"] == 3.0, f"an all-reduce of 1 and 2 over the group gives {made['sum']}"
 
 
-def without_launcher() -> None:
-    """This process as one started by hand: no launcher's rank variables."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+def without(*variables: str) -> None:
+    """This process as one started by hand: none of a launcher's `variables`."""
+    for name in variables:
         os.environ.pop(name, None)
 
 
 def setup_alone() -> tuple:
-    without_launcher()
+    without(*LAUNCHER)
     env = distributed_utils.setup(timeout_s=30)
     try:
         return env.rank, env.world_size, dist.is_initialized() and dist.get_world_size()
@@ -137,8 +137,7 @@ def setup_on_a_node(variables: dict, gpus: int, device: str = "auto") -> list[tu
     with what it was given, ("group", group_as_noted). ("failed", the error) where setup()
     raised."""
     done = []
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", *distributed_utils.GPU_VARIABLES):
-        os.environ.pop(name, None)
+    without(*LAUNCHER, *distributed_utils.GPU_VARIABLES)
     os.environ.update(variables)
     if gpus:
         torch.cuda.is_available = lambda: True
@@ -475,15 +474,14 @@ def fsdp_made(env, runs: list[tuple]) -> list[dict]:
             raise AssertionError(f"{e}: is FSDP given the rank's device (on a CPU too)?") from None
         fsdp = isinstance(wrapped, FSDP)
         mixed = getattr(wrapped, "mixed_precision", None)
+        dtypes = {kind: getattr(mixed, kind, None) for kind in FSDP_DTYPES}
         made.append(
             {
                 "type": type(wrapped).__name__,
                 "units": len(FSDP.fsdp_modules(wrapped)) - 1 if fsdp else None,
                 "expected_units": units,
                 "strategy": wrapped.sharding_strategy.name if fsdp else None,
-                "param_dtype": str(mixed.param_dtype) if mixed and mixed.param_dtype else None,
-                "reduce_dtype": str(mixed.reduce_dtype) if mixed and mixed.reduce_dtype else None,
-                "buffer_dtype": str(mixed.buffer_dtype) if mixed and mixed.buffer_dtype else None,
+                **{kind: str(dtype) if dtype else None for kind, dtype in dtypes.items()},
                 "offload": fsdp and wrapped.cpu_offload.offload_params,
                 "own_parameters": fsdp and wrapped._use_orig_params,
                 "mesh": fsdp and wrapped._device_mesh is not None,
@@ -542,7 +540,7 @@ class Calls:
     def __init__(self, monkeypatch, fail: bool = False):
         import session
 
-        self.log, self.env = [], distributed_utils.DistEnv(0, 0, 1, CPU, "gloo")
+        self.log, self.env = [], ALONE
         monkeypatch.setattr(distributed_utils, "setup", self.setup)
         monkeypatch.setattr(distributed_utils, "cleanup", self.cleanup)
         monkeypatch.setattr(session, "run", self.run)
@@ -640,7 +638,7 @@ def test_ex5_1_the_strategy_chooses_the_wrapper(monkeypatch, strategy):
 
 
 class Recorder(nn.Module):
-    """A linear model that notes the mode and whether gradients are on at every forward."""
+    """A linear model that notes its mode (training or not) at every forward."""
 
     def __init__(self):
         super().__init__()
@@ -648,7 +646,7 @@ class Recorder(nn.Module):
         self.seen = []
 
     def forward(self, x):
-        self.seen.append((self.training, torch.is_grad_enabled()))
+        self.seen.append(self.training)
         return self.linear(x)
 
 
@@ -689,16 +687,12 @@ class WatchedSGD(torch.optim.SGD):
 
 
 LR = 0.1
-ALONE = distributed_utils.DistEnv(0, 0, 1, CPU, "gloo")
 
 
 def trainer(model: nn.Module, env=ALONE, val_size: int = 10, **learner) -> Trainer:
     """A Trainer of model on stand-in loaders, with WatchedSGD, in fp32 unless `learner` gives
     another precision (or grad_accum)."""
-    fields = {
-        "precision": Precision(None, torch.amp.GradScaler("cpu", enabled=False)),
-        **learner,
-    }
+    learner.setdefault("precision", Precision(None, torch.amp.GradScaler("cpu", enabled=False)))
     return Trainer(
         model=model,
         optimizer=WatchedSGD(model.parameters(), lr=LR),
@@ -709,7 +703,7 @@ def trainer(model: nn.Module, env=ALONE, val_size: int = 10, **learner) -> Train
             flops=ModelFlops(per_image=0, devices=1, peak_tflops=None),
         ),
         print_every=1000,
-        **fields,
+        **learner,
     )
 
 
@@ -856,10 +850,10 @@ def modes_seen(env) -> tuple[list, list]:
 def test_ex6_1_validation_in_eval_mode_then_back_to_training():
     # In a group of one rank, as the program always runs: collectives may be called directly.
     validating, training = spawn(modes_seen, 1, plain=True, timeout=120)[0]
-    assert validating and not any(mode for mode, _ in validating), (
+    assert validating and not any(validating), (
         "the model validates in training mode: dropout and batch norm would act as in training"
     )
-    assert training and all(mode for mode, _ in training), (
+    assert training and all(training), (
         "after validation the next epoch trains in evaluation mode: nothing puts the model "
         "back in training mode"
     )

@@ -3,23 +3,27 @@ tests/exercise_checks.py): the marks and the sheet agree, the marks are comments
 the solution with the regions and their twins cut, the same at every build, and holds no
 answer outside the cut nor the instructors' key unless asked; each exercise's check fails on
 the stub and passes once that exercise alone is restored; and mistakes a student makes,
-planted one at a time in a solved copy, each fail their check with a line that says what is
-wrong without the answer, while correct alternatives pass."""
+planted in a solved copy, each fail their check with a line that says what is wrong without
+the answer, while correct alternatives pass."""
 
 import ast
 import filecmp
 import itertools
+import multiprocessing
+import os
 import re
+import shlex
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 import make_exercise as mx
-from conftest import REPO, run
+from conftest import REPO, clean_environment, run
+from dist_harness import in_fresh_process
 
 CHECK_TIMEOUT_S = 300
 # The course's parts to complete (its sheet's numbering): the sheet must keep every one.
@@ -36,15 +40,54 @@ def check_tests() -> dict[str, list[str]]:
     return found
 
 
-def make_check(copy: Path, exercise: str | None = None, tests: list[str] = ()):
-    """`make check [EX=N.M]` in copy, with this Python (the copy has no .venv of its own); only
-    the checks named in `tests` where some are."""
-    command = ["make", "-s", "-C", copy, "-o", ".venv/.installed", "check", f"PY={sys.executable}"]
-    if exercise:
-        command.append(f"EX={exercise}")
-    if tests:
-        command.append(f'PYTEST_ARGS=-k "{" or ".join(tests)}"')
-    return run(command, timeout=CHECK_TIMEOUT_S)
+def make_check_command(copy: Path, tests: str = "") -> list[str]:
+    """`make check` in copy with this Python (the copy has no .venv of its own), of the checks
+    that pytest's `-k tests` picks where given."""
+    command = ["make", "-s", "--no-print-directory", "-C", copy, "-o", ".venv/.installed", "check"]
+    return [*command, f"PY={sys.executable}", *([f'PYTEST_ARGS=-k "{tests}"'] if tests else [])]
+
+
+def checks_here(copy: Path, arguments: list[str]) -> tuple[int, str]:
+    """What pytest with `make check`'s arguments prints in copy, run in this process: a fresh one
+    forked from dist_harness's server (torch imported), where the repository's modules make way
+    for the copy's (as make check's PYTHONPATH=.:tests puts them first). The checks' ranks fork
+    from here: a server of the copy's own would import torch again, seconds a run."""
+    ours = {REPO, REPO / "tests"}
+    for name, module in list(sys.modules.items()):
+        if Path(getattr(module, "__file__", None) or "/").resolve().parent in ours:
+            del sys.modules[name]
+    sys.path[:] = [str(copy), str(copy / "tests")] + [
+        p for p in sys.path if Path(p).resolve() not in ours
+    ]
+    os.environ.clear()
+    os.environ.update(clean_environment())
+    os.chdir(copy)
+    with open(copy / "check-output.txt", "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    import dist_harness  # the copy's
+
+    dist_harness._context = lambda: multiprocessing.get_context("fork")
+    status = pytest.main(arguments)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return int(status), (copy / "check-output.txt").read_text()
+
+
+def check_in_process(copy: Path, tests: str) -> tuple[int, str]:
+    """`make check`'s exit status and output in copy for the checks `-k tests` picks, its pytest
+    run in a process forked from this one's server rather than by make (the Makefile's
+    arguments, as make -n prints them)."""
+    printed = run(["make", "-n", *make_check_command(copy, tests)[1:]]).stdout
+    words = shlex.split(printed.replace("\\\n", " "))
+    arguments = words[words.index("pytest") + 1 :]
+    return in_fresh_process(checks_here, copy, arguments, timeout=CHECK_TIMEOUT_S)
+
+
+def two_at_a_time(job, items: list) -> list:
+    """job(item) for each item, two at a time: each spends much of its time starting ranks."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(job, items))
 
 
 def failures(output: str) -> dict[str, list[str]]:
@@ -63,8 +106,14 @@ def passed(output: str) -> int:
 # ----------------------------------------------------------------------------- marks and sheet
 
 
-def test_every_region_is_a_sheet_exercise_to_complete_and_each_has_a_region_and_checks():
-    exercises, regions = mx.sheet_exercises(), mx.all_regions()
+@pytest.fixture(scope="module")
+def regions() -> list[mx.Region]:
+    """The repository's marked regions, read once (seconds: every Python file tokenized)."""
+    return mx.all_regions()
+
+
+def test_every_region_is_a_sheet_exercise_to_complete_and_each_has_a_region_and_checks(regions):
+    exercises = mx.sheet_exercises()
     mx.check_marks(regions, exercises)
     assert {r.number for r in regions} == mx.to_complete(exercises) == COURSE
     assert set(check_tests()) == COURSE, check_tests()
@@ -119,9 +168,15 @@ def test_only_comments_are_marks():
 # ----------------------------------------------------------------------------- the copy
 
 
-def test_the_copy_is_the_solution_with_the_regions_cut_and_the_same_every_time(tmp_path):
-    first, second = tmp_path / "first", tmp_path / "second"
-    regions = mx.build(first)
+@pytest.fixture(scope="module")
+def stubbed(tmp_path_factory) -> tuple[Path, list[mx.Region]]:
+    """The student's copy, built once for the tests that read it, and the regions it cut."""
+    folder = tmp_path_factory.mktemp("stubbed")
+    return folder, mx.build(folder)
+
+
+def test_the_copy_is_the_solution_with_the_regions_cut_and_the_same_every_time(stubbed, tmp_path):
+    first, regions = stubbed
     cut = {r.path for r in regions}
     assert {r.path for r in regions if r.twin}, "no twin cut"
     for name in mx.repository_files():
@@ -146,9 +201,10 @@ def test_the_copy_is_the_solution_with_the_regions_cut_and_the_same_every_time(t
             assert lines[0].strip() == "raise NotImplementedError(", (path, lines)
             says = "cut from the student's copy" if region.twin else f"exercise {region.number}: "
             assert says in lines[1] and mx.SHEET in lines[1], (path, lines)
+    second = tmp_path / "second"
     mx.build(second)
-    (first / "stray").write_text("")
-    mx.build(first)  # over the copy made before: replaced
+    (second / "stray").write_text("")
+    mx.build(second)  # over the copy made before: replaced
     compared = filecmp.dircmp(first, second)
     assert not compared.left_only and not compared.right_only and not compared.diff_files
     names = [p.relative_to(first) for p in sorted(first.rglob("*"))]
@@ -221,11 +277,10 @@ def region_text(region: mx.Region, repo: Path = REPO) -> str:
     return "\n".join((repo / region.path).read_text().splitlines()[region.begin + 1 : region.end])
 
 
-def test_each_answer_is_its_exercises_code():
+def test_each_answer_is_its_exercises_code(regions):
     """Each call of ANSWERS is written in its exercise's regions or their twins: the list names
     the answers, not words that happen to be near them."""
     assert set(ANSWERS) == COURSE
-    regions = mx.all_regions()
     for exercise, calls in ANSWERS.items():
         code = "\n".join(region_text(r) for r in regions if r.number == exercise)
         assert [c for c in calls if not answer(c).search(code)] == [], exercise
@@ -237,11 +292,11 @@ def answers_in(text: str, exercise: str | None = None) -> list[str]:
     return [call for e in chosen for call in ANSWERS[e] if answer(call).search(text)]
 
 
-def test_the_copy_holds_no_answer_outside_the_cut(tmp_path):
-    mx.build(tmp_path / "copy")
+def test_the_copy_holds_no_answer_outside_the_cut(stubbed):
+    copy, _ = stubbed
     found = []
-    for path in sorted((tmp_path / "copy").rglob("*")):
-        name = path.relative_to(tmp_path / "copy").as_posix()
+    for path in sorted(copy.rglob("*")):
+        name = path.relative_to(copy).as_posix()
         if not path.is_file() or name == mx.SHEET:
             continue
         try:
@@ -256,739 +311,446 @@ def test_the_copy_holds_no_answer_outside_the_cut(tmp_path):
 
 
 @pytest.mark.slow
-def test_each_check_fails_on_its_stub_and_passes_with_its_region_alone_restored(tmp_path):
-    stubbed = tmp_path / "stubbed"
-    mx.build(stubbed)
-    done = make_check(stubbed)
-    output = done.stdout + done.stderr
-    assert done.returncode != 0 and passed(output) == 0, output[-3000:]
+def test_each_check_fails_on_its_stub_and_passes_with_its_region_alone_restored(stubbed, tmp_path):
+    """The stubbed copy through make check itself, as a student runs it (writing no byte code
+    there: the tests that read the copy share it); the restored copies through check_in_process,
+    beside it."""
+
+    def checked(exercise: str | None) -> tuple[int, str]:
+        if exercise is None:
+            command = make_check_command(stubbed[0])
+            done = run(command, timeout=CHECK_TIMEOUT_S, PYTHONDONTWRITEBYTECODE="1")
+            return done.returncode, done.stdout + done.stderr
+        copy = tmp_path / f"restored-{exercise}"
+        mx.build(copy, keep=frozenset({exercise}))
+        return check_in_process(copy, f"ex{exercise.replace('.', '_')}_")
+
+    (status, output), *restored = two_at_a_time(checked, [None, *sorted(COURSE)])
+    assert status != 0 and passed(output) == 0, output[-3000:]
     failed = failures(output)
     assert set(failed) == COURSE, output[-3000:]
     for exercise, lines in failed.items():
         assert all(f"NotImplementedError: exercise {exercise}: " in line for line in lines), lines
-
-    def restored(exercise: str):
-        copy = tmp_path / f"restored-{exercise}"
-        mx.build(copy, keep=frozenset({exercise}))
-        return make_check(copy, exercise)
-
-    # Two at a time: each run spends much of its time starting interpreters and ranks.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = dict(zip(sorted(COURSE), pool.map(restored, sorted(COURSE))))
-    for exercise, done in runs.items():
-        output = done.stdout + done.stderr
-        assert done.returncode == 0, f"exercise {exercise} restored: {output[-3000:]}"
+    for exercise, (status, output) in zip(sorted(COURSE), restored):
+        assert status == 0, f"exercise {exercise} restored: {output[-3000:]}"
         assert passed(output) == len(failed[exercise]), (exercise, output[-3000:])
 
 
 # ----------------------------------------------------------------------------- planted mistakes
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # each plant its own: a key of the grades
 class Plant:
-    """An exercise's code as a student might write it: the solution's file `path` with `edits`
-    (old, new) made in that exercise's regions. A mistake when `fails` names the check that must
-    fail, with a line that holds `says`; else a correct alternative, which every check of the
-    exercise passes."""
+    """An exercise's code as a student might write it, in the solution's file `path`. A mistake
+    when `fails` names the check that must fail, with a line that holds `says`; else a correct
+    alternative, which every check of the exercise passes. Its hunks are a unified diff's
+    without line numbers: " " and "-" lines, whole and consecutive, found once in the solution,
+    become the " " and "+" lines."""
 
     exercise: str
-    name: str
     path: str
-    edits: tuple[tuple[str, str], ...]
-    fails: str | None = None
+    fails: str | None
+    name: str
     says: str = ""
+    hunks: list[list[str]] = field(default_factory=lambda: [[]])
+
+    def places(self, lines: list[str]) -> list[tuple[int, int, list[str]]]:
+        """Where each hunk goes in the solution's lines: (first, end, the lines in their place)."""
+        found = []
+        for hunk in self.hunks:
+            old = [line[1:] for line in hunk if line[0] in " -"]
+            starts = [i for i in range(len(lines)) if lines[i : i + len(old)] == old]
+            assert len(starts) == 1, (self.name, old, starts)
+            new = [line[1:] for line in hunk if line[0] in " +"]
+            found.append((starts[0], starts[0] + len(old), new))
+        return found
+
+    def planted(self, text: str) -> str:
+        lines = text.splitlines()
+        for first, end, new in sorted(self.places(lines), reverse=True):
+            lines[first:end] = new
+        return "\n".join(lines) + "\n"
 
 
-def plants(exercise: str, path: str, *rows: tuple) -> list[Plant]:
-    """The plants of one exercise in one file, each row (name, edits[, fails, says])."""
-    return [Plant(exercise, row[0], path, *row[1:]) for row in rows]
+def parse_plants(table: str) -> list[Plant]:
+    """PLANTS' plants: "== exercise file fails check" (or "passes") heads the plants that
+    follow, each "name: says" (an alternative's: its name), then its hunks, "@@" between two."""
+    plants = []
+    for line in table.strip().splitlines():
+        if line.startswith("== "):
+            exercise, path, verdict = line[3:].split(" ", 2)
+            fails = None if verdict == "passes" else verdict.removeprefix("fails ")
+        elif line == "@@":
+            plants[-1].hunks.append([])
+        elif line[0] in " -+":
+            plants[-1].hunks[-1].append(line)
+        else:
+            name, _, says = line.partition(": ") if fails else (line, "", "")
+            plants.append(Plant(exercise, path, fails, name, says))
+    return plants
 
 
-def edited(text: str, plant: Plant) -> str:
-    for old, new in plant.edits:
-        assert text.count(old) == 1, (plant.name, old)
-        text = text.replace(old, new)
-    return text
+PLANTS = parse_plants("""
+== 2.1 distributed_utils.py fails test_ex2_1_a_rank_on_a_node_of_gpus
+the GPU chosen by the rank: makes cuda:0 its own
+-    device, backend = pick_device(local_rank, wanted=device)
++    device, backend = pick_device(rank, wanted=device)
+the rank and the local rank swapped: makes cuda:0 its own
+-    rank, local_rank, world_size = read_ranks()
++    local_rank, rank, world_size = read_ranks()
+torchrun's variables read by hand: KeyError: 'RANK'
+-    rank, local_rank, world_size = read_ranks()
++    rank, local_rank, world_size = map(
++        int, (os.environ[v] for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
++    )
+no set_device: does not make its GPU this process's own
+-        torch.cuda.set_device(device)
+no flight recorder: flight recorder
+-        turn_on_flight_recorder()
+the backend of one device: the backend 'nccl'
+-        groups_backend,
++        backend,
+rank=local_rank: joins the group as rank 1 of 4
+-        rank=rank,
++        rank=local_rank,
+no store: no store
+-        store=group_store,
+the store before its prefix: another store
+-        store=group_store,
++        store=store,
+no timeout: the timeout None
+-        timeout=timeout,
+the timeout in seconds: the timeout 37,
+-        timeout=timeout,
++        timeout=timeout_s,
+no device_id: its device is None
+-        device_id=device if device.type == "cuda" else None,
+device_id=local_rank: its device is cuda:1, not cuda:0
+-        device_id=device if device.type == "cuda" else None,
++        device_id=local_rank,
+== 2.1 distributed_utils.py fails test_ex2_1_the_device_asked_for
+the device asked for ignored: takes cuda:0
+-    device, backend = pick_device(local_rank, wanted=device)
++    device, backend = pick_device(local_rank)
+== 2.1 distributed_utils.py fails test_ex2_1_each_rank_joins_as_the_launcher_says
+set_device on the CPU too: Expected a cuda device
+-    if device.type == "cuda":
+-        torch.cuda.set_device(device)
++    torch.cuda.set_device(device)
++    if device.type == "cuda":
+device_id on the CPU too: device_id
+-        device_id=device if device.type == "cuda" else None,
++        device_id=device,
+== 2.1 distributed_utils.py fails test_ex2_1_alone_a_world_of_one
+no group for a world of one: no process group of one
+-    dist.init_process_group(
++    if world_size > 1:
++        dist.init_process_group(
+== 2.1 distributed_utils.py passes
+the group's arguments by keyword, device_id only on a GPU, set_device by index
+-        torch.cuda.set_device(device)
++        torch.cuda.set_device(device.index)
+@@
++    on_gpu = {"device_id": device} if device.type == "cuda" else {}
+     dist.init_process_group(
+-        groups_backend,
+-        store=group_store,
+-        rank=rank,
+-        world_size=world_size,
+-        timeout=timeout,
+-        device_id=device if device.type == "cuda" else None,
++        backend=groups_backend,
++        init_method=None,
++        timeout=timeout,
++        world_size=world_size,
++        rank=rank,
++        store=group_store,
++        **on_gpu,
+== 3.1 data.py fails test_ex3_1_rank_0_alone_downloads_and_the_others_wait
+every rank downloads: downloaded_by_rank_0, downloaded_by_rank_1 downloaded
+-    cache = on_rank0(prepare, dataset, data_dir, download, fetch_hint)
++    cache = prepare(dataset, data_dir, download, fetch_hint)
+the others do not wait: do not wait for rank 0
+-    cache = on_rank0(prepare, dataset, data_dir, download, fetch_hint)
++    from dataset_files import cache_path
++    from utils import is_rank_zero
++
++    cache = (
++        prepare(dataset, data_dir, download, fetch_hint)
++        if is_rank_zero()
++        else str(cache_path(dataset, data_dir))
++    )
+== 3.1 data.py fails test_ex3_1_a_new_order_every_epoch
+no shuffle: come in order
+-    train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed)
++    train_sampler = ShardSampler(len(train), world_size, rank, shuffle=False, seed=seed)
+no seed: --seed 1
+-    train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed)
++    train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True)
+no set_epoch: same order
+-        self.train_sampler.set_epoch(epoch)
++        pass
+set_epoch of the step: same order
+-        self.train_sampler.set_epoch(epoch)
++        self.train_sampler.set_epoch(step)
+== 3.1 data.py fails test_ex3_1_every_image_once_per_epoch_over_the_ranks
+a seed of each rank's: overlapping
+-    train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed)
++    train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed + rank)
+the world size and the rank swapped: Invalid rank
+-    train_sampler = ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed)
++    train_sampler = ShardSampler(len(train), rank, world_size, shuffle=True, seed=seed)
+the validation set whole on every rank: validation shards
+-    val_sampler = ShardSampler(len(val), world_size, rank, shuffle=False)
++    val_sampler = ShardSampler(len(val), 1, 0, shuffle=False)
+== 3.1 data.py passes
+a barrier instead of on_rank0
+-    cache = on_rank0(prepare, dataset, data_dir, download, fetch_hint)
++    from distributed_utils import barrier
++    from utils import is_rank_zero
++
++    if is_rank_zero():
++        prepare(dataset, data_dir, download, fetch_hint)
++    barrier()
++    cache = prepare(dataset, data_dir, download, fetch_hint)
+a shuffled validation, samplers by keyword
+-    val_sampler = ShardSampler(len(val), world_size, rank, shuffle=False)
++    val_sampler = ShardSampler(len(val), rank=rank, world_size=world_size, shuffle=True)
+== 4.1 ddp_utils.py fails test_ex4_1_ddp_on_a_gpu
+the model left on the CPU: parameters are on the CPU
+-    model = model.to(device)
+     # On a GPU, name it: DDP then places inputs and its buckets there. On CPU, device_ids=None.
+the model moved after wrapping: after DDP wrapped it
+-    model = model.to(device)
+     # On a GPU, name it: DDP then places inputs and its buckets there. On CPU, device_ids=None.
+@@
+-    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
++    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True).to(device)
+device_ids=[0]: the model is on cuda:0
+-    device_ids = [device.index] if device.type == "cuda" else None
++    device_ids = [0] if device.type == "cuda" else None
+the model returned unwrapped: returns a BoundForAGpu
+-    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
++    DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
++    return model
+output_device=0: outputs on cuda:0
+-    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
++    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, output_device=0)
+== 4.1 ddp_utils.py fails test_ex4_1_ddp_replicates_and_averages_gradients
+device_ids on the CPU too: device_ids
+-    device_ids = [device.index] if device.type == "cuda" else None
++    device_ids = [device.index]
+== 4.1 ddp_utils.py passes
+moved in place, the device itself in device_ids
+-    model = model.to(device)
++    model.to(device)
+     # On a GPU, name it: DDP then places inputs and its buckets there. On CPU, device_ids=None.
+@@
+-    device_ids = [device.index] if device.type == "cuda" else None
++    device_ids = [device] if device.type == "cuda" else None
+no device_ids on a GPU
+-    device_ids = [device.index] if device.type == "cuda" else None
++    device_ids = None
+== 4.2 fsdp_utils.py fails test_ex4_2_fsdp_units_sharding_and_precision
+no wrap policy: 0 FSDP units inside the root
+-            auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),
+every module a unit: FSDP units inside the root, not one for each
+-            auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),
++            auto_wrap_policy=CustomPolicy(lambda module: True),
+full sharding whatever asked: --sharding grad_op runs
+-            sharding_strategy=SHARDING[sharding],
++            sharding_strategy=SHARDING["full"],
+no mixed precision: bf16 computes in None
+-            if dtype
++            if None
+gradients reduced in bf16: reduces the gradients in torch.bfloat16
+-                param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype
++                param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
+buffers left in fp32: keeps the buffers in None
+-                param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype
++                param_dtype=dtype, reduce_dtype=torch.float32
+bf16 whatever asked: fp16 computes in torch.bfloat16
+-                param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype
++                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=dtype
+no CPU offload: --cpu-offload keeps the parameters
+-            cpu_offload=CPUOffload(offload_params=cpu_offload),
++            cpu_offload=CPUOffload(offload_params=False),
+no device_id: the rank's device
+-            device_id=device,
+no mesh for hybrid: two-dimensional mesh
+-            device_mesh=hybrid_mesh(device, ranks_per_node) if sharding == "hybrid" else None,
++            device_mesh=None,
+FSDP's flat parameters: flat parameters
+-            use_orig_params=True,
++            use_orig_params=False,
+== 4.2 fsdp_utils.py passes
+a lambda wrap policy
++        from functools import partial
++
++        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
++
+         return FSDP(
+             model,
+-            auto_wrap_policy=CustomPolicy(lambda module: id(module) in units),
++            auto_wrap_policy=partial(
++                lambda_auto_wrap_policy, lambda_fn=lambda module: id(module) in units
++            ),
+== 5.1 main.py fails test_ex5_1_main_sets_up_trains_and_cleans_up
+setup without the options: do not reach it
+-    env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
++    env = distributed_utils.setup()
+setup without the device: do not reach it
+-    env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
++    env = distributed_utils.setup(cfg.pg_timeout)
+no cleanup: set up, train, clean up
+-        distributed_utils.cleanup(failed)
++        pass
+cleanup always told of a failure: told that it failed
+-        distributed_utils.cleanup(failed)
++        distributed_utils.cleanup(True)
+== 5.1 main.py fails test_ex5_1_cleanup_also_after_a_failure
+cleanup not told of the failure: told that the run failed
+-        distributed_utils.cleanup(failed)
++        distributed_utils.cleanup()
+cleanup only after a success: cleanup must run then too
+-        distributed_utils.cleanup(failed)
++        if not failed:
++            distributed_utils.cleanup(failed)
+== 5.1 main.py passes
+setup and cleanup by keyword
+-    env = distributed_utils.setup(cfg.pg_timeout, cfg.device)
++    env = distributed_utils.setup(timeout_s=cfg.pg_timeout, device=cfg.device)
+@@
+-        distributed_utils.cleanup(failed)
++        distributed_utils.cleanup(failed=failed)
+== 5.1 strategies.py fails test_ex5_1_the_strategy_chooses_the_wrapper
+DDP's model dropped: trains the model unwrapped
+-            model = get_ddp_model(model, device)
++            get_ddp_model(model, device)
+FSDP's model dropped: trains the model unwrapped
+-        model = get_fsdp_model(model, device, **shard)
++        get_fsdp_model(model, device, **shard)
+FSDP without its options: the run's options do not reach it
+-        model = get_fsdp_model(model, device, **shard)
++        model = get_fsdp_model(model, device)
+FSDP with the sharding alone: the run's options do not reach it
+-        model = get_fsdp_model(model, device, **shard)
++        model = get_fsdp_model(model, device, cfg.sharding)
+the wrappers swapped: wraps the model with
+-            model = get_ddp_model(model, device)
++            model = get_fsdp_model(model, device, **shard)
+@@
+-        model = get_fsdp_model(model, device, **shard)
++        model = get_ddp_model(model, device)
+== 5.1 strategies.py passes
+options by position and keyword
+-        model = get_fsdp_model(model, device, **shard)
++        model = get_fsdp_model(
++            model, device, cfg.sharding, cfg.precision, cfg.cpu_offload, world_size // nodes
++        )
+== 6.1 train.py fails test_ex6_1_a_step_is_one_optimizer_step_on_the_batchs_gradients
+no zero_grad: step 1's are still in them
+-        self.optimizer.zero_grad(set_to_none=True)
++        pass
+two steps: takes 2 optimizer steps
+         scaler.update()
++        self.optimizer.step()
+== 6.1 train.py fails test_ex6_1_micro_batches_add_up_to_the_batch
+zero_grad before each micro-batch's backward: the last micro-batch's alone
+-        self.optimizer.zero_grad(set_to_none=True)
++        pass
+@@
++                self.optimizer.zero_grad()
+                 scaler.scale(weighted).backward()
+backward of the unweighted loss: counts as much as the batch's
+-                scaler.scale(weighted).backward()
++                scaler.scale(loss).backward()
+a step per micro-batch: takes 2 optimizer steps
+                 scaler.scale(weighted).backward()
++                scaler.step(self.optimizer)
++                scaler.update()
+@@
+-        scaler.step(self.optimizer)
+-        scaler.update()
++        pass
+== 6.1 train.py fails test_ex6_1_the_loss_scaler_scales_steps_and_updates
+backward of the unscaled loss: scales no loss
+-                scaler.scale(weighted).backward()
++                weighted.backward()
+the optimizer steps past the scaler: steps past the scaler
+-        scaler.step(self.optimizer)
++        self.optimizer.step()
+no update: never updated
+-        scaler.update()
+update before step: updated before it steps
+-        scaler.step(self.optimizer)
+         scaler.update()
++        scaler.step(self.optimizer)
+== 6.1 train.py fails test_ex6_1_validation_in_eval_mode_then_back_to_training
+no eval: validates in training mode
+-        self.model.eval()
++        pass
+no train: back in training mode
+-        self.model.train()
++        pass
+== 6.1 train.py fails test_ex6_1_validation_counts_every_image_once_over_the_ranks
+no all-reduce: its own share
+-        loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
++        pass
+the all-reduce's result dropped: its own share
+-        loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
++        all_reduce([loss_sum, correct, count], device)
+the maximum, not the sum: its own share
+-        loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
++        loss_sum, correct, count = all_reduce(
++            [loss_sum, correct, count], device, dist.ReduceOp.MAX
++        )
+the count not reduced: its own share
+-        loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
++        loss_sum, correct = all_reduce([loss_sum, correct], device)
+== 6.1 train.py passes
+zero_grad after the step
+-        self.optimizer.zero_grad(set_to_none=True)
++        pass
+@@
+         scaler.update()
++        self.optimizer.zero_grad()
+the sums reduced one by one, modes by train(flag)
+-        self.model.train()
++        self.model.train(True)
+@@
+-        self.model.eval()
++        self.model.train(False)
+@@
+-        loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)
++        for total in (loss_sum, correct, count):
++            dist.all_reduce(total)
+""")
+MISTAKES = [plant for plant in PLANTS if plant.fails]
+ALTERNATIVES = [plant for plant in PLANTS if not plant.fails]
 
 
-SET_UP, DATA, DDP, FSDP, MAIN, STRATEGIES, TRAIN = (
-    "distributed_utils.py",
-    "data.py",
-    "ddp_utils.py",
-    "fsdp_utils.py",
-    "main.py",
-    "strategies.py",
-    "train.py",
-)
-ON_GPUS = "test_ex2_1_a_rank_on_a_node_of_gpus"
-JOINS = "test_ex2_1_each_rank_joins_as_the_launcher_says"
-
-
-# The process group's start as the solution writes it, planted on.
-GROUP = (
-    next(
-        text
-        for region in mx.all_regions()
-        if region.path == "distributed_utils.py"
-        and "init_process_group(" in (text := region_text(region))
-    )
-    + "\n"
-)
-DOWNLOADS = "test_ex3_1_rank_0_alone_downloads_and_the_others_wait"
-ONCE = "test_ex3_1_every_image_once_per_epoch_over_the_ranks"
-ORDER = "test_ex3_1_a_new_order_every_epoch"
-PREPARE = "    cache = on_rank0(prepare, dataset, data_dir, download, fetch_hint)\n"
-TRAIN_SAMPLER = "ShardSampler(len(train), world_size, rank, shuffle=True, seed=seed)"
-DDP_ON_A_GPU = "test_ex4_1_ddp_on_a_gpu"
-MOVE = "    model = model.to(device)\n    # On a GPU, name it"  # get_dp_model moves it too
-WRAP = "return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)"
-FSDP_MADE = "test_ex4_2_fsdp_units_sharding_and_precision"
-MIXED = "param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype"
-POLICY = "CustomPolicy(lambda module: id(module) in units)"
-SETS_UP = "test_ex5_1_main_sets_up_trains_and_cleans_up"
-AFTER_FAILURE = "test_ex5_1_cleanup_also_after_a_failure"
-CHOOSES = "test_ex5_1_the_strategy_chooses_the_wrapper"
-CLEANUP = "        distributed_utils.cleanup(failed)\n"
-WRAP_DDP = "            model = get_ddp_model(model, device)\n"
-WRAP_FSDP = "        model = get_fsdp_model(model, device, **shard)\n"
-A_STEP = "test_ex6_1_a_step_is_one_optimizer_step_on_the_batchs_gradients"
-SCALER = "test_ex6_1_the_loss_scaler_scales_steps_and_updates"
-MICRO = "test_ex6_1_micro_batches_add_up_to_the_batch"
-MODES = "test_ex6_1_validation_in_eval_mode_then_back_to_training"
-SUMS = "test_ex6_1_validation_counts_every_image_once_over_the_ranks"
-ZERO = "        self.optimizer.zero_grad(set_to_none=True)\n"
-BACKWARD = "                scaler.scale(weighted).backward()\n"
-STEP = "        scaler.step(self.optimizer)\n        scaler.update()\n"
-REDUCE = "        loss_sum, correct, count = all_reduce([loss_sum, correct, count], device)\n"
-
-MISTAKES = [
-    # 2.1: the set-up
-    *plants(
-        "2.1",
-        SET_UP,
-        (
-            "the GPU chosen by the rank",
-            (("pick_device(local_rank,", "pick_device(rank,"),),
-            ON_GPUS,
-            "makes cuda:0 its own",
-        ),
-        (
-            "the rank and the local rank swapped",
-            (("rank, local_rank, world_size = read", "local_rank, rank, world_size = read"),),
-            ON_GPUS,
-            "makes cuda:0 its own",
-        ),
-        (
-            "torchrun's variables read by hand",
-            (
-                (
-                    "= read_ranks()",
-                    '= map(int, (os.environ[v] for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")))',
-                ),
-            ),
-            ON_GPUS,
-            "KeyError: 'RANK'",
-        ),
-        (
-            "the device asked for ignored",
-            (("pick_device(local_rank, wanted=device)", "pick_device(local_rank)"),),
-            "test_ex2_1_the_device_asked_for",
-            "takes cuda:0",
-        ),
-        (
-            "no set_device",
-            (("        torch.cuda.set_device(device)\n", ""),),
-            ON_GPUS,
-            "does not make its GPU this process's own",
-        ),
-        (
-            "set_device on the CPU too",
-            (
-                (
-                    '    if device.type == "cuda":\n        torch.cuda.set_device(device)\n',
-                    '    torch.cuda.set_device(device)\n    if device.type == "cuda":\n',
-                ),
-            ),
-            JOINS,
-            "Expected a cuda device",
-        ),
-        (
-            "no flight recorder",
-            (("        turn_on_flight_recorder()\n", ""),),
-            ON_GPUS,
-            "flight recorder",
-        ),
-        (
-            "the backend of one device",
-            (("        groups_backend,\n        store=", "        backend,\n        store="),),
-            ON_GPUS,
-            "the backend 'nccl'",
-        ),
-        (
-            "rank=local_rank",
-            (("        rank=rank,\n", "        rank=local_rank,\n"),),
-            ON_GPUS,
-            "joins the group as rank 1 of 4",
-        ),
-        ("no store", (("        store=group_store,\n", ""),), ON_GPUS, "no store"),
-        (
-            "the store before its prefix",
-            (("store=group_store,", "store=store,"),),
-            ON_GPUS,
-            "another store",
-        ),
-        ("no timeout", (("        timeout=timeout,\n", ""),), ON_GPUS, "the timeout None"),
-        (
-            "the timeout in seconds",
-            (("        timeout=timeout,\n", "        timeout=timeout_s,\n"),),
-            ON_GPUS,
-            "the timeout 37,",
-        ),
-        (
-            "no device_id",
-            (('        device_id=device if device.type == "cuda" else None,\n', ""),),
-            ON_GPUS,
-            "its device is None",
-        ),
-        (
-            "device_id=local_rank",
-            (('device_id=device if device.type == "cuda" else None', "device_id=local_rank"),),
-            ON_GPUS,
-            "its device is cuda:1, not cuda:0",
-        ),
-        (
-            "device_id on the CPU too",
-            (('device_id=device if device.type == "cuda" else None', "device_id=device"),),
-            JOINS,
-            "device_id",
-        ),
-        (
-            "no group for a world of one",
-            (
-                (
-                    GROUP,
-                    "    if world_size > 1:\n"
-                    + GROUP.replace("\n    ", "\n        ").replace(
-                        "    dist.", "        dist.", 1
-                    ),
-                ),
-            ),
-            "test_ex2_1_alone_a_world_of_one",
-            "no process group of one",
-        ),
-    ),
-    # 3.1: the data
-    *plants(
-        "3.1",
-        DATA,
-        (
-            "every rank downloads",
-            ((PREPARE, "    cache = prepare(dataset, data_dir, download, fetch_hint)\n"),),
-            DOWNLOADS,
-            "downloaded_by_rank_0, downloaded_by_rank_1 downloaded",
-        ),
-        (
-            "the others do not wait",
-            (
-                (
-                    PREPARE,
-                    "    from dataset_files import cache_path\n"
-                    "    from utils import is_rank_zero\n\n"
-                    "    cache = (\n"
-                    "        prepare(dataset, data_dir, download, fetch_hint)\n"
-                    "        if is_rank_zero()\n"
-                    "        else str(cache_path(dataset, data_dir))\n"
-                    "    )\n",
-                ),
-            ),
-            DOWNLOADS,
-            "do not wait for rank 0",
-        ),
-        (
-            "no shuffle",
-            (("shuffle=True, seed=seed", "shuffle=False, seed=seed"),),
-            ORDER,
-            "come in order",
-        ),
-        ("no seed", (("shuffle=True, seed=seed)", "shuffle=True)"),), ORDER, "--seed 1"),
-        (
-            "a seed of each rank's",
-            (("shuffle=True, seed=seed)", "shuffle=True, seed=seed + rank)"),),
-            ONCE,
-            "overlapping",
-        ),
-        (
-            "the world size and the rank swapped",
-            ((TRAIN_SAMPLER, TRAIN_SAMPLER.replace("world_size, rank", "rank, world_size")),),
-            ONCE,
-            "Invalid rank",
-        ),
-        (
-            "the validation set whole on every rank",
-            (("ShardSampler(len(val), world_size, rank,", "ShardSampler(len(val), 1, 0,"),),
-            ONCE,
-            "validation shards",
-        ),
-        ("no set_epoch", (("self.train_sampler.set_epoch(epoch)", "pass"),), ORDER, "same order"),
-        (
-            "set_epoch of the step",
-            (("self.train_sampler.set_epoch(epoch)", "self.train_sampler.set_epoch(step)"),),
-            ORDER,
-            "same order",
-        ),
-    ),
-    # 4.1: DDP
-    *plants(
-        "4.1",
-        DDP,
-        (
-            "the model left on the CPU",
-            ((MOVE, MOVE.removeprefix("    model = model.to(device)\n")),),
-            DDP_ON_A_GPU,
-            "parameters are on the CPU",
-        ),
-        (
-            "the model moved after wrapping",
-            (
-                (MOVE, MOVE.removeprefix("    model = model.to(device)\n")),
-                (WRAP, WRAP + ".to(device)"),
-            ),
-            DDP_ON_A_GPU,
-            "after DDP wrapped it",
-        ),
-        (
-            "device_ids=[0]",
-            (("[device.index] if", "[0] if"),),
-            DDP_ON_A_GPU,
-            "the model is on cuda:0",
-        ),
-        (
-            "device_ids on the CPU too",
-            (('[device.index] if device.type == "cuda" else None', "[device.index]"),),
-            "test_ex4_1_ddp_replicates_and_averages_gradients",
-            "device_ids",
-        ),
-        (
-            "the model returned unwrapped",
-            ((WRAP, WRAP.removeprefix("return ") + "\n    return model"),),
-            DDP_ON_A_GPU,
-            "returns a BoundForAGpu",
-        ),
-        (
-            "output_device=0",
-            (("gradient_as_bucket_view=True)", "gradient_as_bucket_view=True, output_device=0)"),),
-            DDP_ON_A_GPU,
-            "outputs on cuda:0",
-        ),
-    ),
-    # 4.2: FSDP
-    *plants(
-        "4.2",
-        FSDP,
-        (
-            "no wrap policy",
-            (
-                (
-                    f"            auto_wrap_policy={POLICY},\n",
-                    "",
-                ),
-            ),
-            FSDP_MADE,
-            "0 FSDP units inside the root",
-        ),
-        (
-            "every module a unit",
-            (("id(module) in units", "True"),),
-            FSDP_MADE,
-            "FSDP units inside the root, not one for each",
-        ),
-        (
-            "full sharding whatever asked",
-            (("SHARDING[sharding]", 'SHARDING["full"]'),),
-            FSDP_MADE,
-            "--sharding grad_op runs",
-        ),
-        (
-            "no mixed precision",
-            (("            if dtype\n", "            if None\n"),),
-            FSDP_MADE,
-            "bf16 computes in None",
-        ),
-        (
-            "gradients reduced in bf16",
-            ((MIXED, MIXED.replace("reduce_dtype=torch.float32", "reduce_dtype=dtype")),),
-            FSDP_MADE,
-            "reduces the gradients in torch.bfloat16",
-        ),
-        (
-            "buffers left in fp32",
-            ((MIXED, MIXED.replace(", buffer_dtype=dtype", "")),),
-            FSDP_MADE,
-            "keeps the buffers in None",
-        ),
-        (
-            "bf16 whatever asked",
-            ((MIXED, MIXED.replace("param_dtype=dtype", "param_dtype=torch.bfloat16")),),
-            FSDP_MADE,
-            "fp16 computes in torch.bfloat16",
-        ),
-        (
-            "no CPU offload",
-            (("CPUOffload(offload_params=cpu_offload)", "CPUOffload(offload_params=False)"),),
-            FSDP_MADE,
-            "--cpu-offload keeps the parameters",
-        ),
-        (
-            "no device_id",
-            (("            device_id=device,\n", ""),),
-            FSDP_MADE,
-            "the rank's device",
-        ),
-        (
-            "no mesh for hybrid",
-            (('hybrid_mesh(device, ranks_per_node) if sharding == "hybrid" else None', "None"),),
-            FSDP_MADE,
-            "two-dimensional mesh",
-        ),
-        (
-            "FSDP's flat parameters",
-            (("use_orig_params=True", "use_orig_params=False"),),
-            FSDP_MADE,
-            "flat parameters",
-        ),
-    ),
-    # 5.1: the main program
-    *plants(
-        "5.1",
-        MAIN,
-        (
-            "setup without the options",
-            (("setup(cfg.pg_timeout, cfg.device)", "setup()"),),
-            SETS_UP,
-            "do not reach it",
-        ),
-        (
-            "setup without the device",
-            (("setup(cfg.pg_timeout, cfg.device)", "setup(cfg.pg_timeout)"),),
-            SETS_UP,
-            "do not reach it",
-        ),
-        ("no cleanup", ((CLEANUP, "        pass\n"),), SETS_UP, "set up, train, clean up"),
-        (
-            "cleanup not told of the failure",
-            (("cleanup(failed)", "cleanup()"),),
-            AFTER_FAILURE,
-            "told that the run failed",
-        ),
-        (
-            "cleanup always told of a failure",
-            (("cleanup(failed)", "cleanup(True)"),),
-            SETS_UP,
-            "told that it failed",
-        ),
-        (
-            "cleanup only after a success",
-            ((CLEANUP, "        if not failed:\n    " + CLEANUP),),
-            AFTER_FAILURE,
-            "cleanup must run then too",
-        ),
-    ),
-    *plants(
-        "5.1",
-        STRATEGIES,
-        (
-            "DDP's model dropped",
-            ((WRAP_DDP, WRAP_DDP.replace("model = ", "")),),
-            CHOOSES,
-            "trains the model unwrapped",
-        ),
-        (
-            "FSDP's model dropped",
-            ((WRAP_FSDP, WRAP_FSDP.replace("model = ", "")),),
-            CHOOSES,
-            "trains the model unwrapped",
-        ),
-        (
-            "FSDP without its options",
-            ((WRAP_FSDP, WRAP_FSDP.replace(", **shard", "")),),
-            CHOOSES,
-            "the run's options do not reach it",
-        ),
-        (
-            "FSDP with the sharding alone",
-            ((WRAP_FSDP, WRAP_FSDP.replace("**shard", "cfg.sharding")),),
-            CHOOSES,
-            "the run's options do not reach it",
-        ),
-        (
-            "the wrappers swapped",
-            (
-                # The FSDP line first: the DDP line, moved in, is not the FSDP line's text.
-                (WRAP_FSDP, WRAP_DDP.replace("            ", "        ", 1)),
-                (WRAP_DDP, WRAP_FSDP.replace("        ", "            ", 1)),
-            ),
-            CHOOSES,
-            "wraps the model with",
-        ),
-    ),
-    # 6.1: training
-    *plants(
-        "6.1",
-        TRAIN,
-        ("no zero_grad", ((ZERO, "        pass\n"),), A_STEP, "step 1's are still in them"),
-        (
-            "zero_grad before each micro-batch's backward",
-            (
-                (ZERO, "        pass\n"),
-                (BACKWARD, "                self.optimizer.zero_grad()\n" + BACKWARD),
-            ),
-            MICRO,
-            "the last micro-batch's alone",
-        ),
-        (
-            "backward of the unscaled loss",
-            ((BACKWARD, "                weighted.backward()\n"),),
-            SCALER,
-            "scales no loss",
-        ),
-        (
-            "backward of the unweighted loss",
-            (("scaler.scale(weighted)", "scaler.scale(loss)"),),
-            MICRO,
-            "counts as much as the batch's",
-        ),
-        (
-            "the optimizer steps past the scaler",
-            (("scaler.step(self.optimizer)", "self.optimizer.step()"),),
-            SCALER,
-            "steps past the scaler",
-        ),
-        ("no update", (("        scaler.update()\n", ""),), SCALER, "never updated"),
-        (
-            "update before step",
-            ((STEP, "        scaler.update()\n        scaler.step(self.optimizer)\n"),),
-            SCALER,
-            "updated before it steps",
-        ),
-        (
-            "a step per micro-batch",
-            (
-                (BACKWARD, BACKWARD + STEP.replace("        ", "                ")),
-                (STEP, "        pass\n"),
-            ),
-            MICRO,
-            "takes 2 optimizer steps",
-        ),
-        (
-            "two steps",
-            ((STEP, STEP + "        self.optimizer.step()\n"),),
-            A_STEP,
-            "takes 2 optimizer steps",
-        ),
-        (
-            "no eval",
-            (("        self.model.eval()\n", "        pass\n"),),
-            MODES,
-            "validates in training mode",
-        ),
-        (
-            "no train",
-            (("        self.model.train()\n", "        pass\n"),),
-            MODES,
-            "back in training mode",
-        ),
-        ("no all-reduce", ((REDUCE, "        pass\n"),), SUMS, "its own share"),
-        (
-            "the all-reduce's result dropped",
-            (("loss_sum, correct, count = all_reduce(", "all_reduce("),),
-            SUMS,
-            "its own share",
-        ),
-        (
-            "the maximum, not the sum",
-            (
-                (
-                    "[loss_sum, correct, count], device)",
-                    "[loss_sum, correct, count], device, dist.ReduceOp.MAX)",
-                ),
-            ),
-            SUMS,
-            "its own share",
-        ),
-        (
-            "the count not reduced",
-            ((REDUCE, "        loss_sum, correct = all_reduce([loss_sum, correct], device)\n"),),
-            SUMS,
-            "its own share",
-        ),
-    ),
-]
-
-ALTERNATIVES = [
-    *plants(
-        "2.1",
-        SET_UP,
-        (
-            "the group's arguments by keyword, device_id only on a GPU, set_device by index",
-            (
-                (
-                    GROUP,
-                    """    on_gpu = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(
-        backend=groups_backend,
-        init_method=None,
-        timeout=timeout,
-        world_size=world_size,
-        rank=rank,
-        store=group_store,
-        **on_gpu,
-    )
-""",
-                ),
-                ("torch.cuda.set_device(device)", "torch.cuda.set_device(device.index)"),
-            ),
-        ),
-    ),
-    *plants(
-        "3.1",
-        DATA,
-        (
-            "a barrier instead of on_rank0",
-            (
-                (
-                    PREPARE,
-                    "    from distributed_utils import barrier\n"
-                    "    from utils import is_rank_zero\n\n"
-                    "    if is_rank_zero():\n"
-                    "        prepare(dataset, data_dir, download, fetch_hint)\n"
-                    "    barrier()\n"
-                    "    cache = prepare(dataset, data_dir, download, fetch_hint)\n",
-                ),
-            ),
-        ),
-        (
-            "a shuffled validation, samplers by keyword",
-            (
-                (
-                    "ShardSampler(len(val), world_size, rank, shuffle=False)",
-                    "ShardSampler(len(val), rank=rank, world_size=world_size, shuffle=True)",
-                ),
-            ),
-        ),
-    ),
-    *plants(
-        "4.1",
-        DDP,
-        (
-            "moved in place, the device itself in device_ids",
-            (
-                (MOVE, MOVE.replace("model = model.to", "model.to")),
-                ("[device.index] if", "[device] if"),
-            ),
-        ),
-        (
-            "no device_ids on a GPU",
-            (('[device.index] if device.type == "cuda" else None', "None"),),
-        ),
-    ),
-    *plants(
-        "4.2",
-        FSDP,
-        (
-            "a lambda wrap policy",
-            (
-                (
-                    "        return FSDP(\n",
-                    "        from functools import partial\n\n"
-                    "        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy\n\n"
-                    "        return FSDP(\n",
-                ),
-                (
-                    POLICY,
-                    POLICY.replace("CustomPolicy(", "partial(lambda_auto_wrap_policy, lambda_fn="),
-                ),
-            ),
-        ),
-    ),
-    *plants(
-        "5.1",
-        STRATEGIES,
-        (
-            "options by position and keyword",
-            (
-                (
-                    WRAP_FSDP,
-                    WRAP_FSDP.replace(
-                        "**shard",
-                        "cfg.sharding, cfg.precision, cfg.cpu_offload, world_size // nodes",
-                    ),
-                ),
-            ),
-        ),
-    ),
-    *plants(
-        "5.1",
-        MAIN,
-        (
-            "setup and cleanup by keyword",
-            (
-                (
-                    "setup(cfg.pg_timeout, cfg.device)",
-                    "setup(timeout_s=cfg.pg_timeout, device=cfg.device)",
-                ),
-                ("cleanup(failed)", "cleanup(failed=failed)"),
-            ),
-        ),
-    ),
-    *plants(
-        "6.1",
-        TRAIN,
-        (
-            "zero_grad after the step",
-            ((ZERO, "        pass\n"), (STEP, STEP + "        self.optimizer.zero_grad()\n")),
-        ),
-        (
-            "the sums reduced one by one, modes by train(flag)",
-            (
-                (
-                    REDUCE,
-                    "        for total in (loss_sum, correct, count):\n"
-                    "            dist.all_reduce(total)\n",
-                ),
-                ("        self.model.eval()\n", "        self.model.train(False)\n"),
-                ("        self.model.train()\n", "        self.model.train(True)\n"),
-            ),
-        ),
-    ),
-]
-
-
-def test_each_plant_changes_its_exercises_code_alone():
+def test_each_plant_changes_its_exercises_code_alone(regions):
     """A plant edits only lines of its exercise's regions (as a student's copy would differ from
-    the solution), each edit found once; the mistakes name checks that exist."""
-    regions = mx.all_regions()
+    the solution), each hunk found once; the mistakes name checks that exist."""
     names = {name for names in check_tests().values() for name in names}
-    for plant in MISTAKES + ALTERNATIVES:
-        text = (REPO / plant.path).read_text()
-        mine = [r for r in regions if r.path == plant.path and r.number == plant.exercise]
-        for old, _ in plant.edits:
-            assert text.count(old) == 1, (plant.name, old)
-            first = text[: text.index(old)].count("\n")
-            last = first + old.rstrip("\n").count("\n")
-            assert any(r.begin < first and last < r.end for r in mine), (plant.name, old)
+    for plant in PLANTS:
+        lines = (REPO / plant.path).read_text().splitlines()
+        mine = [r for r in regions if (r.path, r.number) == (plant.path, plant.exercise)]
+        for first, end, new in plant.places(lines):
+            assert any(r.begin < first and end <= r.end for r in mine), (plant.name, new)
         assert plant.fails is None or plant.fails in names, plant.name
 
 
 def grade_round(solved: Path, folder: Path, plants: list[Plant]) -> dict[Plant, list[str]]:
-    """make check, in a copy of the solved copy with these plants (one per exercise), of each
+    """The checks in a copy of the solved copy with these plants (one per exercise), of each
     mistake's check and every check of each alternative's exercise: each plant's failure lines."""
     shutil.copytree(solved, folder)
     for plant in plants:
         target = folder / plant.path
-        target.write_text(edited(target.read_text(), plant))
+        target.write_text(plant.planted(target.read_text()))
     tests = [plant.fails or f"ex{plant.exercise.replace('.', '_')}_" for plant in plants]
-    done = make_check(folder, tests=tests)
-    output = done.stdout + done.stderr
+    _, output = check_in_process(folder, " or ".join(tests))
     # Every check ran: a failure of its own or a pass, no collection error.
     assert re.search(r"^\d+ (passed|failed)", output, re.M), output[-3000:]
     assert not re.search(r"\d+ errors?\b", output), output[-3000:]
@@ -1009,16 +771,15 @@ def graded(tmp_path_factory) -> dict[Plant, list[str]]:
     solved = folder / "solved"
     mx.build(solved, keep=frozenset(COURSE))
     by_exercise = {}
-    for plant in MISTAKES + ALTERNATIVES:
+    for plant in PLANTS:
         by_exercise.setdefault(plant.exercise, []).append(plant)
     rounds = [
         [plant for plant in row if plant] for row in itertools.zip_longest(*by_exercise.values())
     ]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        grades = pool.map(
-            lambda i: grade_round(solved, folder / f"round-{i}", rounds[i]), range(len(rounds))
-        )
-        return {plant: lines for grade in grades for plant, lines in grade.items()}
+    grades = two_at_a_time(
+        lambda i: grade_round(solved, folder / f"round-{i}", rounds[i]), range(len(rounds))
+    )
+    return {plant: lines for grade in grades for plant, lines in grade.items()}
 
 
 @pytest.mark.slow
