@@ -52,8 +52,8 @@ $(OLDEST_VENV)/.installed: requirements.txt
 	$(OLDEST_VENV)/bin/python $(INSTALL_CHECK)
 	touch $@
 
-# The planted mistakes (about 5 minutes) grade what the checks say, which the torch version does
-# not change; the oldest torch runs the checks themselves on the solved and unsolved copies.
+# The planted mistakes (about a minute) grade what the checks say, which the torch version does not
+# change; the oldest torch runs the checks themselves on the solved and unsolved copies.
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -m pytest tests $(WORKERS) -m "not planted" $(PYTEST_ARGS)
 
