@@ -8,17 +8,18 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 import main
+from config import Config
 from conftest import (
     LONG_RUN,
     REPO,
     TINY,
     TORCHRUN,
+    assert_breakdown_holds,
     assert_one_line_error,
     clean_environment,
     config_in,
@@ -30,7 +31,8 @@ from conftest import (
     start_ranks,
     stop_at_first_progress,
 )
-from helpers import assert_stopped_mid_epoch_1, wait_for_training
+from cost_model import state_mem
+from helpers import assert_stopped_mid_epoch_1, meta_model, wait_for_training
 from utils import (
     COURSE_METRIC_RE,
     EXIT_STATUS,
@@ -132,6 +134,9 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
     assert list(metrics[-1]) == list(METRIC_FIELDS)  # every field, in the one order
     last = metrics[-1]
     assert (last["strategy"], last["world_size"], last["local_batch"]) == ("fsdp", 2, 64)
+    assert last["sharding"] == "full"
+    for m in metrics:
+        assert_breakdown_holds(m)
     assert last["acc"] > 50, "synthetic data is learnable: far above 10% chance"
     assert last["throughput"] > 0 and last["time"] > 0 and last["peak_mem"] > 0
     assert result.stdout.count("[CONFIG]") == 1  # rank 0 alone prints
@@ -144,37 +149,33 @@ def test_torchrun_fsdp_two_ranks_converges_and_reports_every_field():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_config_and_metric_read_every_field_they_share_alike(strategy):
     """DDP's [CONFIG] once said sharding=full microbatches=None (--sharding's default, unused)
-    where its [METRIC] said sharding=replicate microbatches=na; FSDP at one rank runs no_shard.
-    The state predicted (cost_model, in both lines) is the state measured, to the byte."""
+    where its [METRIC] said sharding=replicate microbatches=na; FSDP at one rank falls back to
+    no_shard (a 1-GPU FSDP baseline is DDP-like), and says so. The state predicted
+    (cost_model, in both lines) is the state measured, to the byte; the time breakdown adds
+    up."""
     done = run_main([*QUICK, "--epochs", "1", "--strategy", strategy])
     config, (metric,) = config_in(done.stdout), metrics_in(done.stdout)
+    assert metric["sharding"] == {"ddp": "replicate", "fsdp": "no_shard"}[strategy]
+    assert_breakdown_holds(metric)
     shared = sorted(set(config) & set(metric))
     assert {"sharding", "microbatches", "strategy", "world_size", "state_pred"} <= set(shared)
     assert [config[k] for k in shared] == [metric[k] for k in shared], shared
     assert metric["state_pred"] == metric["state_mem"], metric
 
 
-def test_fsdp_full_holds_half_the_state_of_ddp_per_rank():
-    """And exactly the same in bf16: the shards, their gradients and Adam's state stay fp32. Read
+@pytest.mark.parametrize("strategy, precision", [("fsdp", "fp32"), ("fsdp2", "bf16")])
+def test_fsdp_full_holds_half_the_state_of_ddp_per_rank(strategy, precision):
+    """Half of DDP's state a rank (cost_model's, which DDP's measured state is: the test
+    above), and the same in bf16: the shards, their gradients and Adam's state stay fp32. Read
     when training ends: validation's forward leaves FSDP2's root unsharded (bf16 once read
     4,380,984 bytes for 4,428,152). Each line's state_pred (cost_model) is its state_mem."""
-    state = {}
-    for strategy, precision in (
-        ("ddp", "fp32"),
-        ("fsdp", "fp32"),
-        ("fsdp2", "fp32"),
-        ("fsdp2", "bf16"),
-    ):
-        args = ["--strategy", strategy, "--precision", precision, "--epochs", "1", *QUICK]
-        result = main_on_ranks(args, 2)[0]
-        assert result.returncode == 0, result.stderr[-3000:]
-        metric = metrics_in(result.stdout)[-1]
-        assert metric["state_pred"] == metric["state_mem"], (strategy, precision, metric)
-        state[strategy, precision] = metric["state_mem"]
-    print(f"state bytes per rank: {state}")
-    for sharded in ("fsdp", "fsdp2"):
-        assert state[sharded, "fp32"] / state["ddp", "fp32"] == pytest.approx(0.5, abs=0.005)
-    assert state["fsdp2", "bf16"] == state["fsdp2", "fp32"]
+    args = ["--strategy", strategy, "--precision", precision, "--epochs", "1", *QUICK]
+    result = main_on_ranks(args, 2)[0]
+    assert result.returncode == 0, result.stderr[-3000:]
+    metric = metrics_in(result.stdout)[-1]
+    assert metric["state_pred"] == metric["state_mem"], metric
+    ddp = state_mem(Config(strategy="ddp"), meta_model("cnn"), 2)
+    assert metric["state_mem"] / ddp == pytest.approx(0.5, abs=0.005), (metric["state_mem"], ddp)
 
 
 def test_course_flag_names_are_accepted():
@@ -427,15 +428,21 @@ def test_check_finds_what_the_run_would_fail_on(tmp_path, args, message):
     assert_one_line_error(run_main(["--check", *TINY, *args], timeout=60), message)
 
 
-def test_check_refuses_a_checkpoint_that_does_not_fit_as_the_run_does(tmp_path):
-    """--check reads the checkpoint's meta.pt: a DDP checkpoint resumed by FSDP is refused in
-    the run's own words (the bad-input table below), named by its folder or found by auto."""
-    checkpoint_of_another_strategy(tmp_path)
-    for resume in (["--resume", tmp_path], ["--resume", "auto", "--checkpoint-dir", tmp_path]):
-        done = run_main(["--check", "1", "2", *BATCH_64, "--strategy", "fsdp", *resume])
-        assert_one_line_error(
-            done, f"checkpoint {tmp_path}/ckpt_e0002_s000000 was written by strategy=ddp"
-        )
+def test_an_earlier_runs_checkpoint_is_refused_where_it_does_not_fit(tmp_path):
+    """One DDP run of one epoch: its save line says where training resumes (the checkpoint after
+    epoch 1 is named for epoch 2). Then, each in one line (the bad-input table's), a fresh run
+    into its folder is refused, and so is resuming it with FSDP, by --check (which reads the
+    checkpoint's meta.pt; named by its folder or found by auto) as by the run."""
+    done = run_main([*ONE_EPOCH, "--checkpoint-dir", tmp_path])
+    saved = f"[CHECKPOINT] saved {tmp_path}/ckpt_e0002_s000000 (after epoch 1: resumes at epoch 2)"
+    assert saved in done.stdout.splitlines(), done.stdout[-2000:]
+    args = [*BATCH_64, "--epochs", "2", "--checkpoint-dir", tmp_path]
+    another = f"checkpoint {tmp_path}/ckpt_e0002_s000000 was written by strategy=ddp"
+    for resume in (["--resume", tmp_path], ["--resume", "auto"]):
+        check = run_main(["--check", "1", "2", *args, "--strategy", "fsdp", *resume])
+        assert_one_line_error(check, another)
+    assert_one_line_error(run_main(args), "already holds checkpoints of an earlier run")
+    assert_one_line_error(run_main([*args, "--strategy", "fsdp", "--resume", "auto"]), another)
 
 
 def test_check_takes_the_launchers_world_size():
@@ -464,8 +471,7 @@ def test_help_explains_every_option():
 
 def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     """SIGUSR1 from outside: checkpoint, exit status 3, and a continue command that works (run
-    to the end of epoch 1 here: test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint
-    resumes to the run's end)."""
+    to the end of epoch 1 here: test_resume's resumed runs go on to the run's end)."""
     stopped = stop_at_first_progress(LONG_RUN, repo_copy)
     out, err = stopped.stdout, stopped.stderr
     assert stopped.returncode == 3, err[-2000:]
@@ -478,48 +484,14 @@ def test_stopped_run_exits_3_and_prints_the_command_that_resumes_it(repo_copy):
     assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1]
 
 
-def stop_run(folder: Path) -> list[str]:
-    """Two ranks, long enough to be signalled during epoch 1, their checkpoints in folder."""
-    return [*LONG_RUN, "--checkpoint-dir", str(folder), "--pg-timeout", "60"]
-
-
-@contextmanager
-def rank_1_signalled_in_epoch_1(args: list, signum: int, cwd: Path = REPO, **start):
-    """Two ranks started directly; rank 1 alone gets `signum` once rank 0 trains epoch 1.
-    Yields the ranks; what is left of them is killed at the end."""
-    ranks = start_ranks(args, 2, cwd=cwd, **start)
-    try:
-        wait_for_training(ranks[0])
-        ranks[1].send_signal(signum)
-        yield ranks
-    finally:
-        for rank in ranks:
-            rank.kill()
-
-
-@pytest.mark.parametrize("signal_name", ["SIGUSR1", "SIGTERM"])
-def test_a_signal_to_one_real_rank_stops_both_with_a_checkpoint(tmp_path, signal_name):
-    """SLURM's warning (SIGUSR1) or a preemption/scancel (SIGTERM), sent from outside to rank 1
-    alone: both ranks agree on a step, save one checkpoint mid-epoch and exit with status 3;
-    resuming finishes the run."""
-    args = stop_run(tmp_path / "ckpt")
-    with rank_1_signalled_in_epoch_1(args, getattr(signal, signal_name)) as ranks:
-        outputs = [rank.communicate(timeout=120) for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [3, 3], outputs[0][1][-2000:]
-    assert "stopped on a signal to another rank at epoch 1 step" in outputs[0][0]
-    assert_stopped_mid_epoch_1(tmp_path / "ckpt")
-    resumed, _ = main_on_ranks([*args, "--resume", "auto"], 2)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [1, 2]
-
-
-# main.py with a slow rank 0 after a checkpoint (its pruning takes 3 s) and every rank's exit
-# time written down: srun --kill-on-bad-exit would end rank 0 mid-prune if rank 1 left first.
-SLOW_PRUNE = """
-import atexit, os, sys, time
-import checkpoint, main
+# main.py as its script, slowed where a stop's end races: rank 0 prunes the old checkpoints for
+# 3 s (srun --kill-on-bad-exit would end it mid-prune if rank 1 left first), and rank 1 takes 3 s
+# to leave the interpreter once main() has returned (as torch's teardown may); each writes down
+# when it did.
+SLOW_STOP = """
+import atexit, os, runpy, time
+import checkpoint
 rank = os.environ["RANK"]
-atexit.register(lambda: open(f"exit_rank{rank}", "w").write(repr(time.time())))
 prune = checkpoint.prune
 def slow_prune(*args, **kwargs):
     if rank == "0":
@@ -527,48 +499,40 @@ def slow_prune(*args, **kwargs):
         open("pruned", "w").write(repr(time.time()))
     return prune(*args, **kwargs)
 checkpoint.prune = slow_prune
-sys.exit(main.main(sys.argv[1:]))
-"""
-
-
-def test_a_stopped_rank_leaves_only_once_rank_0_is_done(repo_copy):
-    """Both ranks exit 3 on a stop, but none before rank 0 has pruned the old checkpoints and
-    printed how to continue: under srun --kill-on-bad-exit, the first rank to exit non-zero
-    ends the others."""
-    (repo_copy / "slow_prune_main.py").write_text(SLOW_PRUNE)
-    with rank_1_signalled_in_epoch_1(
-        stop_run(repo_copy / "ckpt"), signal.SIGUSR1, repo_copy, program="slow_prune_main.py"
-    ) as ranks:
-        outputs = [rank.communicate(timeout=120) for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [3, 3], outputs[1][1][-2000:]
-    pruned = float((repo_copy / "pruned").read_text())
-    assert float((repo_copy / "exit_rank1").read_text()) >= pruned
-    assert "continue with: main.py" in outputs[0][0]
-
-
-# main.py run as its script, whose rank 1 takes 3 s to leave the interpreter once main() has
-# returned (as torch's teardown may).
-SLOW_EXIT = """
-import atexit, os, runpy, time
-if os.environ["RANK"] == "1":
+if rank == "1":
     atexit.register(time.sleep, 3)
+atexit.register(lambda: open(f"exit_rank{rank}", "w").write(repr(time.time())))
 runpy.run_path("main.py", run_name="__main__")
 """
 
 
-def test_a_stopped_rank_sent_sigterm_while_it_exits_still_exits_3(repo_copy):
-    """srun --kill-on-bad-exit (and torchrun) send SIGTERM to the other ranks once the first
-    exits 3: a rank still on its way out takes it as one more stop, and exits 3 too."""
-    (repo_copy / "slow_exit_main.py").write_text(SLOW_EXIT)
-    with rank_1_signalled_in_epoch_1(
-        stop_run(repo_copy / "ckpt"), signal.SIGUSR1, repo_copy, program="slow_exit_main.py"
-    ) as ranks:
-        rank0 = ranks[0].communicate(timeout=120)
-        assert ranks[0].returncode == 3, rank0[1][-2000:]
+def test_a_signal_to_one_rank_stops_both_and_none_leaves_before_rank_0_is_done(repo_copy):
+    """SLURM's warning (SIGUSR1) to rank 1 alone, the ranks started directly: both agree on a
+    step, save one checkpoint mid-epoch and exit 3 (resuming it: test_resume's mid-epoch stops;
+    the printed command: test_stopped_run_exits_3_...). Under srun --kill-on-bad-exit the first
+    rank to exit non-zero ends the others: rank 1 leaves only once rank 0 has pruned the old
+    checkpoints and printed how to continue; and srun's (or torchrun's) SIGTERM to a rank still
+    on its way out is one more stop: it exits 3 too."""
+    (repo_copy / "slow_stop_main.py").write_text(SLOW_STOP)
+    args = [*LONG_RUN, "--checkpoint-dir", str(repo_copy / "ckpt"), "--pg-timeout", "60"]
+    ranks = start_ranks(args, 2, cwd=repo_copy, program="slow_stop_main.py")
+    try:
+        wait_for_training(ranks[0])
+        ranks[1].send_signal(signal.SIGUSR1)
+        out, err = ranks[0].communicate(timeout=120)
+        assert ranks[0].returncode == 3, err[-2000:]
         while ranks[1].poll() is None:  # what srun does, until rank 1 is gone
             ranks[1].send_signal(signal.SIGTERM)
             time.sleep(0.1)
+    finally:
+        for rank in ranks:
+            rank.kill()
     assert ranks[1].returncode == 3, ranks[1].stderr.read()[-2000:]
+    assert "stopped on a signal to another rank at epoch 1 step" in out
+    assert "continue with: main.py" in out
+    pruned = float((repo_copy / "pruned").read_text())
+    assert float((repo_copy / "exit_rank1").read_text()) >= pruned
+    assert_stopped_mid_epoch_1(repo_copy / "ckpt")
 
 
 def test_a_resume_from_nowhere_is_refused_before_anything_is_made(tmp_path):
@@ -578,20 +542,6 @@ def test_a_resume_from_nowhere_is_refused_before_anything_is_made(tmp_path):
     done = run_main([*ONE_EPOCH, "--resume", missing])
     assert_one_line_error(done, f"--resume {missing}: no checkpoint there")
     assert not missing.exists()
-
-
-def test_a_save_says_where_training_resumes_from_it(tmp_path):
-    """The checkpoint after epoch 1 is named for epoch 2, where training goes on: its line says
-    both."""
-    done = run_main([*ONE_EPOCH, "--checkpoint-dir", tmp_path])
-    saved = f"[CHECKPOINT] saved {tmp_path}/ckpt_e0002_s000000 (after epoch 1: resumes at epoch 2)"
-    assert saved in done.stdout.splitlines(), done.stdout[-2000:]
-
-
-def test_resume_auto_says_when_it_found_nothing(tmp_path):
-    done = run_main([*ONE_EPOCH, "--resume", "auto", "--checkpoint-dir", tmp_path / "empty"])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"--resume auto: no checkpoint in {tmp_path / 'empty'}; starting fresh" in done.stdout
 
 
 # ----------------------------------------------------------------------------- Ctrl-C
@@ -692,23 +642,11 @@ def missing_cifar_dir(tmp_path) -> list[str]:
     return ["--dataset", "cifar10", "--no-download", "--data-dir", str(tmp_path / "none")]
 
 
-def folder_of_an_earlier_run(tmp_path) -> list[str]:
-    assert run_main([*ONE_EPOCH, "--checkpoint-dir", tmp_path]).returncode == 0
-    return ["--checkpoint-dir", str(tmp_path)]
-
-
-def checkpoint_of_another_strategy(tmp_path) -> list[str]:
-    assert run_main([*ONE_EPOCH, "--checkpoint-dir", tmp_path, "--strategy", "ddp"]).returncode == 0
-    return ["--checkpoint-dir", str(tmp_path), "--strategy", "fsdp", "--resume", "auto"]
-
-
 @pytest.mark.parametrize(
     "setup,message",
     [
         (corrupt_cifar_dir, "data_batch_3 is not a CIFAR-10 python batch"),
         (missing_cifar_dir, "CIFAR-10 not found in"),
-        (folder_of_an_earlier_run, "already holds checkpoints of an earlier run"),
-        (checkpoint_of_another_strategy, "was written by strategy=ddp"),
         (lambda tmp_path: ["--strategy", "fsdp", "--cpu-offload"], "--cpu-offload moves"),
     ],
 )

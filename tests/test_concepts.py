@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from data import ShardSampler, make_synthetic, validation_weights
 from dist_harness import spawn
+from helpers import meta_model
 from model import build_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -427,7 +428,7 @@ def test_validation_all_reduce_turns_per_rank_accuracies_into_the_whole_sets():
 
 def unit_flop_shares() -> dict[str, float]:
     """Each shard unit's share of the CNN's training FLOPs per image, counted by torch's
-    FlopCounterMode per module, as mfu.training_flops_per_image counts the whole."""
+    FlopCounterMode per module, as cost_model.training_flops_per_image counts the whole."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from cost_model import training_flops_per_image
@@ -476,8 +477,7 @@ def test_the_resnet50_state_quoted_is_cost_models_prediction():
     from model import count_parameters, unit_parameters
     from utils import MB
 
-    with torch.device("meta"):
-        model = build_model("resnet50")
+    model = meta_model("resnet50")
     psi, tensors = count_parameters(model), len(list(model.parameters()))
     state = {s: state_mem(Config(strategy=s), model, 8) for s in ("ddp", "fsdp", "fsdp2")}
     largest = max(sum(p.numel() for p in unit) for unit in unit_parameters(model).values())

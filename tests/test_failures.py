@@ -119,17 +119,24 @@ def test_every_error_of_a_timed_out_gloo_context_is_a_peer_failure():
     assert all(peer_failure for _, peer_failure in seen), seen
 
 
-def slow_rank0_work(env, work_s: float) -> str:
-    return distributed_utils.on_rank0(lambda: time.sleep(work_s) or "done")
+def wait_for_rank0_then_leave_late(env) -> str:
+    """Rank 0 works alone (a download) for three --pg-timeouts while rank 1 waits; then rank 0,
+    which hosts the rendezvous store, leaves first, and rank 1 two --pg-timeouts later."""
+    distributed_utils.on_rank0(lambda: time.sleep(3 * SHORT_TIMEOUT_S))
+    if env.rank == 1:
+        time.sleep(2 * SHORT_TIMEOUT_S)
+    return "finished"
 
 
-def test_waiting_for_rank0s_download_outlasts_the_pg_timeout():
-    """A download takes minutes: the others wait on the handshake group, not --pg-timeout."""
+@pytest.mark.timeout(120)
+def test_a_live_rank_waiting_long_is_not_taken_for_dead():
+    """A download takes minutes: the others wait on the handshake group, not --pg-timeout. A
+    rank that goes on after rank 0 has finished (for longer than its watchdog gives a silent
+    peer, half of --pg-timeout) finishes too: none was named."""
     from dist_harness import spawn
 
-    assert spawn(
-        slow_rank0_work, 2, 3 * SHORT_TIMEOUT_S, pg_timeout_s=SHORT_TIMEOUT_S, timeout=120
-    ) == ["done", "done"]
+    outcomes = spawn(wait_for_rank0_then_leave_late, 2, pg_timeout_s=SHORT_TIMEOUT_S, timeout=100)
+    assert outcomes == ["finished", "finished"]
 
 
 def late_collective_on_the_hybrid_mesh(env) -> tuple[float, str]:
@@ -207,20 +214,3 @@ def test_a_dead_peer_ends_a_rank_that_no_timeout_would_wake(tmp_path):
         error.read_text(),
     ), error.read_text()
     assert waited < WATCHED_TIMEOUT_S, waited
-
-
-def leave_at_different_times(env, late_s: float) -> str:
-    if env.rank == 1:  # rank 0, which hosts the rendezvous store, leaves first
-        time.sleep(late_s)
-    return "finished"
-
-
-@pytest.mark.timeout(120)
-def test_a_rank_that_finished_first_is_not_taken_for_dead():
-    """Rank 0 finishes and leaves; rank 1 goes on for twice --pg-timeout (its watchdog would
-    name a silent peer after half of it), then finishes too: both finished, none was named."""
-    from dist_harness import spawn
-
-    assert spawn(
-        leave_at_different_times, 2, 2 * SHORT_TIMEOUT_S, pg_timeout_s=SHORT_TIMEOUT_S
-    ) == ["finished", "finished"]

@@ -16,6 +16,7 @@ import torch
 
 import checkpoint
 import stopping
+from checkpoint_files import read_model
 from config import Config
 from conftest import (
     LONG_RUN,
@@ -68,37 +69,6 @@ def damage(path: Path, strategy: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- damaged checkpoints
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_resume_auto_with_only_unreadable_checkpoints_fails_and_writes_nothing(tmp_path, strategy):
-    """Today's run would say `no checkpoint`, train from scratch and save over the evidence:
-    instead one error naming each damaged checkpoint and the ways on, status 5, nothing
-    written."""
-    train_epochs(tmp_path, 1, strategy)
-    first = tmp_path / "ckpt_e0002_s000000"
-    damage(first, strategy)
-    second = tmp_path / "ckpt_e0003_s000000"  # named as a checkpoint, its meta file lost
-    second.mkdir()
-    (second / checkpoint.DDP_FILE).write_bytes(b"half")
-    before = snapshot(tmp_path)
-    world_size = 1 if strategy == "ddp" else 2
-    args = [*ARGS, "--strategy", strategy, "--checkpoint-dir", tmp_path, "--epochs", 3]
-    done, statuses = main_on_ranks([*args, "--resume", "auto"], world_size)
-    assert set(statuses) == {STATUS_CHECKPOINT}, statuses
-    line = assert_one_line_error(
-        done,
-        f"no checkpoint in {tmp_path} can be read",
-        str(first),
-        str(second),
-        "nothing was written",
-        "--checkpoint-dir",
-        "move them out of",
-        status=STATUS_CHECKPOINT,
-    )
-    assert "meta.pt" in line.split(str(second), 1)[1]  # why, for each
-    assert "starting fresh" not in done.stdout and not metrics_in(done.stdout)
-    assert snapshot(tmp_path) == before
 
 
 def test_resume_auto_without_any_checkpoint_still_starts_fresh(tmp_path):
@@ -259,7 +229,8 @@ def assert_every_rank_ends_with_one_line(
 def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strategy, fault, cause):
     """Epoch 1's checkpoint (ckpt_e0002) is saved; epoch 2's fails on one rank. Both ranks
     end at once with status 5 and one line naming the checkpoint, the cause and the intact
-    one; no half-written folder stays; resuming goes on from the intact one."""
+    one; no half-written folder stays, and the intact one reads whole (resuming from it:
+    test_an_unreadable_checkpoint_is_set_aside_never_overwritten_or_pruned)."""
     args = [*ARGS, "--strategy", strategy, "--checkpoint-dir", tmp_path / "ck", "--epochs", 3]
     failed = tmp_path / "ck" / "ckpt_e0003_s000000"
     intact = tmp_path / "ck" / "ckpt_e0002_s000000"
@@ -271,9 +242,7 @@ def test_a_failed_save_on_any_rank_ends_every_rank_with_one_line(tmp_path, strat
         f"the newest checkpoint, {intact}, is intact",
     )
     assert [p.name for p in (tmp_path / "ck").iterdir()] == [intact.name]
-    resumed, _ = main_on_ranks([*args, "--resume", "auto"], 2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [m["epoch"] for m in metrics_in(resumed.stdout)] == [2, 3]
+    assert unreadable(intact) is None
 
 
 def test_a_failed_save_whose_folder_cannot_be_removed_says_so(tmp_path, monkeypatch):
@@ -302,23 +271,47 @@ def test_a_failed_save_whose_folder_cannot_be_removed_says_so(tmp_path, monkeypa
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,file", [("ddp", "rng_rank1.pt"), ("fsdp", checkpoint.META_FILE)])
-def test_a_checkpoint_one_rank_cannot_read_ends_every_rank_with_one_line(tmp_path, strategy, file):
-    """--resume PATH of a file rank 1 alone cannot read: not rank 1 failing while rank 0 goes
-    on (to train and wait for it, or to DCP's collective load, which rank 1 would meet with
-    another collective), but both ending at once, status 5, one line."""
+def test_checkpoints_that_cannot_be_read_end_every_rank_and_write_nothing(tmp_path, strategy, file):
+    """One epoch's checkpoint, at the world size that resumes it. --resume PATH of a file rank 1
+    alone cannot read: not rank 1 failing while rank 0 goes on (to train and wait for it, or to
+    DCP's collective load, which rank 1 would meet with another collective), but both ending at
+    once, status 5, one line. Then --resume auto where every checkpoint is damaged: today's run
+    would say `no checkpoint`, train from scratch and save over the evidence; instead one error
+    naming each damaged checkpoint and the ways on, status 5, nothing written."""
     folder = tmp_path / "ck"
-    train_epochs(folder, 1, strategy, nproc=2)  # at the world size that resumes
-    path = folder / "ckpt_e0002_s000000"
-    args = [*ARGS, "--strategy", strategy, "--checkpoint-dir", folder, "--epochs", 2]
+    train_epochs(folder, 1, strategy, nproc=2)
+    first = folder / "ckpt_e0002_s000000"
+    args = [*ARGS, "--strategy", strategy, "--checkpoint-dir", folder]
     assert_every_rank_ends_with_one_line(
-        [*args, "--resume", path],
+        [*args, "--epochs", 2, "--resume", first],
         f"1:load:{file}",
         tmp_path,
-        f"cannot read checkpoint {path} (rank 1: OSError: [Errno 5] Input/output error",
+        f"cannot read checkpoint {first} (rank 1: OSError: [Errno 5] Input/output error",
         "nothing was written",
         f"--resume auto --checkpoint-dir {folder}",
     )
-    assert [p.name for p in folder.iterdir()] == [path.name]
+    assert [p.name for p in folder.iterdir()] == [first.name]
+
+    damage(first, strategy)
+    second = folder / "ckpt_e0003_s000000"  # named as a checkpoint, its meta file lost
+    second.mkdir()
+    (second / checkpoint.DDP_FILE).write_bytes(b"half")
+    before = snapshot(folder)
+    done, statuses = main_on_ranks([*args, "--epochs", 3, "--resume", "auto"], 2)
+    assert set(statuses) == {STATUS_CHECKPOINT}, statuses
+    line = assert_one_line_error(
+        done,
+        f"no checkpoint in {folder} can be read",
+        str(first),
+        str(second),
+        "nothing was written",
+        "--checkpoint-dir",
+        "move them out of",
+        status=STATUS_CHECKPOINT,
+    )
+    assert "meta.pt" in line.split(str(second), 1)[1]  # why, for each
+    assert "starting fresh" not in done.stdout and not metrics_in(done.stdout)
+    assert snapshot(folder) == before
 
 
 # ----------------------------------------------------------------------------- every stop signal
@@ -559,16 +552,6 @@ def saving(folder: Path) -> set:
     return found
 
 
-def final_model(folder: Path) -> dict:
-    newest = checkpoint.latest(folder)
-    if (newest / checkpoint.DDP_FILE).is_file():
-        return torch.load(newest / checkpoint.DDP_FILE, weights_only=False)["model"]
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(newest, folder / "final.pt")
-    return torch.load(folder / "final.pt", weights_only=False)["model"]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -617,7 +600,7 @@ def test_ten_sigkills_of_one_rank_never_leave_an_unreadable_newest_checkpoint(tm
         kills.append(f"rank{victim}@{delay:.2f}s{how}->{newest.name if newest else '-'}")
     done, statuses = main_on_ranks([*args, "--checkpoint-dir", folder], 2)
     assert statuses == [0, 0], done.stderr[-3000:]
-    state, expected = final_model(folder), final_model(reference)
+    state, expected = (read_model(checkpoint.latest(f)) for f in (folder, reference))
     differing = [k for k in expected if not torch.equal(state[k], expected[k])]
     print(
         f"\n[FAULTS] seed={SEED} strategy={strategy} kills survived: {len(kills)} "

@@ -1,5 +1,6 @@
 """Checkpoint and resume: an interrupted run ends exactly where an uninterrupted one ends."""
 
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -72,23 +73,20 @@ def assert_same_run(state, history, ref_state, ref_history, epochs):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """Four uninterrupted epochs per strategy, at world size 2."""
+    """Four uninterrupted epochs per strategy, at world size 2: (the final state, the history,
+    the folder of its checkpoints)."""
     runs = {}
     for strategy in ("ddp", "fsdp", "fsdp2"):
-        cfg = Config(
-            **CFG,
-            strategy=strategy,
-            epochs=4,
-            checkpoint_dir=str(tmp_path_factory.mktemp(strategy)),
-        )
-        runs[strategy] = spawn(train_and_gather, 2, cfg)[0]
+        folder = tmp_path_factory.mktemp(strategy)
+        cfg = Config(**CFG, strategy=strategy, epochs=4, checkpoint_dir=str(folder))
+        runs[strategy] = (*spawn(train_and_gather, 2, cfg)[0], folder)
     return runs
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
-def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight, strategy):
-    ref_state, ref_history = straight[strategy]
-    common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path))
+def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight):
+    """At an epoch's end; each strategy's own checkpoint files are resumed mid-epoch below."""
+    ref_state, ref_history, _ = straight["ddp"]
+    common = dict(**CFG, strategy="ddp", checkpoint_dir=str(tmp_path))
     spawn(train_and_gather, 2, Config(**common, epochs=2))
     state, history = spawn(train_and_gather, 2, Config(**common, epochs=4, resume="auto"))[0]
     assert_same_run(state, history, ref_state, ref_history, epochs=[3, 4])
@@ -96,7 +94,7 @@ def test_two_epochs_then_resume_equals_four_straight(tmp_path, straight, strateg
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
 def test_stop_on_signal_mid_epoch_then_resume_equals_straight(tmp_path, straight, strategy):
-    ref_state, ref_history = straight[strategy]
+    ref_state, ref_history, _ = straight[strategy]
     common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path), epochs=4)
     # 12 steps per epoch: the 17th poll comes before epoch 2's fifth step (index 4), and it is
     # one of the polls that start an agreement (the 1st, 5th, 9th, ...). The ranks read its
@@ -135,28 +133,21 @@ def fresh_streams(env, cfg):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2", "ddp"])
-def test_resume_at_another_world_size_loads_the_weights_exactly(tmp_path, strategy):
-    """A world-size-2 checkpoint loads at world size 1: the same weights to the bit, and the
-    random streams start afresh (the ranks' saved streams map onto no new rank)."""
-    common = dict(**CFG, strategy=strategy, checkpoint_dir=str(tmp_path), epochs=2)
-    saved, _ = spawn(train_and_gather, 2, Config(**common))[0]
-    state, streams = spawn(resumed_state, 1, Config(**common, resume="auto"))[0]
+def test_resume_at_another_world_size_loads_the_weights_exactly(tmp_path, straight, strategy):
+    """A world-size-2 checkpoint (straight's last), named by its path, loads at world size 1:
+    the same weights to the bit, and the random streams start afresh (the ranks' saved streams
+    map onto no new rank); training on, the run writes its checkpoints beside it."""
+    saved, _, folder = straight[strategy]
+    last = shutil.copytree(folder, tmp_path / "ckpt") / "ckpt_e0005_s000000"
+    resumed = dict(**CFG, strategy=strategy, resume=str(last))
+    state, streams = spawn(resumed_state, 1, Config(**resumed, epochs=4))[0]
     assert state.keys() == saved.keys()
     assert all(torch.equal(state[k], saved[k]) for k in state)
-    fresh = spawn(fresh_streams, 1, Config(**{**common, "epochs": 0, "checkpoint": False}))[0]
-    assert all(torch.equal(a, b) for a, b in zip(streams, fresh))
-    # And it trains on from there.
-    _, history = spawn(train_and_gather, 1, Config(**{**common, "epochs": 3}, resume="auto"))[0]
-    assert [h["epoch"] for h in history] == [3]
-
-
-def test_checkpoint_of_another_strategy_is_refused(tmp_path):
-    common = dict(**CFG, checkpoint_dir=str(tmp_path), epochs=1)
-    spawn(train_and_gather, 1, Config(**common, strategy="ddp"))
-    ((status, message),) = spawn_outcomes(
-        train_and_gather, 1, Config(**common, strategy="fsdp", resume="auto")
-    )
-    assert status == "error" and "written by strategy=ddp" in message.splitlines()[0]
+    fresh = spawn(fresh_streams, 1, Config(**CFG, strategy=strategy, epochs=0, checkpoint=False))
+    assert all(torch.equal(a, b) for a, b in zip(streams, fresh[0]))
+    _, history = spawn(train_and_gather, 1, Config(**resumed, epochs=5))[0]
+    assert [h["epoch"] for h in history] == [5]
+    assert checkpoint.latest(last.parent).name == "ckpt_e0006_s000000"
 
 
 def test_unfinished_checkpoint_is_never_the_latest(tmp_path):
@@ -167,39 +158,20 @@ def test_unfinished_checkpoint_is_never_the_latest(tmp_path):
     assert checkpoint.latest(tmp_path).name == "ckpt_e0002_s000000"
 
 
-def test_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tmp_path):
-    common = dict(**CFG, checkpoint_dir=str(tmp_path), epochs=1)
-    spawn(train_and_gather, 1, Config(**common))
-    ((status, message),) = spawn_outcomes(train_and_gather, 1, Config(**common))
-    assert status == "error" and "--resume auto" in message.splitlines()[0]
-
-
-def test_stop_before_the_first_step_after_resuming_keeps_that_checkpoint(tmp_path):
-    """A warning that lands during start-up: nothing new to save, and no crash over it.
-    (One rank: there the poll answers at once, before any step.)"""
+def test_a_mid_epoch_checkpoint_resumes_at_its_global_batch_and_survives_an_early_stop(tmp_path):
+    """Stopped 2 steps into epoch 2: resumed with another global batch, refused (its position
+    counts that batch's steps); stopped again before the first step after resuming (a warning
+    that lands during start-up; one rank: there the poll answers at once), nothing new to save
+    and no crash over it."""
     common = dict(**CFG, strategy="ddp", checkpoint_dir=str(tmp_path), epochs=3)
     spawn(signal_rank_then_train, 1, Config(**common), 15, 0)  # stops at epoch 2 after 2 steps
     assert checkpoint.latest(tmp_path).name == "ckpt_e0002_s000002"
-    _, history = spawn(signal_rank_then_train, 1, Config(**common, resume="auto"), 1, 0)[0]
-    assert history == [] and checkpoint.latest(tmp_path).name == "ckpt_e0002_s000002"
-
-
-def test_mid_epoch_checkpoint_needs_the_same_global_batch(tmp_path):
-    common = dict(**CFG, strategy="ddp", checkpoint_dir=str(tmp_path), epochs=3)
-    spawn(signal_rank_then_train, 1, Config(**common), 15, 0)  # stops at epoch 2 after 2 steps
     ((status, message),) = spawn_outcomes(
         train_and_gather, 1, Config(**{**common, "batch_size": 16}, resume="auto")
     )
     assert status == "error" and "resume it with --batch-size 32" in message.splitlines()[0]
-
-
-def test_resume_from_a_path_goes_on_writing_beside_it(tmp_path):
-    common = dict(**CFG, strategy="ddp")
-    spawn(train_and_gather, 1, Config(**common, epochs=1, checkpoint_dir=str(tmp_path)))
-    spawn(
-        train_and_gather, 1, Config(**common, epochs=2, resume=str(tmp_path / "ckpt_e0002_s000000"))
-    )
-    assert checkpoint.latest(tmp_path).name == "ckpt_e0003_s000000"
+    _, history = spawn(signal_rank_then_train, 1, Config(**common, resume="auto"), 1, 0)[0]
+    assert history == [] and checkpoint.latest(tmp_path).name == "ckpt_e0002_s000002"
 
 
 # ----------------------------------------------------------------------------- across modes
