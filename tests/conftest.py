@@ -22,6 +22,12 @@ from utils import parse_config, parse_metric
 # (docs/development.md#test-tiers). Set before any test module imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# A suite started in the background (`make test &`, nohup) inherits SIGINT ignored, and so would
+# every command the tests start: a bash script cannot trap a signal ignored at its start, and
+# run.sh's Ctrl-C could not be tested. Taken back as a terminal's foreground job has it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 REPO = Path(__file__).resolve().parent.parent
 SLURM_DIR = Path(os.environ.get("PROJECT_SLURM_DIR", "/tmp/project-slurm"))
 START_TIMEOUT_S = 600  # on a clean machine, installing the packages comes first
