@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, CheckpointError):
                 return EXIT_STATUS["checkpoint"]
             return EXIT_STATUS["usage"]
+        finally:
+            gc.enable()  # --check and errors end before setup turns it on: the caller gets it back
 
 
 if __name__ == "__main__":
