@@ -17,7 +17,8 @@ classifier, a ResNet's stages) of at least MIN_UNIT_PARAMS parameters; the root 
 A unit costs the host the same hooks and copies whatever its size, and a tiny one's gather is
 all latency (docs/performance.md; budgets: tests/test_step_cost.py). Both APIs keep the root's
 parameters from forward to backward, which needs them first (as torchtitan keeps its last
-block); the CNN's classifier, 96% of the model, is still resharded after forward under `full`.
+block); the CNN's classifier, 96% of the model, is still resharded after forward under `full`:
+kept, it would make ZeRO-3 ZeRO-2.
 
 Sharding (`--sharding`):
   full     parameters, gradients and optimizer state sharded (ZeRO-3): FULL_SHARD, or

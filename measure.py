@@ -464,13 +464,11 @@ class EpochMeters:
 
     def calibrate(self, planned: list[int], step: int) -> float:
         """The calibration's rounds planned before `step` (total: after the last), their memory
-        set aside; returns the seconds they held the epoch up. `planned` is in order: the
-        rounds due are taken off its front."""
-        held = 0.0
-        if planned and planned[0] == step:
+        set aside; returns the seconds they held the epoch up."""
+        held, count = 0.0, planned.count(step)
+        if count:
             say_where(f"in the compute calibration's rounds before step {step}")
-        while planned and planned[0] == step:
-            planned.pop(0)
+        for _ in range(count):
             with self.memory.set_aside():
                 held += self.calibration.timed_round()
         return held

@@ -130,8 +130,8 @@ class Trainer(Learner):
 
     @property
     def reports_sums(self) -> bool:
-        """Whether this rank's images and losses count in the global sums (not a pipeline's
-        stages but its last, which computes the loss)."""
+        """Whether this rank's images and losses count in the global sums (a pipeline's stages
+        all take the same batch: only its last, which computes the loss, counts)."""
         return True
 
     @property
