@@ -13,8 +13,8 @@ The copy keeps the marks and puts `raise NotImplementedError("exercise 2.1: ...;
 EXERCISES.md#21-...")` in each region's place: every module still imports, and the stub says
 where to read. Code not the student's to write that would show an answer (FSDP2's twin of the
 FSDP wrapper) is marked `# exercise 4.2 twin begin` ... `end` and cut with a stub that says
-why. Left out: the solution's own tests, and the instructors' key, docs/concepts.md, unless
-`--key` (`make exercise KEY=1`). tests/exercise_checks.py grades a completed part: `make check
+why. Left out: the solution's own tests and, unless `--key` (`make exercise KEY=1`), the
+instructors' key, docs/concepts.md. tests/exercise_checks.py grades a completed part: `make check
 EX=2.1` (docs/exercise.md).
 """
 
