@@ -441,7 +441,8 @@ def test_an_earlier_runs_checkpoint_is_refused_where_it_does_not_fit(tmp_path):
     for resume in (["--resume", tmp_path], ["--resume", "auto"]):
         check = run_main(["--check", "1", "2", *args, "--strategy", "fsdp", *resume])
         assert_one_line_error(check, another)
-    assert_one_line_error(run_main(args), "already holds checkpoints of an earlier run")
+    earlier = "already holds checkpoints of an earlier run: continue it with --resume auto"
+    assert_one_line_error(run_main(args), earlier)
     assert_one_line_error(run_main([*args, "--strategy", "fsdp", "--resume", "auto"]), another)
 
 

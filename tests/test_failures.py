@@ -120,12 +120,13 @@ def test_every_error_of_a_timed_out_gloo_context_is_a_peer_failure():
 
 
 def wait_for_rank0_then_leave_late(env) -> str:
-    """Rank 0 works alone (a download) for three --pg-timeouts while rank 1 waits; then rank 0,
-    which hosts the rendezvous store, leaves first, and rank 1 two --pg-timeouts later."""
-    distributed_utils.on_rank0(lambda: time.sleep(3 * SHORT_TIMEOUT_S))
+    """Rank 0 works alone (a download) for three --pg-timeouts while rank 1 waits, and hands its
+    result to it; then rank 0, which hosts the rendezvous store, leaves first, and rank 1 two
+    --pg-timeouts later."""
+    handed = distributed_utils.on_rank0(lambda: time.sleep(3 * SHORT_TIMEOUT_S) or "rank 0's")
     if env.rank == 1:
         time.sleep(2 * SHORT_TIMEOUT_S)
-    return "finished"
+    return handed
 
 
 @pytest.mark.timeout(120)
@@ -136,7 +137,7 @@ def test_a_live_rank_waiting_long_is_not_taken_for_dead():
     from dist_harness import spawn
 
     outcomes = spawn(wait_for_rank0_then_leave_late, 2, pg_timeout_s=SHORT_TIMEOUT_S, timeout=100)
-    assert outcomes == ["finished", "finished"]
+    assert outcomes == ["rank 0's", "rank 0's"]
 
 
 def late_collective_on_the_hybrid_mesh(env) -> tuple[float, str]:

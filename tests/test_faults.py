@@ -75,7 +75,7 @@ def test_resume_auto_without_any_checkpoint_still_starts_fresh(tmp_path):
     (tmp_path / "ckpt_e0002_s000000.damaged").mkdir()  # set aside: not a checkpoint any more
     done = run_main([*ARGS, "--checkpoint-dir", tmp_path, "--epochs", 1, "--resume", "auto"])
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"no checkpoint in {tmp_path}; starting fresh" in done.stdout
+    assert f"--resume auto: no checkpoint in {tmp_path}; starting fresh" in done.stdout
 
 
 def test_an_unreadable_checkpoint_is_set_aside_never_overwritten_or_pruned(tmp_path):

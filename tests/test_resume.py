@@ -121,7 +121,7 @@ def test_the_gpu_tests_stop_lands_mid_epoch_by_construction(tmp_path):
 
 def resumed_state(env, cfg):
     """Resume (training nothing: the checkpoint is already at cfg.epochs) and return the
-    weights, the random streams and the position it loaded."""
+    weights and the random streams."""
     outcome = run(cfg, env)
     streams = (torch.get_rng_state(), outcome.trainer.loaders.generator.get_state())
     return full_state(env, outcome.trainer.model), streams
