@@ -166,7 +166,7 @@ def one_rank_config(batch: int, steps: int) -> Config:
         checkpoint=False,
         augment=True,
         print_every=10**9,
-        cuda_graphs=False,  # eager: sweep_floor asks for the graphed step by name
+        cuda_graphs=False,  # eager: graphed_seconds asks for the graph by name
     )
 
 
@@ -291,9 +291,7 @@ def strategy_steps(batch: int, steps: int, device: torch.device) -> list[tuple]:
         for strategy in STEP_STRATEGIES:
             eager, graphed = [], []
             for local in local_batches:
-                cfg = dataclasses.replace(
-                    one_rank_config(local, steps), strategy=strategy, cuda_graphs=False
-                )
+                cfg = dataclasses.replace(one_rank_config(local, steps), strategy=strategy)
                 seconds, operations = seconds_per_step(cfg, env)
                 eager.append(in_ms(seconds))
                 graphed.append(in_ms(graphed_seconds(cfg, env, device)))
