@@ -223,12 +223,14 @@ def test_cache_is_decoded_once_and_again_when_a_source_file_changes(tmp_path, mo
     assert len(decodes) == 2, "a changed source file rebuilds the cache"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign"])
 def test_corrupt_cifar_file_is_a_clear_error(tmp_path, damage):
     folder = write_cifar_dir(tmp_path)
     path = folder / "data_batch_3"
     blob = path.read_bytes()
-    path.write_bytes(blob[: len(blob) // 2] if damage == "truncate" else b"not a pickle")
+    foreign = pickle.dumps({b"data": [[0] * 3072], b"labels": 7})  # a label, not a list of them
+    damaged = {"truncate": blob[: len(blob) // 2], "garbage": b"not a pickle", "foreign": foreign}
+    path.write_bytes(damaged[damage])
     with pytest.raises(UsageError, match="data_batch_3"):
         data.load_files("cifar10", tmp_path, download=False)
 
