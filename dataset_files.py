@@ -141,7 +141,7 @@ def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
             ) from None
         data = np.asarray(batch[b"data"], dtype=np.uint8)
         labels = np.asarray(batch[b"labels"], dtype=np.int64)
-    check_split(data, labels, (3 * 32 * 32,), 10, path)
+        check_split(data, labels, (3 * 32 * 32,), 10, path)  # a lone label: one line too
     return data.reshape(-1, 3, 32, 32), labels
 
 

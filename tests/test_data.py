@@ -81,11 +81,16 @@ def test_each_rank_gets_what_distributed_sampler_assigns_in_a_new_order_each_epo
     assert seen[0, 0] != seen[0, 1], "a new order every epoch"
 
 
-def test_training_keeps_full_global_batches_only():
+@pytest.mark.parametrize("kind", ["tensor", "classic"])
+def test_training_keeps_full_global_batches_only(kind):
+    """Also in an epoch resumed after 4 steps: the rest of its batches, not the leftover."""
     split = indexed_split(250)  # 10 full batches of 24, 10 images left over
-    loaders = cpu_loaders(split, world_size=2, global_batch=24)
+    loaders = cpu_loaders(split, world_size=2, global_batch=24, kind=kind)
     assert len(loaders.train) == 10
-    assert len(seen_indices(loaders.train, split)) == 10 * 12
+    whole = seen_indices(loaders.train, split)
+    assert len(whole) == 10 * 12
+    loaders.set_position(0, 4)
+    assert seen_indices(loaders.train, split) == whole[4 * 12 :]
 
 
 def test_a_short_last_validation_batch_is_gathered_without_a_resize():
@@ -223,12 +228,14 @@ def test_cache_is_decoded_once_and_again_when_a_source_file_changes(tmp_path, mo
     assert len(decodes) == 2, "a changed source file rebuilds the cache"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign"])
 def test_corrupt_cifar_file_is_a_clear_error(tmp_path, damage):
     folder = write_cifar_dir(tmp_path)
     path = folder / "data_batch_3"
     blob = path.read_bytes()
-    path.write_bytes(blob[: len(blob) // 2] if damage == "truncate" else b"not a pickle")
+    foreign = pickle.dumps({b"data": [[0] * 3072], b"labels": 7})  # a label, not a list of them
+    damaged = {"truncate": blob[: len(blob) // 2], "garbage": b"not a pickle", "foreign": foreign}
+    path.write_bytes(damaged[damage])
     with pytest.raises(UsageError, match="data_batch_3"):
         data.load_files("cifar10", tmp_path, download=False)
 

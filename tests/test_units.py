@@ -3,7 +3,8 @@
 import os
 import re
 import sys
-from dataclasses import asdict
+from contextlib import nullcontext
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -218,6 +219,27 @@ def test_check_names_a_chosen_checkpoint_it_cannot_read_and_leaves_auto_to_the_r
     with pytest.raises(checkpoint.Unreadable, match=f"cannot read checkpoint {ckpt} "):
         checkpoint.check_resume(str(tmp_path), tmp_path, fits, [1])
     checkpoint.check_resume("auto", tmp_path, fits, [1])
+
+
+@pytest.mark.parametrize(
+    "theirs, step, refused",
+    [
+        (dict(model="cnn-wide"), 0, "written by strategy=ddp model=cnn-wide (1 parameters);"),
+        (dict(parameters=2), 0, "written by strategy=ddp model=cnn (2 parameters);"),
+        (dict(global_batch=32), 0, None),  # after a whole epoch: any global batch goes on
+        (dict(global_batch=32), 5, "stopped mid-epoch at global batch 32; resume it with"),
+    ],
+)
+def test_a_checkpoint_fits_a_run_of_its_kind_and_mid_epoch_its_global_batch(
+    tmp_path, theirs, step, refused
+):
+    """What --check, as the run, refuses in a checkpoint's meta.pt (another strategy: test_cli)."""
+    ours, position = checkpoint.Identity("ddp", "cnn", 1, 64), checkpoint.Position(2, step)
+    (tmp_path / position.name).mkdir()
+    meta = {"position": asdict(position), "identity": asdict(replace(ours, **theirs))}
+    torch.save({**meta, "world_size": 2}, tmp_path / position.name / checkpoint.META_FILE)
+    with pytest.raises(UsageError, match=re.escape(refused)) if refused else nullcontext():
+        checkpoint.check_resume(str(tmp_path), tmp_path, ours, [1, 2])
 
 
 # A refused command line that parses: the collector is off once the options are read.
