@@ -120,14 +120,16 @@ def input_pipeline(
 
 
 class OperationCounter(TorchDispatchMode):
-    """Counts the operations torch dispatches while it is active, by name (aten.convolution)."""
+    """Counts the operations torch dispatches while it is active, by name (aten.mul), or
+    by_overload (aten.mul.out apart from aten.mul.Tensor)."""
 
-    def __init__(self):
+    def __init__(self, by_overload: bool = False):
         super().__init__()
+        self.by_overload = by_overload
         self.counts = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
+        self.counts[str(func if self.by_overload else func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -10,7 +10,6 @@ every `file.py:name` names a function or class that exists, and every line the p
 """
 
 import ast
-import collections
 import contextlib
 import re
 from pathlib import Path
@@ -18,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmark import OperationCounter
 from data import ShardSampler, make_synthetic, validation_weights
 from dist_harness import spawn
 from helpers import meta_model
@@ -37,21 +36,19 @@ def batch(n: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-class Dispatched(TorchDispatchMode):
-    """Counts the operations torch dispatches while it is active, by overload (aten.mul.out),
-    and c10d's broadcasts of floating-point tensors: DDP's of the buffers (its rebuild of the
-    buckets broadcasts integer indices)."""
+class Dispatched(OperationCounter):
+    """The operations dispatched by overload (aten.mul.out), and c10d's broadcasts of
+    floating-point tensors: DDP's of the buffers (its rebuild of the buckets broadcasts integer
+    indices)."""
 
     def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
+        super().__init__(by_overload=True)
         self.float_broadcasts = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
         if str(func.overloadpacket) == "c10d.broadcast_":
             self.float_broadcasts += any(t.is_floating_point() for t in args[0])
-        return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 # ----------------------------------------------------------------------------- sampler
