@@ -9,7 +9,6 @@ the answer, while correct alternatives pass."""
 import ast
 import filecmp
 import itertools
-import multiprocessing
 import os
 import re
 import shlex
@@ -67,7 +66,7 @@ def checks_here(copy: Path, arguments: list[str]) -> tuple[int, str]:
         os.dup2(out.fileno(), 2)
     import dist_harness  # the copy's
 
-    dist_harness._context = lambda: multiprocessing.get_context("fork")
+    dist_harness.START_METHOD = "fork"
     status = pytest.main(arguments)
     sys.stdout.flush()
     sys.stderr.flush()
