@@ -99,12 +99,17 @@ def _in_process_group(fn, env_args: tuple, pg_timeout_s: float, plain: bool = Fa
         distributed_utils.cleanup()
 
 
+# How _context's processes start: "forkserver" (the server below), or "fork" for a caller that
+# is itself a fresh process holding the modules they need (tests/test_exercise.py's checks_here).
+START_METHOD = "forkserver"
+
+
 def _context():
     """New processes forked from a server that has imported torch and the project once: each
     rank is a fresh process, as with "spawn", without paying the imports (seconds on two
     cores) again; the pipeline's too, which the project imports only for a pipeline. The
     server has run nothing, so no thread, CUDA context or process group is forked with it."""
-    ctx = mp.get_context("forkserver")
+    ctx = mp.get_context(START_METHOD)
     ctx.set_forkserver_preload(["dist_harness", "pipeline_utils"])
     return ctx
 

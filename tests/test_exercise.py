@@ -9,7 +9,6 @@ the answer, while correct alternatives pass."""
 import ast
 import filecmp
 import itertools
-import multiprocessing
 import os
 import re
 import shlex
@@ -40,11 +39,11 @@ def check_tests() -> dict[str, list[str]]:
     return found
 
 
-def make_check_command(copy: Path, tests: str = "") -> list[str]:
-    """`make check` in copy with this Python (the copy has no .venv of its own), of the checks
-    that pytest's `-k tests` picks where given."""
+def make_check_command(copy: Path, *settings: str) -> list[str]:
+    """`make check` in copy with this Python (the copy has no .venv of its own) and make's
+    `settings` (EX=2.1, PYTEST_ARGS=...)."""
     command = ["make", "-s", "--no-print-directory", "-C", copy, "-o", ".venv/.installed", "check"]
-    return [*command, f"PY={sys.executable}", *([f'PYTEST_ARGS=-k "{tests}"'] if tests else [])]
+    return [*command, f"PY={sys.executable}", *settings]
 
 
 def checks_here(copy: Path, arguments: list[str]) -> tuple[int, str]:
@@ -67,18 +66,18 @@ def checks_here(copy: Path, arguments: list[str]) -> tuple[int, str]:
         os.dup2(out.fileno(), 2)
     import dist_harness  # the copy's
 
-    dist_harness._context = lambda: multiprocessing.get_context("fork")
+    dist_harness.START_METHOD = "fork"
     status = pytest.main(arguments)
     sys.stdout.flush()
     sys.stderr.flush()
     return int(status), (copy / "check-output.txt").read_text()
 
 
-def check_in_process(copy: Path, tests: str) -> tuple[int, str]:
-    """`make check`'s exit status and output in copy for the checks `-k tests` picks, its pytest
-    run in a process forked from this one's server rather than by make (the Makefile's
-    arguments, as make -n prints them)."""
-    printed = run(["make", "-n", *make_check_command(copy, tests)[1:]]).stdout
+def check_in_process(copy: Path, setting: str) -> tuple[int, str]:
+    """`make check setting`'s exit status and output in copy, its pytest run in a process forked
+    from this one's server rather than by make (the Makefile's arguments, as make -n prints
+    them)."""
+    printed = run(["make", "-n", *make_check_command(copy, setting)[1:]]).stdout
     words = shlex.split(printed.replace("\\\n", " "))
     arguments = words[words.index("pytest") + 1 :]
     return in_fresh_process(checks_here, copy, arguments, timeout=CHECK_TIMEOUT_S)
@@ -323,7 +322,7 @@ def test_each_check_fails_on_its_stub_and_passes_with_its_region_alone_restored(
             return done.returncode, done.stdout + done.stderr
         copy = tmp_path / f"restored-{exercise}"
         mx.build(copy, keep=frozenset({exercise}))
-        return check_in_process(copy, f"ex{exercise.replace('.', '_')}_")
+        return check_in_process(copy, f"EX={exercise}")
 
     (status, output), *restored = two_at_a_time(checked, [None, *sorted(COURSE)])
     assert status != 0 and passed(output) == 0, output[-3000:]
@@ -750,7 +749,7 @@ def grade_round(solved: Path, folder: Path, plants: list[Plant]) -> dict[Plant, 
         target = folder / plant.path
         target.write_text(plant.planted(target.read_text()))
     tests = [plant.fails or f"ex{plant.exercise.replace('.', '_')}_" for plant in plants]
-    _, output = check_in_process(folder, " or ".join(tests))
+    _, output = check_in_process(folder, f'PYTEST_ARGS=-k "{" or ".join(tests)}"')
     # Every check ran: a failure of its own or a pass, no collection error.
     assert re.search(r"^\d+ (passed|failed)", output, re.M), output[-3000:]
     assert not re.search(r"\d+ errors?\b", output), output[-3000:]
