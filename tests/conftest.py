@@ -59,15 +59,25 @@ def clean_environment(**extra) -> dict:
 
 
 def run(command: list, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProcess:
-    """A command as a user runs it (text output captured), with clean_environment(**env)."""
-    return subprocess.run(
-        [str(c) for c in command],
-        cwd=cwd,
-        env=clean_environment(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """A command as a user runs it (text output captured), with clean_environment(**env). One
+    that outlives `timeout` fails the test with the end of what it printed: where it hung
+    (subprocess's own error shows only the first lines)."""
+    try:
+        return subprocess.run(
+            [str(c) for c in command],
+            cwd=cwd,
+            env=clean_environment(**env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as hung:  # its output is bytes here, whatever text= said
+        ends = [(s or b"").decode(errors="replace")[-4000:] for s in (hung.stdout, hung.stderr)]
+        pytest.fail(
+            f"{hung.cmd} timed out after {timeout} s; it printed, at the end:\n"
+            + "\n--- stderr:\n".join(ends),
+            pytrace=False,
+        )
 
 
 def popen(command: list, cwd=REPO, **env) -> subprocess.Popen:
