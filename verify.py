@@ -411,7 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     refuse_verify_options(extra)
     in_slurm = "SLURM_JOB_ID" in os.environ
-    world_size = int(os.environ.get("SLURM_NTASKS" if in_slurm else "NPROC", 2))
+    ranks = "SLURM_NTASKS" if in_slurm else "NPROC"  # the job's tasks, or run.sh's here
+    world_size = os.environ.get(ranks, "" if in_slurm else "2")
+    if not world_size.isdigit() or int(world_size) < 2:
+        fail(f"verify runs 2 or more ranks, not {ranks}={world_size!r}: submit it with --ntasks")
+    world_size = int(world_size)
     out = (args.out or verify_folder(job_id())).resolve()
     if out.exists():  # its runs would resume or refuse the earlier checkpoints
         fail(f"{relative(out)} exists: an earlier verify wrote there; choose another --out")

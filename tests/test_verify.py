@@ -140,6 +140,18 @@ def test_local_verify_fails_a_planted_bug_and_passes_the_rest(repo_copy):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("env", [{"SLURM_JOB_ID": "7"}, {"NPROC": "1"}, {"NPROC": "two"}])
+def test_verify_refuses_a_world_it_cannot_verify_in_one_line(capsys, monkeypatch, tmp_path, env):
+    """Inside a job without SLURM_NTASKS (a job given no --ntasks) or with one rank here."""
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, out, err = call_main(verify.main, capsys, "--out", tmp_path / "report")
+    assert code == 2 and err.startswith("error: verify runs 2 or more ranks, not "), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "report").exists()
+
+
+@pytest.mark.fast
 def test_verify_refuses_a_folder_an_earlier_verify_wrote(capsys, tmp_path):
     code, out, err = call_main(verify.main, capsys, "--out", tmp_path)
     assert code == 2 and err.strip() == (
