@@ -219,19 +219,19 @@ def _bare(line: str) -> str:
     return _SRUN_PREFIX_RE.sub("", _ANSI_RE.sub("", line)).strip()
 
 
-def _tagged_fields(line: str, tag: str) -> dict | None:
-    """The key=value fields, as numbers or strings, of a log line that begins with `tag`, or
-    None if it does not."""
-    line = _bare(line)
-    if not line.startswith(tag):
+def _tagged_fields(bare: str, tag: str) -> dict | None:
+    """The key=value fields, as numbers or strings, of a bare log line (_bare) that begins with
+    `tag`, or None if it does not."""
+    if not bare.startswith(tag):
         return None
-    return {k: _convert(v) for k, v in _FIELD_RE.findall(line[len(tag) :])}
+    return {k: _convert(v) for k, v in _FIELD_RE.findall(bare[len(tag) :])}
 
 
 def parse_metric(line: str) -> dict | None:
     """Fields of a `[METRIC]` line (the project's or the course's), or None if the line is not
     one. A line whose course fields are missing or cut off is not a metric line."""
-    if not COURSE_METRIC_RE.match(_bare(line)):
+    line = _bare(line)
+    if not COURSE_METRIC_RE.match(line):
         return None
     fields = _tagged_fields(line, METRIC_TAG)
     fields["peak_mem"] = int(str(fields["peak_mem"]).removesuffix("MB"))
@@ -244,7 +244,7 @@ def format_config(fields: dict) -> str:
 
 def parse_config(line: str) -> dict | None:
     """Fields of a `[CONFIG]` line, or None if the line is not one."""
-    return _tagged_fields(line, CONFIG_TAG)
+    return _tagged_fields(_bare(line), CONFIG_TAG)
 
 
 def release(version: str) -> tuple[int, int]:
@@ -330,5 +330,5 @@ def format_comm(fields: dict) -> str:
 
 def parse_comm(line: str) -> dict | None:
     """Fields of a `[COMM]` line, or None if the line is not one or lacks one of COMM_FIELDS."""
-    fields = _tagged_fields(line, COMM_TAG)
+    fields = _tagged_fields(_bare(line), COMM_TAG)
     return fields if fields is not None and all(k in fields for k in COMM_FIELDS) else None

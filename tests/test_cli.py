@@ -34,10 +34,13 @@ from conftest import (
 from cost_model import state_mem
 from helpers import assert_stopped_mid_epoch_1, meta_model, wait_for_training
 from utils import (
+    COMM_FIELDS,
     COURSE_METRIC_RE,
     EXIT_STATUS,
     METRIC_FIELDS,
     format_metric,
+    parse_comm,
+    parse_config,
     parse_metric,
 )
 
@@ -98,6 +101,12 @@ def test_parser_reads_srun_prefixed_coloured_lines_and_rejects_cut_ones():
         "peak_mem": 91,
     }
     assert parse_metric("[METRIC] epoch=1 time=4.09 val_loss=1.42") is None
+    # The other tagged lines the collector reads from srun's logs, the same way.
+    assert parse_config("1: \x1b[0m[CONFIG] strategy=ddp world_size=2") == {
+        "strategy": "ddp",
+        "world_size": 2,
+    }
+    assert parse_comm("1: [COMM] " + " ".join(f"{k}=1" for k in COMM_FIELDS))["bytes"] == 1
     assert parse_metric("[INFO] epoch=1") is None
 
 
