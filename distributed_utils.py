@@ -189,8 +189,10 @@ def check_device(wanted: str) -> tuple[torch.device, str]:
 
 def shared_gpus(owners: list[str]) -> str | None:
     """owners[rank] = 'host GPU-uuid': which ranks would drive one GPU together, or None."""
-    for owner in dict.fromkeys(owners):
-        ranks = [str(rank) for rank, theirs in enumerate(owners) if theirs == owner]
+    ranks_of: dict[str, list[str]] = {}
+    for rank, owner in enumerate(owners):
+        ranks_of.setdefault(owner, []).append(str(rank))
+    for owner, ranks in ranks_of.items():
         if len(ranks) > 1:
             return (
                 f"ranks {', '.join(ranks)} would share one GPU ({owner}; NCCL refuses that): "
