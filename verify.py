@@ -411,16 +411,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     refuse_verify_options(extra)
     in_slurm = "SLURM_JOB_ID" in os.environ
-    ranks = "SLURM_NTASKS" if in_slurm else "NPROC"  # the job's tasks, or run.sh's here
-    world_size = os.environ.get(ranks, "" if in_slurm else "2")
-    if not world_size.isdigit() or int(world_size) < 2:
-        fail(f"verify runs 2 or more ranks, not {ranks}={world_size!r}: submit it with --ntasks")
-    world_size = int(world_size)
+    name = "SLURM_NTASKS" if in_slurm else "NPROC"  # the job's tasks, or run.sh's here
+    ranks = os.environ.get(name, "" if in_slurm else "2")
+    if not ranks.isdigit() or int(ranks) < 2:
+        fail(
+            f"verify runs 2 or more ranks, not {name}={ranks!r}: "
+            "start it with run_benchmarks.py --verify"
+        )
     out = (args.out or verify_folder(job_id())).resolve()
     if out.exists():  # its runs would resume or refuse the earlier checkpoints
         fail(f"{relative(out)} exists: an earlier verify wrote there; choose another --out")
     out.mkdir(parents=True)
-    ctx = Context(out, world_size, node_list(), extra, in_slurm)
+    ctx = Context(out, int(ranks), node_list(), extra, in_slurm)
     learn_versions(ctx)
     rows = []
     for check in args.checks:
